@@ -1,0 +1,84 @@
+"""Actor clients: one interface, an in-process implementation (tests, single-process runs) and a
+gRPC one (real deployments). The coordinator cannot tell them apart."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import grpc
+import torch
+
+from rolefleet.actor import wire
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import LogProbs, Sample, SamplingParams
+from rolefleet.common import codec
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.errors import error_from_rpc
+from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
+from rolefleet.common.roles import RoleStatus, UpdateResult, call, open_channel
+
+
+class ActorClient(Protocol):
+    async def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]: ...
+    async def compute_logprobs(self, batch: SequenceBatch, temperature: float,
+                               include_reference: bool) -> LogProbs: ...
+    async def update(self, step: int, policy_version: int, batch: SequenceBatch, advantages: torch.Tensor,
+                     old_logprobs: torch.Tensor, temperature: float) -> UpdateResult: ...
+    async def status(self) -> RoleStatus: ...
+    async def close(self) -> None: ...
+
+
+class InProcessActorClient:
+    def __init__(self, core: ActorCore):
+        self.core = core
+
+    async def generate(self, prompts, sampling):
+        return await asyncio.to_thread(self.core.generate, prompts, sampling)
+
+    async def compute_logprobs(self, batch, temperature, include_reference):
+        return await asyncio.to_thread(self.core.compute_logprobs, batch, temperature, include_reference)
+
+    async def update(self, step, policy_version, batch, advantages, old_logprobs, temperature):
+        return await asyncio.to_thread(self.core.update, step, policy_version, batch, advantages,
+                                       old_logprobs, temperature)
+
+    async def status(self):
+        return RoleStatus("actor", self.core.policy_version, self.core.ledger.last_step,
+                          await asyncio.to_thread(self.core.digest))
+
+    async def close(self):
+        pass
+
+
+class GrpcActorClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.channel = open_channel(address)
+        self.stub = actor_pb2_grpc.ActorServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    async def generate(self, prompts, sampling):
+        request = actor_pb2.GenerateRequest(prompts=prompts, sampling=wire.sampling_to_proto(sampling))
+        try:
+            return [wire.sample_from_proto(m) async for m in self.stub.Generate(request, timeout=self.timeout_s)]
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e) from None
+
+    async def compute_logprobs(self, batch, temperature, include_reference):
+        request = actor_pb2.ComputeLogProbsRequest(batch=batch.to_proto(), temperature=temperature,
+                                                   include_reference=include_reference)
+        return wire.logprobs_from_proto(await call(self.stub.ComputeLogProbs(request, timeout=self.timeout_s)))
+
+    async def update(self, step, policy_version, batch, advantages, old_logprobs, temperature):
+        request = actor_pb2.ActorUpdateRequest(
+            step=step, policy_version=policy_version, batch=batch.to_proto(),
+            advantages=codec.encode(advantages), old_logprobs=codec.encode(old_logprobs), temperature=temperature,
+        )
+        return wire.update_result_from_proto(await call(self.stub.Update(request, timeout=self.timeout_s)))
+
+    async def status(self):
+        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
+        return RoleStatus.from_proto(msg)
+
+    async def close(self):
+        await self.channel.close()

@@ -1,0 +1,59 @@
+"""The actor's thin gRPC shell: proto -> domain, one core call (off the event loop), domain -> proto."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from rolefleet.actor import wire
+from rolefleet.actor.core import ActorCore
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
+from rolefleet.common.roles import RoleStatus
+from rolefleet.common.server import RoleServicer, rpc, rpc_stream
+
+
+class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
+    role = "actor"
+
+    def __init__(self, core: ActorCore):
+        self.core = core
+
+    @rpc_stream
+    async def Generate(self, request: actor_pb2.GenerateRequest, context):
+        sampling = wire.sampling_from_proto(request.sampling)
+        # Model work runs in a thread so health checks and metrics stay responsive meanwhile.
+        samples = await asyncio.to_thread(self.core.generate, list(request.prompts), sampling)
+        for sample in samples:
+            yield wire.sample_to_proto(sample)
+
+    @rpc
+    async def ComputeLogProbs(self, request: actor_pb2.ComputeLogProbsRequest, context):
+        batch = SequenceBatch.from_proto(request.batch)
+        result = await asyncio.to_thread(
+            self.core.compute_logprobs, batch, request.temperature, request.include_reference
+        )
+        return wire.logprobs_to_proto(result)
+
+    @rpc
+    async def Update(self, request: actor_pb2.ActorUpdateRequest, context):
+        batch = SequenceBatch.from_proto(request.batch)
+        advantages = batch.per_token(request.advantages, "advantages")
+        old_logprobs = batch.per_token(request.old_logprobs, "old_logprobs")
+        result = await asyncio.to_thread(
+            self.core.update, request.step, request.policy_version, batch, advantages, old_logprobs,
+            request.temperature,
+        )
+        return wire.update_result_to_proto(result)
+
+    @rpc
+    async def GetStatus(self, request: common_pb2.GetStatusRequest, context):
+        digest = await asyncio.to_thread(self.core.digest)
+        return RoleStatus(self.role, self.core.policy_version, self.core.ledger.last_step, digest,
+                          self.requests_served).to_proto()
+
+
+def add_to_server(core: ActorCore, server: grpc.aio.Server) -> list[str]:
+    actor_pb2_grpc.add_ActorServiceServicer_to_server(ActorServicer(core), server)
+    return [actor_pb2.DESCRIPTOR.services_by_name["ActorService"].full_name]

@@ -1,0 +1,57 @@
+"""Domain types of the actor role (what the core takes and returns; the gRPC shell converts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from rolefleet.common.errors import InvalidArgument
+
+
+class FinishReason(IntEnum):  # values match rolefleet.v1.FinishReason
+    STOP = 1
+    LENGTH = 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    n: int = 1
+    seed: int = -1
+
+    def validate(self, field_prefix: str = "sampling") -> None:
+        checks = [
+            ("temperature", self.temperature > 0, "must be > 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("max_new_tokens", self.max_new_tokens > 0, "must be > 0"),
+            ("n", self.n > 0, "must be > 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidArgument(f"{field_prefix}.{name}", f"{rule}, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: torch.Tensor       # int64 [P]
+    response_ids: torch.Tensor     # int64 [R]
+    logprobs: torch.Tensor         # float32 [R], rollout engine
+    finish_reason: FinishReason
+    policy_version: int
+    response_text: str
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    logprobs: torch.Tensor                 # float32 [N]
+    ref_logprobs: torch.Tensor | None      # float32 [N]
+    entropy: torch.Tensor                  # float32 [N]
+    policy_version: int

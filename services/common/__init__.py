@@ -1,0 +1,1 @@
+"""Pieces every role shares: tensor codec, config schema, server bootstrap, metrics, stubs."""

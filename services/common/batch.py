@@ -1,0 +1,170 @@
+"""SequenceBatch: a ragged batch of prompt+response token sequences, packed as on the wire.
+
+Roles keep batches packed (no padding) and pad only at the model boundary: `model_inputs()` builds
+right-padded [B, L] inputs, `response_positions()` says where each response token sits in them, and
+`pad_responses()` / `pack_responses()` convert per-token quantities between packed [N] and padded
+[B, R] forms for the pure RL functions, which take padded tensors plus a mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from rolefleet.common import codec
+from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.pb import common_pb2
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    prompt_ids: torch.Tensor        # int64 [sum(prompt_lengths)]
+    prompt_lengths: torch.Tensor    # int64 [B]
+    response_ids: torch.Tensor      # int64 [sum(response_lengths)]
+    response_lengths: torch.Tensor  # int64 [B]
+
+    @classmethod
+    def from_lists(cls, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> SequenceBatch:
+        if len(prompts) != len(responses):
+            raise ValueError("prompts and responses differ in length")
+        def cat(xs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([x.to(torch.int64) for x in xs]) if xs else torch.zeros(0, dtype=torch.int64)
+        return cls(
+            prompt_ids=cat(prompts),
+            prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+            response_ids=cat(responses),
+            response_lengths=torch.tensor([len(r) for r in responses], dtype=torch.int64),
+        )
+
+    def __len__(self) -> int:
+        return int(self.prompt_lengths.numel())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_ids.numel())
+
+    def prompts(self) -> list[torch.Tensor]:
+        return list(torch.split(self.prompt_ids, self.prompt_lengths.tolist()))
+
+    def responses(self) -> list[torch.Tensor]:
+        return list(torch.split(self.response_ids, self.response_lengths.tolist()))
+
+    def select(self, index: torch.Tensor | list[int]) -> SequenceBatch:
+        idx = torch.as_tensor(index, dtype=torch.int64).tolist()
+        prompts, responses = self.prompts(), self.responses()
+        return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx])
+
+    def token_index(self, rows: torch.Tensor) -> torch.Tensor:
+        """Packed-token indices of the responses of `rows`, in row order (for slicing [N] tensors)."""
+        starts = torch.cumsum(self.response_lengths, 0) - self.response_lengths
+        return torch.cat([torch.arange(int(starts[r]), int(starts[r] + self.response_lengths[r])) for r in rows])
+
+    # --- model boundary -------------------------------------------------------------------------
+
+    def model_inputs(self, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded (input_ids [B, L], attention_mask [B, L]) of prompt+response."""
+        seqs = [torch.cat([p, r]) for p, r in zip(self.prompts(), self.responses())]
+        width = max((len(s) for s in seqs), default=0)
+        input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(seqs), width), dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            input_ids[i, : len(s)] = s
+            mask[i, : len(s)] = 1
+        return input_ids, mask
+
+    @cached_property
+    def _response_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.repeat_interleave(torch.arange(len(self)), self.response_lengths)
+        starts = torch.cumsum(self.response_lengths, 0) - self.response_lengths
+        within = torch.arange(self.num_response_tokens) - torch.repeat_interleave(starts, self.response_lengths)
+        return rows, within
+
+    def response_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row [N], column [N]) in `model_inputs()` of the position whose output predicts each
+        packed response token: token j of a response follows prompt_len + j - 1."""
+        rows, within = self._response_index
+        return rows, self.prompt_lengths[rows] + within - 1
+
+    def response_mask(self) -> torch.Tensor:
+        """bool [B, R_max]: True on real response tokens of the padded response layout."""
+        width = int(self.response_lengths.max()) if len(self) else 0
+        return torch.arange(width)[None, :] < self.response_lengths[:, None]
+
+    def pad_responses(self, packed: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Packed per-token values [N] -> right-padded [B, R_max]."""
+        rows, within = self._response_index
+        mask = self.response_mask()
+        out = torch.full(mask.shape, fill, dtype=packed.dtype)
+        out[rows, within] = packed
+        return out
+
+    def pack_responses(self, padded: torch.Tensor) -> torch.Tensor:
+        """Right-padded [B, R_max] -> packed [N] (the inverse of pad_responses)."""
+        rows, within = self._response_index
+        return padded[rows, within]
+
+    # --- wire -----------------------------------------------------------------------------------
+
+    def to_proto(self) -> common_pb2.SequenceBatch:
+        return common_pb2.SequenceBatch(
+            prompt_ids=codec.encode(self.prompt_ids),
+            prompt_lengths=codec.encode(self.prompt_lengths),
+            response_ids=codec.encode(self.response_ids),
+            response_lengths=codec.encode(self.response_lengths),
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SequenceBatch, field: str = "batch") -> SequenceBatch:
+        def ints(name: str) -> torch.Tensor:
+            return codec.decode_as(getattr(msg, name), f"{field}.{name}", torch.int64, ndim=1)
+
+        batch = cls(*(ints(n) for n in ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")))
+        batch.validate(field)
+        return batch
+
+    def validate(self, field: str = "batch", vocab_size: int | None = None) -> None:
+        if len(self) == 0:
+            raise InvalidArgument(f"{field}.prompt_lengths", "batch is empty")
+        if self.response_lengths.numel() != len(self):
+            raise InvalidArgument(
+                f"{field}.response_lengths",
+                f"has {self.response_lengths.numel()} entries but prompt_lengths has {len(self)}",
+            )
+        for name, ids, lengths in (
+            ("prompt", self.prompt_ids, self.prompt_lengths),
+            ("response", self.response_ids, self.response_lengths),
+        ):
+            if bool((lengths < 1).any()):
+                raise InvalidArgument(f"{field}.{name}_lengths", "every sequence needs at least one token")
+            if int(lengths.sum()) != ids.numel():
+                raise InvalidArgument(
+                    f"{field}.{name}_ids",
+                    f"holds {ids.numel()} tokens but {name}_lengths sum to {int(lengths.sum())}",
+                )
+            if ids.numel() and int(ids.min()) < 0:
+                raise InvalidArgument(f"{field}.{name}_ids", "token ids must be >= 0")
+            if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+                raise InvalidArgument(f"{field}.{name}_ids", f"token id {int(ids.max())} >= vocab size {vocab_size}")
+
+    def per_token(self, msg: common_pb2.Tensor, field: str) -> torch.Tensor:
+        """Decode a packed per-response-token float tensor and check it matches this batch."""
+        return self.check_per_token(codec.decode_as(msg, field, torch.float32, ndim=1), field)
+
+    def check_per_token(self, tensor: torch.Tensor, field: str) -> torch.Tensor:
+        """Require a finite float tensor of shape [sum(response_lengths)]."""
+        if tensor.dim() != 1 or tensor.numel() != self.num_response_tokens:
+            raise InvalidArgument(
+                f"{field}.shape",
+                f"has shape {list(tensor.shape)} but the batch has {self.num_response_tokens} response tokens",
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidArgument(field, "contains NaN or infinite values")
+        return tensor
+
+
+def mini_batches(batch_size: int, num_mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A random split of sequence indices into `num_mini_batches` nearly equal parts (none empty)."""
+    order = torch.randperm(batch_size, generator=generator)
+    return [part for part in torch.tensor_split(order, min(num_mini_batches, batch_size)) if len(part)]

@@ -1,0 +1,233 @@
+"""The run config: one YAML file, validated by typed pydantic models before anything starts.
+
+`load_config(path, overrides)` applies dotted overrides (`actor.lr=1e-6`, values parsed as YAML)
+and raises ConfigError naming the key and what is allowed. Every field is documented here once,
+with its default; docs/config.md mirrors this file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ROLES = ("actor", "reward", "critic", "coordinator")
+_DEVICE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+):)?(?P<gpu>\d+)$")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Endpoint(_Section):
+    host: str = Field("127.0.0.1", description="interface the gRPC server binds")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
+    address: Optional[str] = Field(None, description="host:port clients dial; default host:port")
+    num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default torch's")
+
+    def dial_address(self) -> str:
+        if self.address:
+            return self.address
+        if self.port == 0:
+            raise ConfigError("an address is needed to reach a server configured with port 0")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+
+class RunSection(_Section):
+    name: str = Field("rolefleet", pattern=r"^[A-Za-z0-9_.-]+$")
+    output_dir: Optional[str] = Field(None, description="default runs/<name>")
+    seed: int = 0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir or f"runs/{self.name}")
+
+
+class ModelSection(_Section):
+    model_name_or_path: Optional[str] = Field(None, description="default for actor and critic models")
+
+
+class DataSection(_Section):
+    task: Optional[str] = Field("addition", description="built-in prompt generator (rolefleet.tasks)")
+    path: Optional[str] = Field(None, description="JSONL of {prompt, ground_truth}; overrides task")
+    size: int = Field(4096, ge=1, description="prompts drawn from a built-in task")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSection:
+        if not self.task and not self.path:
+            raise ValueError("set data.task or data.path")
+        return self
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(16, ge=1)
+
+
+class TrainSection(_Section):
+    total_steps: int = Field(20, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    samples_per_prompt: int = Field(1, ge=1, description="n rollouts per prompt")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference penalty in the token rewards")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    whiten_advantages: bool = True
+    rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
+
+
+class _TrainerSection(Endpoint):
+    model_name_or_path: Optional[str] = None
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    ppo_epochs: int = Field(1, ge=1)
+    num_mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class ActorSection(_TrainerSection):
+    ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
+    clip_ratio: float = Field(0.2, gt=0)
+    rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
+
+
+class CriticSection(_TrainerSection):
+    enabled: bool = True
+    value_clip: float = Field(0.2, gt=0)
+
+
+class RewardSection(Endpoint):
+    function: str = Field("exact_match", description="name in the rule-based reward registry")
+
+
+class CoordinatorSection(Endpoint):
+    pass
+
+
+DeviceList = list[Union[int, str]]
+
+
+class DevicesSection(_Section):
+    """GPU groups, as in verl guides: ints are local GPU indices, "node:i" names another node."""
+
+    actor: DeviceList = Field(default_factory=list)
+    reward: DeviceList = Field(default_factory=list)
+    critic: DeviceList = Field(default_factory=list)
+    rollout: DeviceList = Field(default_factory=list, description="subset of the actor's GPUs")
+
+    @field_validator("actor", "reward", "critic", "rollout")
+    @classmethod
+    def _entries(cls, value: DeviceList) -> DeviceList:
+        for entry in value:
+            if isinstance(entry, int) and entry < 0:
+                raise ValueError(f"GPU index {entry} is negative")
+            if isinstance(entry, str) and not _DEVICE.match(entry):
+                raise ValueError(f"{entry!r} is not a GPU index or 'node:index'")
+        if len(set(map(str, value))) != len(value):
+            raise ValueError(f"duplicate GPUs in {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _rollout_subset(self) -> DevicesSection:
+        extra = [d for d in self.rollout if d not in self.actor]
+        if extra:
+            raise ValueError(f"rollout GPUs {extra} are not in the actor's group {self.actor}")
+        return self
+
+    def local_indices(self, role: str) -> list[int]:
+        """GPU indices for CUDA_VISIBLE_DEVICES on this node; 'node:i' entries keep their index."""
+        return [int(_DEVICE.match(str(d)).group("gpu")) for d in getattr(self, role)]
+
+
+class RoleFleetConfig(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    algorithm: Literal["ppo"] = "ppo"
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    actor: ActorSection = Field(default_factory=ActorSection)
+    critic: CriticSection = Field(default_factory=CriticSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
+    devices: DevicesSection = Field(default_factory=DevicesSection)
+
+    @model_validator(mode="after")
+    def _models(self) -> RoleFleetConfig:
+        default = self.model.model_name_or_path
+        for section in (self.actor, self.critic):
+            if section.model_name_or_path is None:
+                section.model_name_or_path = default
+        if self.actor.ref_model_name_or_path is None:
+            self.actor.ref_model_name_or_path = self.actor.model_name_or_path
+        if self.actor.model_name_or_path is None:
+            raise ValueError("set model.model_name_or_path (or actor.model_name_or_path)")
+        return self
+
+    def roles(self) -> list[str]:
+        """Roles this run starts, in start order (the coordinator last)."""
+        return ["actor", "reward", *(["critic"] if self.critic.enabled else []), "coordinator"]
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (so 1e-6, true, [0, 1] work)."""
+    key, sep, text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} is not of the form dotted.key=value")
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> RoleFleetConfig:
+    raw = yaml.safe_load(yaml.safe_dump(raw)) or {}  # deep copy; the caller's dict stays as it was
+    for override in overrides:
+        apply_override(raw, override)
+    try:
+        return RoleFleetConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RoleFleetConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (run, actor, ...)")
+    return parse_config(raw, overrides)
+
+
+def dump_config(config: RoleFleetConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,32 @@
+"""Prometheus metrics every role exports (all prefixed `rolefleet_`, labelled by `role`).
+
+Defined once here so names and labels stay consistent across roles; docs/metrics.md lists them.
+Each role process serves them on its own `metrics_port` at /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RPC_SECONDS = Histogram(
+    "rolefleet_rpc_duration_seconds",
+    "Server-side duration of a role RPC",
+    ["role", "method", "code"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+RPC_RECEIVED_BYTES = Counter("rolefleet_rpc_received_bytes", "Request bytes received", ["role", "method"])
+RPC_SENT_BYTES = Counter("rolefleet_rpc_sent_bytes", "Response bytes sent", ["role", "method"])
+HEALTH = Gauge("rolefleet_health", "1 while the role is SERVING, 0 otherwise", ["role"])
+MODEL_VERSION = Gauge("rolefleet_model_version", "Policy (actor) or value-model (critic) version", ["role"])
+TOKENS_GENERATED = Counter("rolefleet_tokens_generated", "Response tokens generated", ["role"])
+ROLLOUT_SECONDS = Histogram(
+    "rolefleet_rollout_latency_seconds",
+    "Latency of one rollout batch, request to last sample",
+    ["role"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+SAMPLES_SCORED = Counter("rolefleet_samples_scored", "Samples scored by the reward role", ["role"])
+STAGE_SECONDS = Counter(
+    "rolefleet_stage_busy_seconds", "Time the coordinator spent in each step phase", ["role", "stage"]
+)
+TRAIN_STEPS = Counter("rolefleet_train_steps", "Training steps applied", ["role"])

@@ -1,0 +1,110 @@
+from rolefleet.common.pb import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    n: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompts", "sampling")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    sampling: SamplingParams
+    def __init__(self, prompts: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("prompt_index", "sample_index", "prompt_ids", "response_ids", "logprobs", "finish_reason", "policy_version", "response_text")
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    prompt_index: int
+    sample_index: int
+    prompt_ids: _common_pb2.Tensor
+    response_ids: _common_pb2.Tensor
+    logprobs: _common_pb2.Tensor
+    finish_reason: FinishReason
+    policy_version: int
+    response_text: str
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ...) -> None: ...
+
+class ComputeLogProbsRequest(_message.Message):
+    __slots__ = ("batch", "include_reference", "temperature")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    batch: _common_pb2.SequenceBatch
+    include_reference: bool
+    temperature: float
+    def __init__(self, batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., include_reference: _Optional[bool] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class ComputeLogProbsResponse(_message.Message):
+    __slots__ = ("logprobs", "ref_logprobs", "entropy", "policy_version")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _common_pb2.Tensor
+    ref_logprobs: _common_pb2.Tensor
+    entropy: _common_pb2.Tensor
+    policy_version: int
+    def __init__(self, logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ActorUpdateRequest(_message.Message):
+    __slots__ = ("step", "policy_version", "batch", "advantages", "old_logprobs", "temperature")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    policy_version: int
+    batch: _common_pb2.SequenceBatch
+    advantages: _common_pb2.Tensor
+    old_logprobs: _common_pb2.Tensor
+    temperature: float
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class ActorUpdateResponse(_message.Message):
+    __slots__ = ("step", "policy_version", "stats")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    policy_version: int
+    stats: _common_pb2.TrainStats
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.TrainStats, _Mapping]] = ...) -> None: ...

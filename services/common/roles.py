@@ -1,0 +1,54 @@
+"""What every role client shares: the role status type and the gRPC call wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Awaitable, TypeVar
+
+import grpc
+
+from rolefleet.common.errors import error_from_rpc
+from rolefleet.common.pb import common_pb2
+from rolefleet.common.server import CHANNEL_OPTIONS
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RoleStatus:
+    role: str
+    model_version: int = 0
+    last_step: int = -1
+    weights_digest: str = ""
+    requests_served: int = 0
+
+    def to_proto(self) -> common_pb2.RoleStatus:
+        return common_pb2.RoleStatus(
+            role=self.role, model_version=self.model_version, last_step=self.last_step,
+            weights_digest=self.weights_digest, requests_served=self.requests_served,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.RoleStatus) -> RoleStatus:
+        return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served)
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What a trainer role answers to Update (and replays for a repeated step)."""
+
+    step: int
+    model_version: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def call(awaitable: Awaitable[T]) -> T:
+    """Await a unary call, raising the domain error (InvalidArgument, ...) instead of AioRpcError."""
+    try:
+        return await awaitable
+    except grpc.aio.AioRpcError as e:
+        raise error_from_rpc(e) from None

@@ -1,0 +1,179 @@
+"""One bootstrap for every role server: grpc.aio + health + reflection + /metrics + ordered shutdown.
+
+A role supplies a servicer (methods wrapped by `rpc` / `rpc_stream`, which apply the one
+exception-to-status mapping and record RPC metrics) and a `close()` for its core. `serve()` starts it
+on the configured (or an ephemeral) port, reports the bound ports in an optional ready file, and on
+SIGTERM/SIGINT shuts down in order: NOT_SERVING, `stop(grace)`, metrics server, core (frees the GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from rolefleet.common import metrics
+from rolefleet.common.config import Endpoint
+from rolefleet.common.errors import status_for
+
+log = logging.getLogger(__name__)
+
+# Batches of token tensors easily pass gRPC's 4 MiB default; one step's batch must fit in a message.
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+SHUTDOWN_GRACE_S = 10.0
+
+
+def _fail(role: str, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s.%s failed", role, method)
+    else:
+        log.warning("%s.%s rejected: %s", role, method, message)
+    return code, message
+
+
+class RoleServicer:
+    """Base of every servicer: names the role for metrics and counts the requests it served."""
+
+    role = "role"
+    requests_served = 0
+
+
+def rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Wrap a unary servicer method: map exceptions to statuses and record RPC metrics."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        name, start, code = method.__name__, time.perf_counter(), grpc.StatusCode.OK
+        self.requests_served += 1
+        metrics.RPC_RECEIVED_BYTES.labels(self.role, name).inc(request.ByteSize())
+        try:
+            response = await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
+            code, message = _fail(self.role, name, exc)
+            await context.abort(code, message)
+        finally:
+            metrics.RPC_SECONDS.labels(self.role, name, code.name).observe(time.perf_counter() - start)
+        metrics.RPC_SENT_BYTES.labels(self.role, name).inc(response.ByteSize())
+        return response
+
+    return wrapper
+
+
+def rpc_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """Like `rpc`, for server-streaming methods (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        name, start, code = method.__name__, time.perf_counter(), grpc.StatusCode.OK
+        self.requests_served += 1
+        metrics.RPC_RECEIVED_BYTES.labels(self.role, name).inc(request.ByteSize())
+        try:
+            async for response in method(self, request, context):
+                metrics.RPC_SENT_BYTES.labels(self.role, name).inc(response.ByteSize())
+                yield response
+        except Exception as exc:  # noqa: BLE001
+            code, message = _fail(self.role, name, exc)
+            await context.abort(code, message)
+        finally:
+            metrics.RPC_SECONDS.labels(self.role, name, code.name).observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+@dataclass
+class RoleServer:
+    role: str
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    grpc_port: int
+    metrics_port: int
+    _httpd: Any
+
+    async def stop(self, close: Optional[Callable[[], None]] = None) -> None:
+        """Ordered shutdown: NOT_SERVING first so balancers drain, then finish in-flight calls."""
+        metrics.HEALTH.labels(self.role).set(0)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(SHUTDOWN_GRACE_S)
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if close is not None:
+            close()
+
+
+async def start_server(
+    role: str,
+    endpoint: Endpoint,
+    add_servicers: Callable[[grpc.aio.Server], list[str]],
+) -> RoleServer:
+    """Start a role's server; `add_servicers` registers its services and returns their full names."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    names = add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
+    if port == 0:
+        raise OSError(f"{role}: cannot bind {endpoint.host}:{endpoint.port}")
+    await server.start()
+    httpd, _ = start_http_server(endpoint.metrics_port, addr=endpoint.host)
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics.HEALTH.labels(role).set(1)
+    log.info("%s serving gRPC on %s:%d, metrics on :%d", role, endpoint.host, port, httpd.server_port)
+    return RoleServer(role, server, health_servicer, port, httpd.server_port, httpd)
+
+
+def write_ready_file(path: str | Path, handle: RoleServer) -> None:
+    """Publish the bound ports atomically, so a supervisor never reads a half-written file."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"role": handle.role, "pid": os.getpid(), "grpc_port": handle.grpc_port,
+                               "metrics_port": handle.metrics_port}))
+    tmp.replace(path)
+
+
+async def serve_until_stopped(
+    handle: RoleServer,
+    close: Optional[Callable[[], None]] = None,
+    work: Optional[Awaitable[Any]] = None,
+    on_signal: Optional[Callable[[], None]] = None,
+) -> Any:
+    """Serve until SIGTERM/SIGINT, or until `work` (the coordinator's run) completes; then stop.
+
+    With `work`, a signal calls `on_signal` (ask the run to stop after its step) and waits for it.
+    """
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()
+
+    def _signalled() -> None:
+        log.info("%s: shutdown signal received", handle.role)
+        if on_signal is not None:
+            on_signal()
+        stopped.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _signalled)
+    try:
+        if work is None:
+            await stopped.wait()
+            return None
+        return await work
+    finally:
+        await handle.stop(close)

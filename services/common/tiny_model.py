@@ -1,0 +1,98 @@
+"""Offline factory for tiny causal LMs: a character-level tokenizer built with `tokenizers` and a
+small Llama-shaped model, saved as a normal model directory (config, safetensors, tokenizer files).
+
+Tests and the demo load the result with `from_pretrained`, the same code path as real checkpoints;
+nothing is downloaded. Llama-shaped because transformers loads a qwen2 directory with its own
+byte-level tokenizer class, which would drop this tokenizer's pre-tokenizer. An optional supervised warm start on a built-in task gives RL a policy that
+already solves some prompts, so the reward curve of a few minutes of CPU training is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, LlamaConfig, LlamaForCausalLM
+
+from rolefleet.tasks import make_task
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+ALPHABET = string.digits + string.ascii_lowercase + " +-*/=()?.,:"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *ALPHABET])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
+    tok.decoder = decoders.Fuse()  # join characters without spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def build_model(vocab_size: int, tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2,
+                seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: str, steps: int,
+               seed: int, batch_size: int = 64, lr: float = 3e-3) -> float:
+    """Supervised steps on `task` answers (loss on answer + EOS only). Returns the last loss."""
+    records = make_task(task, size=steps * batch_size, seed=seed + 1)
+    rng = random.Random(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        batch = rng.sample(records, min(batch_size, len(records)))
+        prompts = [tokenizer(r.prompt)["input_ids"] for r in batch]
+        answers = [tokenizer(r.ground_truth)["input_ids"] + [tokenizer.eos_token_id] for r in batch]
+        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+            mask[i, : len(p) + len(a)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    model.eval()
+    log.info("warm start: %d steps on %s, final loss %.3f", steps, task, loss.item())
+    return loss.item()
+
+
+def make_tiny_model(out_dir: str | Path, task: str | None = None, warm_start_steps: int = 0,
+                    hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """Build, optionally warm-start, and save a tiny model + tokenizer directory; returns its path."""
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), tokenizer, hidden=hidden, layers=layers, seed=seed)
+    if task and warm_start_steps > 0:
+        warm_start(model, tokenizer, task, warm_start_steps, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,65 @@
+"""Critic clients: in-process and gRPC behind one interface."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import torch
+
+from rolefleet.common import codec
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
+from rolefleet.common.roles import RoleStatus, UpdateResult, call, open_channel
+from rolefleet.critic.core import CriticCore
+
+
+class CriticClient(Protocol):
+    async def compute_values(self, batch: SequenceBatch) -> torch.Tensor: ...
+    async def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor,
+                     old_values: torch.Tensor) -> UpdateResult: ...
+    async def status(self) -> RoleStatus: ...
+    async def close(self) -> None: ...
+
+
+class InProcessCriticClient:
+    def __init__(self, core: CriticCore):
+        self.core = core
+
+    async def compute_values(self, batch):
+        return await asyncio.to_thread(self.core.compute_values, batch)
+
+    async def update(self, step, batch, returns, old_values):
+        return await asyncio.to_thread(self.core.update, step, batch, returns, old_values)
+
+    async def status(self):
+        return RoleStatus("critic", self.core.model_version, self.core.ledger.last_step,
+                          await asyncio.to_thread(self.core.digest))
+
+    async def close(self):
+        pass
+
+
+class GrpcCriticClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.channel = open_channel(address)
+        self.stub = critic_pb2_grpc.CriticServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    async def compute_values(self, batch):
+        request = critic_pb2.ComputeValuesRequest(batch=batch.to_proto())
+        response = await call(self.stub.ComputeValues(request, timeout=self.timeout_s))
+        return batch.per_token(response.values, "values")
+
+    async def update(self, step, batch, returns, old_values):
+        request = critic_pb2.CriticUpdateRequest(step=step, batch=batch.to_proto(), returns=codec.encode(returns),
+                                                 old_values=codec.encode(old_values))
+        response = await call(self.stub.Update(request, timeout=self.timeout_s))
+        return UpdateResult(response.step, response.model_version, dict(response.stats.values))
+
+    async def status(self):
+        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
+        return RoleStatus.from_proto(msg)
+
+    async def close(self):
+        await self.channel.close()

@@ -1,0 +1,31 @@
+"""Value model: a transformers backbone loaded from a causal-LM directory plus a scalar head."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModel
+
+from rolefleet.common.batch import SequenceBatch
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, path: str):
+        super().__init__()
+        # AutoModel takes the backbone weights of a causal-LM checkpoint and drops its LM head.
+        self.backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
+        # Zero init: values start at 0, so early advantages are the raw returns, not head noise.
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.get_input_embeddings().num_embeddings
+
+    def response_values(self, batch: SequenceBatch, device: torch.device) -> torch.Tensor:
+        """V(state before each response token), packed [N]: read at the position that predicts it."""
+        input_ids, attention_mask = batch.model_inputs()
+        hidden = self.backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                               use_cache=False).last_hidden_state
+        rows, cols = batch.response_positions()
+        return self.head(hidden[rows.to(device), cols.to(device)]).squeeze(-1)
