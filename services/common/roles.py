@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import asyncio
+import time
 from typing import Awaitable, TypeVar
 
 import grpc
 
-from rolefleet.common.errors import error_from_rpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
 from rolefleet.common.server import CHANNEL_OPTIONS
 
@@ -52,3 +56,20 @@ async def call(awaitable: Awaitable[T]) -> T:
         return await awaitable
     except grpc.aio.AioRpcError as e:
         raise error_from_rpc(e) from None
+
+
+async def wait_healthy(role: str, address: str, timeout_s: float) -> None:
+    """Poll the standard health service until `address` answers SERVING, or raise Unavailable."""
+    deadline = time.monotonic() + timeout_s
+    async with open_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # not up yet
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{role} at {address} was not SERVING within {timeout_s:.0f}s")
+            await asyncio.sleep(0.2)

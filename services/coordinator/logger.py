@@ -1,0 +1,69 @@
+"""Per-step run metrics: metrics.jsonl, TensorBoard events, a console progress bar, and a
+reward-curve PNG when the run closes. One record per step, keys as in docs/metrics.md."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+class RunLogger:
+    def __init__(self, out_dir: Path, total_steps: int, progress: bool = True):
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(out_dir / "metrics.jsonl", "a")
+        self.records: list[dict] = []
+        self.tb = _tensorboard(out_dir / "tensorboard")
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+        self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}",
+                             step_s=f"{record['timing/step_s']:.2f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.records:
+            plot_reward_curve(self.records, self.out_dir / "reward_curve.png")
+
+
+def _tensorboard(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency; stay useful if a slim install lacks it
+        log.warning("tensorboard is not installed: no event files")
+        return None
+    return SummaryWriter(str(path))
+
+
+def plot_reward_curve(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on CI or servers
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward/mean"] for r in records], marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(path.parent.name)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,126 @@
+"""The synchronous PPO loop (DESIGN "One step"), one numbered call per role per phase.
+
+1. actor.Generate                                    -> samples
+2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently
+3. advantages and returns (pure functions)
+4. actor.Update | critic.Update, concurrently
+5. log the step
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Optional, TypeVar
+
+import torch
+
+from rolefleet.actor.client import ActorClient
+from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.common import metrics
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.errors import FailedPrecondition
+from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.coordinator.step_metrics import step_record
+from rolefleet.coordinator.targets import ppo_targets
+from rolefleet.critic.client import CriticClient
+from rolefleet.reward.client import RewardClient
+from rolefleet.reward.core import ScoreItem
+from rolefleet.tasks import PromptRecord
+
+T = TypeVar("T")
+
+
+@dataclass
+class Roles:
+    actor: ActorClient
+    reward: RewardClient
+    critic: Optional[CriticClient]
+
+
+class Timer:
+    """Wall time per phase, also exported as the coordinator's stage busy-time counter."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    async def __call__(self, phase: str, awaitable: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            elapsed = time.perf_counter() - start
+            self.seconds[phase] = elapsed
+            metrics.STAGE_SECONDS.labels("coordinator", phase).inc(elapsed)
+
+
+async def _nothing() -> None:
+    return None
+
+
+def to_batch(samples: list[Sample]) -> SequenceBatch:
+    return SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+
+
+def score_items(records: list[PromptRecord], samples: list[Sample]) -> list[ScoreItem]:
+    return [ScoreItem(records[s.prompt_index].prompt, s.response_text, records[s.prompt_index].ground_truth)
+            for s in samples]
+
+
+def policy_version_of(samples: list[Sample]) -> int:
+    versions = {s.policy_version for s in samples}
+    if len(versions) != 1:
+        # Sync mode generates a step with one policy; mixed versions mean the actor changed mid-step.
+        raise FailedPrecondition(f"one step's samples came from several policy versions: {sorted(versions)}")
+    return versions.pop()
+
+
+async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> RunStatus:
+    dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
+    s, t = cfg.sampling, cfg.train
+    status.state = RunState.RUNNING
+    for step in range(1, t.total_steps + 1):
+        if status.stop_requested:
+            break
+        timer, start = Timer(), time.perf_counter()
+        records = dataset.batch(step, t.prompts_per_step)
+        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  max_new_tokens=s.max_new_tokens, n=t.samples_per_prompt,
+                                  seed=cfg.run.seed * 100_003 + step)
+
+        # 1. Rollouts from the current policy.
+        samples = await timer("generate", roles.actor.generate([r.prompt for r in records], sampling))
+        batch, version = to_batch(samples), policy_version_of(samples)
+
+        # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
+        scores, values, logprobs = await timer("score", asyncio.gather(
+            roles.reward.score(score_items(records, samples)),
+            roles.critic.compute_values(batch) if roles.critic else _nothing(),
+            roles.actor.compute_logprobs(batch, s.temperature, include_reference=True),
+        ))
+        if values is None:
+            values = torch.zeros(batch.num_response_tokens)
+
+        # 3. Advantages and returns.
+        targets = ppo_targets(batch, scores, values, logprobs.logprobs, logprobs.ref_logprobs, t.gamma, t.lam,
+                              t.kl_coef, t.kl_estimator, t.whiten_advantages)
+
+        # 4. Policy and value updates at once.
+        actor_result, critic_result = await timer("update", asyncio.gather(
+            roles.actor.update(step, version, batch, targets.advantages, logprobs.logprobs, s.temperature),
+            roles.critic.update(step, batch, targets.returns, values) if roles.critic else _nothing(),
+        ))
+
+        # 5. Log.
+        timer.seconds["step"] = time.perf_counter() - start
+        record = step_record(step, actor_result, critic_result, batch, samples, scores, values, logprobs,
+                             targets, timer.seconds)
+        logger.log(record)
+        status.step, status.policy_version = step, actor_result.model_version
+        status.last_reward_mean = record["reward/mean"]
+    status.state = RunState.FINISHED
+    return status

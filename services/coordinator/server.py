@@ -1,0 +1,91 @@
+"""The coordinator process: the run loop plus its gRPC control service (status, stop)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import grpc
+
+from rolefleet.actor.client import GrpcActorClient
+from rolefleet.common.config import RoleFleetConfig, dump_config
+from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
+from rolefleet.common.roles import wait_healthy
+from rolefleet.common.server import RoleServicer, rpc, serve_until_stopped, start_server, write_ready_file
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.loop import Roles, train
+from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.critic.client import GrpcCriticClient
+from rolefleet.reward.client import GrpcRewardClient
+
+log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 300.0
+
+
+class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
+    role = "coordinator"
+
+    def __init__(self, status: RunStatus):
+        self.status = status
+
+    def _message(self) -> coordinator_pb2.RunStatus:
+        s = self.status
+        return coordinator_pb2.RunStatus(run_name=s.run_name, state=int(s.state), step=s.step,
+                                         total_steps=s.total_steps, policy_version=s.policy_version,
+                                         last_reward_mean=s.last_reward_mean, error=s.error)
+
+    @rpc
+    async def GetRunStatus(self, request, context):
+        return self._message()
+
+    @rpc
+    async def Stop(self, request, context):
+        self.status.request_stop()
+        return coordinator_pb2.StopResponse(state=int(self.status.state))
+
+
+def add_to_server(status: RunStatus, server: grpc.aio.Server) -> list[str]:
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(status), server)
+    return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
+
+
+async def connect_roles(cfg: RoleFleetConfig) -> Roles:
+    """gRPC clients for the configured roles, once each answers SERVING on its health service."""
+    timeout = cfg.train.rpc_timeout_s
+    addresses = {"actor": cfg.actor.dial_address(), "reward": cfg.reward.dial_address()}
+    if cfg.critic.enabled:
+        addresses["critic"] = cfg.critic.dial_address()
+    for role, address in addresses.items():
+        await wait_healthy(role, address, HEALTH_TIMEOUT_S)
+    return Roles(
+        actor=GrpcActorClient(addresses["actor"], timeout),
+        reward=GrpcRewardClient(addresses["reward"], timeout),
+        critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.critic.enabled else None,
+    )
+
+
+async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None, progress: bool = True) -> RunStatus:
+    out = cfg.run.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    status = RunStatus(run_name=cfg.run.name, total_steps=cfg.train.total_steps)
+    handle = await start_server("coordinator", cfg.coordinator, lambda server: add_to_server(status, server))
+    if ready_file:
+        write_ready_file(ready_file, handle)
+
+    async def work() -> RunStatus:
+        roles = await connect_roles(cfg)
+        logger = RunLogger(out, cfg.train.total_steps, progress=progress)
+        try:
+            return await train(cfg, roles, logger, status)
+        except Exception as exc:
+            status.state, status.error = RunState.FAILED, f"{type(exc).__name__}: {exc}"
+            log.error("run failed at step %d: %s", status.step + 1, status.error)
+            return status
+        finally:
+            logger.close()
+            for client in (roles.actor, roles.reward, roles.critic):
+                if client is not None:
+                    await client.close()
+
+    return await serve_until_stopped(handle, work=work(), on_signal=status.request_stop)

@@ -1,0 +1,53 @@
+"""One step's metrics record (the keys of metrics.jsonl; docs/metrics.md describes each)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rolefleet.actor.types import FinishReason, LogProbs, Sample
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.roles import UpdateResult
+from rolefleet.coordinator.targets import Targets
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.float()
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): how much of the return variance the critic explains."""
+    var = returns.var()
+    return (1.0 - (returns - values).var() / var).item() if var > 0 else 0.0
+
+
+def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], batch: SequenceBatch,
+                samples: list[Sample], scores: torch.Tensor, values: torch.Tensor, logprobs: LogProbs,
+                targets: Targets, seconds: dict[str, float]) -> dict:
+    rollout_logprobs = torch.cat([s.logprobs for s in samples])
+    lengths = batch.response_lengths.float()
+    record = {
+        "step": step,
+        "policy_version": actor.model_version,
+        "reward/mean": scores.mean().item(),
+        "reward/std": scores.std().item() if scores.numel() > 1 else 0.0,
+        "kl": targets.kl.mean().item(),
+        "entropy": logprobs.entropy.mean().item(),
+        **_stats("response_length", lengths),
+        "response_length/clip_ratio": sum(s.finish_reason == FinishReason.LENGTH for s in samples) / len(samples),
+        **_stats("advantage", targets.advantages),
+        **_stats("return", targets.returns),
+        # Same weights, two engines: the gap shows sampling/numerics drift between rollout and training.
+        "rollout_train_logprob_diff/mean": (rollout_logprobs - logprobs.logprobs).abs().mean().item(),
+        "rollout_train_logprob_diff/max": (rollout_logprobs - logprobs.logprobs).abs().max().item(),
+        **{f"actor/{k}": v for k, v in actor.stats.items()},
+    }
+    if critic is not None:
+        record.update({f"critic/{k}": v for k, v in critic.stats.items()})
+        record.update(_stats("value", values))
+        record["critic/vf_explained_var"] = explained_variance(values, targets.returns)
+    record.update({f"timing/{phase}_s": s for phase, s in seconds.items()})
+    record["throughput/tokens_per_s"] = batch.num_response_tokens / seconds["step"]
+    return record

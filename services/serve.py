@@ -1,0 +1,71 @@
+"""`rolefleet serve ROLE`: run one role server until SIGTERM (what compose and Helm start)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Callable, Optional
+
+import grpc
+
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.modeling import set_threads
+from rolefleet.common.server import serve_until_stopped, start_server, write_ready_file
+
+log = logging.getLogger(__name__)
+
+AddServicers = Callable[[grpc.aio.Server], list[str]]
+
+
+def _actor(cfg: RoleFleetConfig):
+    from rolefleet.actor import server
+    from rolefleet.actor.core import ActorCore
+
+    core = ActorCore(cfg.actor, seed=cfg.run.seed)
+    return core, functools.partial(server.add_to_server, core)
+
+
+def _reward(cfg: RoleFleetConfig):
+    from rolefleet.reward import server
+    from rolefleet.reward.core import RewardCore
+
+    core = RewardCore(cfg.reward)
+    return core, functools.partial(server.add_to_server, core)
+
+
+def _critic(cfg: RoleFleetConfig):
+    from rolefleet.critic import server
+    from rolefleet.critic.core import CriticCore
+
+    core = CriticCore(cfg.critic, seed=cfg.run.seed)
+    return core, functools.partial(server.add_to_server, core)
+
+
+# Model-serving roles: build the core (load models) first, then open the port, so that SERVING
+# means ready. The coordinator is different (it runs the loop): see rolefleet.coordinator.server.
+ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
+
+
+async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
+    if role == "coordinator":
+        from rolefleet.coordinator.server import run_coordinator
+        from rolefleet.coordinator.state import RunState
+
+        status = await run_coordinator(cfg, ready_file)
+        return 0 if status.state == RunState.FINISHED else 1
+    if role not in ROLE_BUILDERS:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
+    section = getattr(cfg, role)
+    set_threads(section.num_threads)
+    core, add_servicers = ROLE_BUILDERS[role](cfg)
+    handle = await start_server(role, section, add_servicers)
+    if ready_file:
+        write_ready_file(ready_file, handle)
+    await serve_until_stopped(handle, close=core.close)
+    log.info("%s stopped", role)
+    return 0
+
+
+def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
+    return asyncio.run(serve_role(role, cfg, ready_file))

@@ -1,0 +1,153 @@
+"""`rolefleet up`: start every role of a config as its own process on this machine, run, stop all.
+
+Each role gets CUDA_VISIBLE_DEVICES from its device group (empty: CPU) and a ready file through
+which it reports the ports it bound, so configs may use port 0 and runs never collide. Children die
+with the supervisor (PR_SET_PDEATHSIG), so an interrupted `up` leaves no process behind.
+Restart-with-backoff of crashed roles belongs to the fault-tolerance work; today a crashed role
+stops the run with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Optional
+
+from rolefleet.common.config import RoleFleetConfig, dump_config
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 300.0
+STOP_GRACE_S = 20.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class RoleProcess:
+    role: str
+    proc: subprocess.Popen
+    ready_file: Path
+    log_file: Optional[IO]
+
+    def ports(self) -> Optional[dict]:
+        try:
+            return json.loads(self.ready_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+
+def role_env(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
+    env = dict(os.environ)
+    gpus = cfg.devices.local_indices(role) if role != "coordinator" else []
+    # Empty means no GPU at all (CPU roles, and the coordinator, which never holds one).
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class Supervisor:
+    def __init__(self, cfg: RoleFleetConfig, config_path: Path, workdir: Path):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.workdir = workdir
+        self.logs = cfg.run.out / "logs"
+        self.procs: dict[str, RoleProcess] = {}
+
+    def start(self, role: str, overrides: list[str], log_to_file: bool) -> RoleProcess:
+        """Start `role`; servers log to runs/<name>/logs/<role>.log, the coordinator to the console."""
+        ready = self.workdir / f"{role}.ready.json"
+        log_file = open(self.logs / f"{role}.log", "w") if log_to_file else None
+        level = "info" if log_to_file else logging.getLevelName(logging.getLogger().level).lower()
+        cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *overrides,
+               "--config", str(self.config_path), "--ready-file", str(ready)]
+        proc = subprocess.Popen(cmd, env=role_env(self.cfg, role), stdout=log_file, stderr=log_file,
+                                preexec_fn=_die_with_parent)
+        self.procs[role] = RoleProcess(role, proc, ready, log_file)
+        log.info("started %s (pid %d)", role, proc.pid)
+        return self.procs[role]
+
+    def wait_ready(self, roles: list[str]) -> dict[str, dict]:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        ports: dict[str, dict] = {}
+        while len(ports) < len(roles):
+            for role in roles:
+                rp = self.procs[role]
+                if rp.proc.poll() is not None:
+                    raise RuntimeError(f"{role} exited with code {rp.proc.returncode} before it was ready; "
+                                       f"see {self.logs / (role + '.log')}")
+                if role not in ports and (p := rp.ports()) is not None:
+                    ports[role] = p
+            if time.monotonic() > deadline:
+                missing = sorted(set(roles) - set(ports))
+                raise RuntimeError(f"roles not ready after {READY_TIMEOUT_S:.0f}s: {missing}")
+            time.sleep(0.1)
+        return ports
+
+    def watch(self, main: str) -> int:
+        """Wait for `main` (the coordinator) to exit; fail fast if another role dies first."""
+        while True:
+            code = self.procs[main].proc.poll()
+            if code is not None:
+                return code
+            for role, rp in self.procs.items():
+                if role != main and rp.proc.poll() is not None:
+                    log.error("%s exited with code %d during the run; stopping", role, rp.proc.returncode)
+                    return 1
+            time.sleep(0.2)
+
+    def stop_all(self) -> None:
+        """SIGTERM everyone (each role shuts down in order), then SIGKILL stragglers."""
+        for rp in self.procs.values():
+            if rp.proc.poll() is None:
+                rp.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for rp in self.procs.values():
+            try:
+                rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", rp.role, STOP_GRACE_S)
+                rp.proc.kill()
+                rp.proc.wait()
+            if rp.log_file is not None:
+                rp.log_file.close()
+
+
+def dial_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def up(cfg: RoleFleetConfig) -> int:
+    """Run the whole cluster locally. Returns the coordinator's exit code."""
+    out = cfg.run.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.yaml"
+    config_path.write_text(dump_config(cfg))  # every role reads the same resolved config
+    servers = [r for r in cfg.roles() if r != "coordinator"]
+    with tempfile.TemporaryDirectory(prefix="rolefleet-up-") as tmp:
+        sup = Supervisor(cfg, config_path, Path(tmp))
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            for role in servers:
+                sup.start(role, [], log_to_file=True)
+            ports = sup.wait_ready(servers)
+            addresses = [f"{role}.address={dial_host(getattr(cfg, role).host)}:{ports[role]['grpc_port']}"
+                         for role in servers]
+            print(f"rolefleet: {', '.join(servers)} ready; logs in {out / 'logs'}", flush=True)
+            sup.start("coordinator", addresses, log_to_file=False)
+            return sup.watch("coordinator")
+        finally:
+            sup.stop_all()
+            signal.signal(signal.SIGTERM, previous)

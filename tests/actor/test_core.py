@@ -1,0 +1,106 @@
+"""ActorCore driven in-process: rollouts, logprob recomputation, PPO updates, idempotency."""
+
+import pytest
+import torch
+
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import FinishReason, SamplingParams
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir):
+    from rolefleet.common.config import parse_config
+
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}, "actor": {"lr": 1e-2}})
+    return ActorCore(cfg.actor, seed=0)
+
+
+def rollout(core, n=2, seed=1):
+    samples = core.generate(["1+2=", "13+4="], SamplingParams(max_new_tokens=4, n=n, seed=seed))
+    return samples, SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+
+
+def test_generate_n_samples_per_prompt_with_logprobs(core):
+    samples, _ = rollout(core, n=3)
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(2) for i in range(3)]
+    for s in samples:
+        assert 1 <= len(s.response_ids) <= 4
+        assert s.logprobs.shape == s.response_ids.shape and torch.all(s.logprobs <= 0)
+        assert s.policy_version == core.policy_version
+        eos = core.tokenizer.eos_token_id
+        if s.finish_reason == FinishReason.STOP:
+            assert s.response_ids[-1] == eos and eos not in s.response_ids[:-1]
+        else:
+            assert len(s.response_ids) == 4 and eos not in s.response_ids
+        assert s.response_text == core.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+
+
+def test_seeded_generation_is_reproducible(core):
+    a, _ = rollout(core, seed=7)
+    b, _ = rollout(core, seed=7)
+    assert all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(a, b))
+
+
+def test_training_engine_recomputes_rollout_logprobs(core):
+    samples, batch = rollout(core)
+    lp = core.compute_logprobs(batch, temperature=1.0, include_reference=True)
+    rollout_lp = torch.cat([s.logprobs for s in samples])
+    assert torch.allclose(lp.logprobs, rollout_lp, atol=1e-4)
+    assert lp.ref_logprobs is not None and lp.entropy.shape == lp.logprobs.shape
+
+
+def test_temperature_changes_logprobs(core):
+    _, batch = rollout(core)
+    hot = core.compute_logprobs(batch, temperature=2.0, include_reference=False).logprobs
+    cold = core.compute_logprobs(batch, temperature=1.0, include_reference=False).logprobs
+    assert not torch.allclose(hot, cold)
+
+
+def test_update_changes_weights_bumps_version_and_is_idempotent(core):
+    samples, batch = rollout(core)
+    old = core.compute_logprobs(batch, 1.0, include_reference=False).logprobs
+    digest, version = core.digest(), core.policy_version
+    advantages = torch.linspace(-1, 1, batch.num_response_tokens)
+    step = core.ledger.last_step + 2  # steps must increase, not necessarily by one
+    result = core.update(step, version, batch, advantages, old, 1.0)
+    assert result.model_version == version + 1 == core.policy_version
+    assert core.digest() != digest
+    assert {"pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"} <= set(result.stats)
+    # The rollout engine shares the module: its next samples carry the new version.
+    assert rollout(core)[0][0].policy_version == version + 1
+    # A repeat of the applied step replays the result and changes nothing.
+    digest_after = core.digest()
+    assert core.update(step, version, batch, advantages, old, 1.0) == result
+    assert core.digest() == digest_after and core.policy_version == version + 1
+    # An older step that was never applied is refused, never applied late.
+    with pytest.raises(FailedPrecondition, match="already moved past"):
+        core.update(step - 1, version + 1, batch, advantages, old, 1.0)
+    assert core.digest() == digest_after
+
+
+def test_stale_policy_version_is_a_failed_precondition(core):
+    _, batch = rollout(core)
+    old = core.compute_logprobs(batch, 1.0, include_reference=False).logprobs
+    digest = core.digest()
+    with pytest.raises(FailedPrecondition, match="policy version"):
+        core.update(core.ledger.last_step + 1, core.policy_version - 1 if core.policy_version else 99, batch,
+                    torch.zeros_like(old), old, 1.0)
+    assert core.digest() == digest
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda c: c.generate([], SamplingParams()), "prompts"),
+        (lambda c: c.generate([""], SamplingParams()), "prompts[0]"),
+        (lambda c: c.generate(["1+1="], SamplingParams(temperature=0)), "sampling.temperature"),
+        (lambda c: c.generate(["1+1="], SamplingParams(top_p=0)), "sampling.top_p"),
+        (lambda c: c.generate(["1+1="], SamplingParams(n=0)), "sampling.n"),
+    ],
+)
+def test_bad_generate_input_names_the_field(core, call, field):
+    with pytest.raises(InvalidArgument) as err:
+        call(core)
+    assert err.value.field == field

@@ -1,0 +1,90 @@
+"""The actor over real gRPC on an ephemeral loopback port, through the gRPC client and raw stubs."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rolefleet.actor import server as actor_server
+from rolefleet.actor.client import GrpcActorClient
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import SamplingParams
+from rolefleet.common import codec
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
+from rolefleet.common.roles import open_channel
+from tests.helpers import expect_invalid, serving
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_dir):
+    from rolefleet.common.config import parse_config
+
+    return ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}).actor)
+
+
+def test_generate_logprobs_update_status_over_grpc(core):
+    async def scenario():
+        async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
+            client = GrpcActorClient(address, timeout_s=60)
+            samples = await client.generate(["2+3=", "11+1="], SamplingParams(max_new_tokens=3, n=2, seed=3))
+            assert len(samples) == 4 and {s.prompt_index for s in samples} == {0, 1}
+            batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+            lp = await client.compute_logprobs(batch, 1.0, include_reference=True)
+            assert torch.allclose(lp.logprobs, torch.cat([s.logprobs for s in samples]), atol=1e-4)
+            before = await client.status()
+            result = await client.update(before.last_step + 1, before.model_version, batch,
+                                         torch.ones(batch.num_response_tokens), lp.logprobs, 1.0)
+            after = await client.status()
+            assert after.model_version == result.model_version == before.model_version + 1
+            assert after.weights_digest != before.weights_digest and after.last_step == before.last_step + 1
+            with pytest.raises(FailedPrecondition):  # gRPC status maps back to the domain error
+                await client.update(after.last_step + 1, before.model_version, batch,
+                                    torch.ones(batch.num_response_tokens), lp.logprobs, 1.0)
+            async with open_channel(address) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
+    async def scenario():
+        async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
+            async with open_channel(address) as channel:
+                stub = actor_pb2_grpc.ActorServiceStub(channel)
+                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
+                good = dict(step=before.last_step + 1, policy_version=before.model_version,
+                            batch=batch.to_proto(), temperature=1.0,
+                            advantages=codec.encode(torch.ones(2)), old_logprobs=codec.encode(torch.zeros(2)))
+                bad_updates = {
+                    "advantages.shape": dict(good, advantages=codec.encode(torch.ones(3))),
+                    "old_logprobs.data": dict(good, old_logprobs=common_pb2.Tensor(dtype="float32", shape=[2], data=b"x")),
+                    "batch.response_ids.dtype": dict(good, batch=common_pb2.SequenceBatch(
+                        prompt_ids=codec.encode(torch.tensor([4, 41])), prompt_lengths=codec.encode(torch.tensor([2])),
+                        response_ids=codec.encode(torch.tensor([5.0, 2.0])), response_lengths=codec.encode(torch.tensor([2])))),
+                    "batch.prompt_ids": dict(good, batch=SequenceBatch.from_lists(
+                        [torch.tensor([10_000])], [torch.tensor([5, 2])]).to_proto()),
+                    "temperature": dict(good, temperature=0.0),
+                }
+                for field, fields in bad_updates.items():
+                    await expect_invalid(stub.Update(actor_pb2.ActorUpdateRequest(**fields)), field)
+                await expect_invalid(stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(
+                    batch=batch.to_proto(), temperature=-1.0)), "temperature")
+                await expect_invalid(stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(temperature=1.0)),
+                                     "batch.prompt_ids.dtype")
+                stream = stub.Generate(actor_pb2.GenerateRequest(prompts=["1+1="]))  # sampling unset
+                await expect_invalid(stream.read(), "sampling.temperature")
+                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                assert (after.model_version, after.last_step, after.weights_digest) == \
+                    (before.model_version, before.last_step, before.weights_digest)
+                # Still serving, and the same request with good fields is applied.
+                reply = await stub.Update(actor_pb2.ActorUpdateRequest(**good))
+                assert reply.policy_version == before.model_version + 1
+
+    asyncio.run(scenario())

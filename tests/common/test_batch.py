@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from rolefleet.common.batch import SequenceBatch, mini_batches
+from rolefleet.common.errors import InvalidArgument
+
+
+def make_batch():
+    return SequenceBatch.from_lists(
+        [torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([4, 5, 6])],
+        [torch.tensor([7, 8, 9]), torch.tensor([10]), torch.tensor([11, 12])],
+    )
+
+
+def test_model_inputs_are_right_padded_prompt_plus_response():
+    ids, mask = make_batch().model_inputs(pad_id=0)
+    assert ids.tolist() == [[1, 2, 7, 8, 9], [3, 10, 0, 0, 0], [4, 5, 6, 11, 12]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_response_positions_point_at_the_predicting_position():
+    batch = make_batch()
+    ids, _ = batch.model_inputs()
+    rows, cols = batch.response_positions()
+    # The token after each position must be the packed response token it predicts.
+    assert ids[rows, cols + 1].tolist() == batch.response_ids.tolist()
+
+
+def test_pad_and_pack_are_inverse():
+    batch = make_batch()
+    packed = torch.arange(6, dtype=torch.float32)
+    padded = batch.pad_responses(packed, fill=-1)
+    assert padded.tolist() == [[0, 1, 2], [3, -1, -1], [4, 5, -1]]
+    assert batch.response_mask().tolist() == [[True, True, True], [True, False, False], [True, True, False]]
+    assert torch.equal(batch.pack_responses(padded), packed)
+
+
+def test_select_and_token_index_agree():
+    batch = make_batch()
+    sub = batch.select([2, 0])
+    assert sub.response_ids.tolist() == [11, 12, 7, 8, 9]
+    assert batch.token_index(torch.tensor([2, 0])).tolist() == [4, 5, 0, 1, 2]
+
+
+def test_proto_round_trip():
+    batch = make_batch()
+    back = SequenceBatch.from_proto(batch.to_proto())
+    for name in ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths"):
+        assert torch.equal(getattr(back, name), getattr(batch, name))
+
+
+@pytest.mark.parametrize(
+    "lists, field",
+    [
+        (([torch.tensor([1])], [torch.tensor([], dtype=torch.int64)]), "batch.response_lengths"),
+        (([torch.tensor([-1])], [torch.tensor([2])]), "batch.prompt_ids"),
+        (([], []), "batch.prompt_lengths"),
+    ],
+)
+def test_validation_names_the_field(lists, field):
+    with pytest.raises(InvalidArgument) as err:
+        SequenceBatch.from_lists(*lists).validate()
+    assert err.value.field == field
+
+
+def test_inconsistent_lengths_are_rejected():
+    batch = make_batch()
+    bad = SequenceBatch(batch.prompt_ids[:-1], batch.prompt_lengths, batch.response_ids, batch.response_lengths)
+    with pytest.raises(InvalidArgument, match="sum to"):
+        bad.validate()
+    with pytest.raises(InvalidArgument, match="vocab size"):
+        batch.validate(vocab_size=10)
+
+
+def test_per_token_tensors_must_match_the_batch():
+    batch = make_batch()
+    with pytest.raises(InvalidArgument, match="6 response tokens"):
+        batch.check_per_token(torch.zeros(5), "advantages")
+    with pytest.raises(InvalidArgument, match="NaN"):
+        batch.check_per_token(torch.tensor([0, 0, 0, 0, 0, float("nan")]), "advantages")
+
+
+def test_mini_batches_partition_the_batch():
+    parts = mini_batches(7, 3, torch.Generator().manual_seed(0))
+    assert len(parts) == 3
+    assert sorted(torch.cat(parts).tolist()) == list(range(7))
+    assert len(mini_batches(2, 5, torch.Generator())) == 2  # never an empty mini-batch

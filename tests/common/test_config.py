@@ -1,0 +1,87 @@
+import pytest
+
+from rolefleet.common.config import ConfigError, apply_override, load_config, parse_config
+
+BASE = {"model": {"model_name_or_path": "some/model"}}
+
+
+def test_defaults_fill_role_models_from_model_section():
+    cfg = parse_config(BASE)
+    assert cfg.actor.model_name_or_path == "some/model"
+    assert cfg.actor.ref_model_name_or_path == "some/model"
+    assert cfg.critic.model_name_or_path == "some/model"
+    assert str(cfg.run.out) == "runs/rolefleet"
+    assert cfg.roles() == ["actor", "reward", "critic", "coordinator"]
+
+
+def test_dotted_overrides_parse_yaml_values():
+    cfg = parse_config(BASE, ["actor.lr=1e-6", "critic.enabled=false", "devices.actor=[0, 1]",
+                              "run.output_dir=runs/try1"])
+    assert cfg.actor.lr == 1e-6
+    assert cfg.critic.enabled is False and "critic" not in cfg.roles()
+    assert cfg.devices.actor == [0, 1]
+    assert str(cfg.run.out) == "runs/try1"
+
+
+def test_override_leaves_the_callers_dict_alone():
+    raw = {"model": {"model_name_or_path": "m"}, "actor": {"lr": 1.0}}
+    parse_config(raw, ["actor.lr=2.0"])
+    assert raw["actor"]["lr"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.lrr=1", "actor.lrr: unknown key"),
+        ("actor.lr=-1", "actor.lr: Input should be greater than 0"),
+        ("train.kl_estimator=k9", "train.kl_estimator"),
+        ("sampling.top_p=1.5", "sampling.top_p"),
+        ("devices.rollout=[5]", "not in the actor's group"),
+        ("devices.reward=['nodeA:x']", "is not a GPU index"),
+        ("devices.critic=[1, 1]", "duplicate GPUs"),
+        ("run.name=has space", "run.name"),
+    ],
+)
+def test_errors_name_the_key_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE, [override])
+    assert message in str(err.value)
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        apply_override({}, "actor.lr")
+    with pytest.raises(ConfigError, match="is not a section"):
+        apply_override({"run": 3}, "run.name=x")
+
+
+def test_model_path_is_required():
+    with pytest.raises(ConfigError, match="model_name_or_path"):
+        parse_config({})
+
+
+def test_device_groups_in_verl_form_with_nodes():
+    cfg = parse_config(BASE, ["devices.actor=[0, 1, 2, 3]", "devices.rollout=[0, 1]",
+                              "devices.reward=['node1:4', 'node1:5']"])
+    assert cfg.devices.local_indices("actor") == [0, 1, 2, 3]
+    assert cfg.devices.local_indices("reward") == [4, 5]
+
+
+def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(listy)
+
+
+def test_shipped_demo_config_validates():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    assert cfg.algorithm == "ppo" and cfg.critic.enabled

@@ -1,0 +1,36 @@
+"""Shared fixtures: a tiny model directory built offline once per session, and configs around it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from rolefleet.common.config import RoleFleetConfig, parse_config  # noqa: E402
+from rolefleet.common.tiny_model import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama-shaped model with a short warm start on addition (so rewards are not all 0)."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model"), task="addition", warm_start_steps=30))
+
+
+@pytest.fixture
+def make_config(tiny_model_dir, tmp_path):
+    def make(*overrides: str) -> RoleFleetConfig:
+        raw = {
+            "run": {"name": "test", "output_dir": str(tmp_path / "run")},
+            "model": {"model_name_or_path": tiny_model_dir},
+            "data": {"task": "addition", "size": 64},
+            "sampling": {"max_new_tokens": 4},
+            "train": {"total_steps": 2, "prompts_per_step": 8},
+            "actor": {"lr": 1e-3, "num_threads": 1},
+            "critic": {"lr": 1e-3, "num_threads": 1},
+        }
+        return parse_config(raw, list(overrides))
+
+    return make

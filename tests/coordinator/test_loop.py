@@ -1,0 +1,86 @@
+"""The PPO loop against in-process roles (no network), and its pure pieces."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from rolefleet.actor.client import InProcessActorClient
+from rolefleet.actor.core import ActorCore
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import DataSection
+from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.loop import Roles, train
+from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.coordinator.targets import ppo_targets
+from rolefleet.critic.client import InProcessCriticClient
+from rolefleet.critic.core import CriticCore
+from rolefleet.reward.client import InProcessRewardClient
+from rolefleet.reward.core import RewardCore
+
+REQUIRED_KEYS = {"step", "policy_version", "reward/mean", "kl", "timing/step_s", "throughput/tokens_per_s"}
+
+
+def test_two_ppo_steps_in_process(make_config):
+    cfg = make_config()
+    actor, critic = ActorCore(cfg.actor), CriticCore(cfg.critic)
+    actor_digest, critic_digest = actor.digest(), critic.digest()
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(critic))
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    assert status.state == RunState.FINISHED and status.step == 2
+    assert actor.policy_version == 2 and actor.digest() != actor_digest
+    assert critic.model_version == 2 and critic.digest() != critic_digest
+    records = [json.loads(line) for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and [r["policy_version"] for r in records] == [1, 2]
+    assert all(REQUIRED_KEYS <= set(r) for r in records)
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+    assert (cfg.run.out / "reward_curve.png").stat().st_size > 0
+    assert any((cfg.run.out / "tensorboard").iterdir())
+
+
+def test_stop_request_ends_the_run_between_steps(make_config):
+    cfg = make_config("train.total_steps=5")
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor)), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(CriticCore(cfg.critic)))
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    status.request_stop()
+    logger = RunLogger(cfg.run.out, 5, progress=False)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    assert status.step == 0 and roles.actor.core.policy_version == 0
+
+
+def test_ppo_targets_put_the_score_on_the_last_token_and_penalise_kl():
+    batch = SequenceBatch.from_lists([torch.tensor([1]), torch.tensor([2])],
+                                     [torch.tensor([3, 4, 5]), torch.tensor([6])])
+    logprobs = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    ref = torch.tensor([-1.5, -1.0, -1.0, -1.0])
+    t = ppo_targets(batch, torch.tensor([1.0, 0.0]), torch.zeros(4), logprobs, ref, gamma=1.0, lam=1.0,
+                    kl_coef=0.1, kl_estimator="k1", whiten=False)
+    assert t.kl.tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
+    # With zero values, gamma = lambda = 1: the return of a token is the sum of its future rewards.
+    assert t.returns.tolist() == pytest.approx([1.0 - 0.05, 1.0, 1.0, 0.0])
+    assert torch.equal(t.advantages, t.returns)
+
+
+def test_dataset_batches_are_deterministic_and_cover_each_epoch():
+    data = PromptDataset.from_config(DataSection(task="addition", size=10), seed=3)
+    assert data.batch(2, 4) == PromptDataset.from_config(DataSection(task="addition", size=10), seed=3).batch(2, 4)
+    epoch = data.batch(1, 5) + data.batch(2, 5)
+    assert sorted(map(id, epoch)) == sorted(map(id, data.records))
+
+
+def test_dataset_from_jsonl(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "q1", "ground_truth": "a1"}\n\n{"prompt": "q2"}\n')
+    data = PromptDataset.from_config(DataSection(task=None, path=str(path)), seed=0)
+    assert [(r.prompt, r.ground_truth) for r in data.records] == [("q1", "a1"), ("q2", "")]
+    path.write_text('{"question": "q1"}\n')
+    with pytest.raises(ValueError, match="d.jsonl:1"):
+        PromptDataset.from_config(DataSection(task=None, path=str(path)), seed=0)

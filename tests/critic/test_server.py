@@ -1,0 +1,76 @@
+import asyncio
+
+import pytest
+import torch
+
+from rolefleet.common import codec
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
+from rolefleet.common.roles import open_channel
+from rolefleet.critic import server as critic_server
+from rolefleet.critic.client import GrpcCriticClient
+from rolefleet.critic.core import CriticCore
+from tests.helpers import expect_invalid, serving
+
+BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])],
+                                 [torch.tensor([9, 2]), torch.tensor([10, 4, 2])])
+
+
+@pytest.fixture
+def core(tiny_model_dir):
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}, "critic": {"lr": 1e-2}})
+    return CriticCore(cfg.critic)
+
+
+def test_values_start_at_zero_and_move_toward_returns(core):
+    values = core.compute_values(BATCH)
+    assert values.shape == (5,) and torch.all(values == 0)  # zero-initialised head
+    returns = torch.ones(5)
+    for step in range(5):
+        core.update(step, BATCH, returns, core.compute_values(BATCH))
+    assert core.compute_values(BATCH).mean() > 0.2
+    assert core.model_version == 5
+
+
+def test_update_over_grpc_changes_weights_and_replays_repeats(core):
+    async def scenario():
+        async with serving("critic", lambda s: critic_server.add_to_server(core, s)) as address:
+            client = GrpcCriticClient(address, timeout_s=30)
+            before = await client.status()
+            values = await client.compute_values(BATCH)
+            result = await client.update(0, BATCH, torch.ones(5), values)
+            after = await client.status()
+            assert after.weights_digest != before.weights_digest and after.model_version == 1
+            assert {"vf_loss", "vf_clipfrac"} <= set(result.stats)
+            assert await client.update(0, BATCH, torch.ones(5), values) == result
+            assert (await client.status()).weights_digest == after.weights_digest
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
+    async def scenario():
+        async with serving("critic", lambda s: critic_server.add_to_server(core, s)) as address:
+            async with open_channel(address) as channel:
+                stub = critic_pb2_grpc.CriticServiceStub(channel)
+                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                await expect_invalid(stub.ComputeValues(critic_pb2.ComputeValuesRequest(
+                    batch=common_pb2.SequenceBatch(prompt_ids=common_pb2.Tensor(dtype="int128")))),
+                    "batch.prompt_ids.dtype")
+                await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
+                    step=0, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(4)),
+                    old_values=codec.encode(torch.zeros(5)))), "returns.shape")
+                await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
+                    step=0, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(5)),
+                    old_values=codec.encode(torch.full((5,), float("inf"))))), "old_values")
+                await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
+                    step=-3, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(5)),
+                    old_values=codec.encode(torch.zeros(5)))), "step")
+                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                assert after.weights_digest == before.weights_digest and after.model_version == 0
+                values = await stub.ComputeValues(critic_pb2.ComputeValuesRequest(batch=BATCH.to_proto()))
+                assert list(values.values.shape) == [5]
+
+    asyncio.run(scenario())

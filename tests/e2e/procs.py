@@ -1,0 +1,72 @@
+"""Launching real role processes for end-to-end tests (loopback, ephemeral ports, bounded waits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+READY_TIMEOUT_S = 120
+
+
+def write_config(cfg, path: Path) -> Path:
+    from rolefleet.common.config import dump_config
+
+    path.write_text(dump_config(cfg))
+    return path
+
+
+def rolefleet(*args: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "rolefleet.cli", "--log-level", "info", *args], env=env,
+                            stdout=kwargs.pop("stdout", subprocess.PIPE), stderr=subprocess.STDOUT, text=True,
+                            **kwargs)
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path) -> dict:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early with {proc.returncode}:\n{proc.stdout.read()}")
+        if ready.exists():
+            return json.loads(ready.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"not ready within {READY_TIMEOUT_S}s")
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("process ignored SIGTERM")
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains `text` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+

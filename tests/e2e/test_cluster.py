@@ -1,0 +1,96 @@
+"""End to end: the four role servers as real processes on loopback, two PPO steps, clean shutdown."""
+
+import asyncio
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from rolefleet.actor.client import GrpcActorClient
+from rolefleet.critic.client import GrpcCriticClient
+from rolefleet.reward.client import GrpcRewardClient
+from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, terminate, wait_ready, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+async def statuses(addresses):
+    clients = [GrpcActorClient(addresses["actor"], 30), GrpcCriticClient(addresses["critic"], 30),
+               GrpcRewardClient(addresses["reward"], 30)]
+    try:
+        return [await c.status() for c in clients]
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def scored_samples(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    line = next(l for l in text.splitlines() if l.startswith('rolefleet_samples_scored_total{role="reward"}'))
+    return float(line.split()[-1])
+
+
+def test_four_servers_two_ppo_steps(make_config, tmp_path):
+    cfg = make_config("train.total_steps=2", "train.prompts_per_step=8")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    servers, ports = {}, {}
+    try:
+        for role in ("actor", "reward", "critic"):
+            servers[role] = rolefleet("serve", role, "--config", str(config), "--ready-file",
+                                      str(tmp_path / f"{role}.json"))
+        for role, proc in servers.items():
+            ports[role] = wait_ready(proc, tmp_path / f"{role}.json")
+        addresses = {role: f"127.0.0.1:{p['grpc_port']}" for role, p in ports.items()}
+        actor0, critic0, _ = asyncio.run(statuses(addresses))
+
+        coordinator = rolefleet("train", str(config), *[f"{r}.address={a}" for r, a in addresses.items()])
+        output, _ = coordinator.communicate(timeout=240)
+        assert coordinator.returncode == 0, output
+
+        actor1, critic1, reward1 = asyncio.run(statuses(addresses))
+        # The actor trained twice: new weights, policy version 0 -> 2, steps 1 and 2 applied.
+        assert actor1.weights_digest != actor0.weights_digest
+        assert (actor0.model_version, actor1.model_version, actor1.last_step) == (0, 2, 2)
+        # The critic trained twice too.
+        assert critic1.weights_digest != critic0.weights_digest and critic1.model_version == 2
+        # Rewards came from the reward server: it scored every sample of both steps.
+        assert scored_samples(ports["reward"]["metrics_port"]) == 2 * 8
+        records = read_metrics(cfg.run.out / "metrics.jsonl")
+        assert [r["policy_version"] for r in records] == [1, 2]
+    finally:
+        codes = {role: terminate(proc) for role, proc in servers.items()}
+    assert codes == {"actor": 0, "reward": 0, "critic": 0}  # ordered shutdown on SIGTERM, exit 0
+    assert processes_mentioning(str(config)) == []
+
+
+def test_up_runs_the_cluster_and_leaves_no_process(make_config, tmp_path):
+    cfg = make_config("train.total_steps=2")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    proc = rolefleet("up", str(config))
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    out = cfg.run.out
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "reward_curve.png").exists()
+    assert {p.name for p in (out / "logs").iterdir()} == {"actor.log", "reward.log", "critic.log"}
+    assert "actor serving gRPC" in (out / "logs" / "actor.log").read_text()
+    assert processes_mentioning(str(out / "config.yaml")) == []
+
+
+def test_sigterm_to_up_stops_every_role(make_config, tmp_path):
+    cfg = make_config("train.total_steps=1000")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    proc = rolefleet("up", str(config))
+    metrics = cfg.run.out / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    assert len(processes_mentioning(str(cfg.run.out / "config.yaml"))) == 4
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(cfg.run.out / "config.yaml")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
