@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import grpc
-
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.modeling import set_threads
 from rolefleet.common.server import serve_until_stopped, start_server, write_ready_file

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
-
 from rolefleet.common.config import Endpoint
 from rolefleet.common.server import start_server
 

@@ -8,7 +8,6 @@ from typing import Protocol
 
 import grpc
 import torch
-
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import LogProbs, Sample, SamplingParams

@@ -7,7 +7,6 @@ import logging
 import threading
 
 import torch
-
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, Sample, SamplingParams
@@ -15,8 +14,14 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-from rolefleet.common.modeling import (load_causal_lm, load_tokenizer, pick_device, release_memory,
-                                       require_temperature, weights_digest)
+from rolefleet.common.modeling import (
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+    release_memory,
+    require_temperature,
+    weights_digest,
+)
 from rolefleet.common.roles import UpdateResult
 from rolefleet.common.steps import StepLedger
 

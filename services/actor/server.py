@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch

@@ -8,14 +8,13 @@ needs no mask.
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
-
 from rolefleet.actor.types import LogProbs
 from rolefleet.algos import POLICY_LOSSES
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import entropy, response_logits, token_logprobs
 from rolefleet.common.training import optimizer_step, run_epochs
+from transformers import PreTrainedModel
 
 
 class PolicyTrainer:

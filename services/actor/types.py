@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
-
 from rolefleet.common.errors import InvalidArgument
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from rolefleet.actor.types import FinishReason, LogProbs, Sample, SamplingParams
 from rolefleet.common import codec
 from rolefleet.common.pb import actor_pb2, common_pb2

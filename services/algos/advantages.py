@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from rolefleet.algos.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")

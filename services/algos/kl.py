@@ -7,7 +7,6 @@ estimator in the "exp(-log r) - 1 + log r" form). Inputs [B, T] or [N]; output t
 from __future__ import annotations
 
 import torch
-
 from rolefleet.algos.registry import Registry
 
 KL_ESTIMATORS: Registry = Registry("KL estimator")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from rolefleet.algos.functional import masked_mean
 from rolefleet.algos.registry import Registry
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-
 from rolefleet.common import codec
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import common_pb2

@@ -11,10 +11,9 @@ import logging
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import InvalidArgument
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 

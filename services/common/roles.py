@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import asyncio
 import time
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
 from rolefleet.common.server import CHANNEL_OPTIONS

@@ -15,15 +15,15 @@ import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
-
 from rolefleet.common import metrics
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for

@@ -15,10 +15,9 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, LlamaConfig, LlamaForCausalLM
-
 from rolefleet.tasks import make_task
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss = torch.tensor(float("nan"))
-    for step in range(steps):
+    for _ in range(steps):
         batch = rng.sample(records, min(batch_size, len(records)))
         prompts = [tokenizer(r.prompt)["input_ids"] for r in batch]
         answers = [tokenizer(r.ground_truth)["input_ids"] + [tokenizer.eos_token_id] for r in batch]

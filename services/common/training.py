@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from rolefleet.common.batch import SequenceBatch, mini_batches
 
 StepFn = Callable[[SequenceBatch, torch.Tensor], dict[str, float]]

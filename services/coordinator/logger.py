@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -13,13 +14,17 @@ log = logging.getLogger(__name__)
 
 
 class RunLogger:
-    def __init__(self, out_dir: Path, total_steps: int, progress: bool = True):
+    def __init__(self, out_dir: Path, total_steps: int, progress: bool = True, report_every: int | None = None):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(out_dir / "metrics.jsonl", "a")
         self.records: list[dict] = []
         self.tb = _tensorboard(out_dir / "tensorboard")
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+        # A live bar on a terminal only; logs and CI get the periodic summary lines alone.
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
+                        disable=not (progress and sys.stderr.isatty()))
+        self.progress = progress
+        self.report_every = report_every or max(1, total_steps // 10)
 
     def log(self, record: dict) -> None:
         self.records.append(record)
@@ -32,6 +37,11 @@ class RunLogger:
         self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}",
                              step_s=f"{record['timing/step_s']:.2f}")
         self.bar.update(1)
+        if self.progress and len(self.records) % self.report_every == 0:
+            recent = self.records[-self.report_every:]
+            mean = sum(r["reward/mean"] for r in recent) / len(recent)
+            self.bar.write(f"step {record['step']:>5}  reward {mean:.3f} (mean of last {len(recent)})  "
+                           f"kl {record['kl']:.4f}  {record['timing/step_s']:.2f} s/step", file=sys.stdout)
 
     def close(self) -> None:
         self.bar.close()
@@ -40,6 +50,16 @@ class RunLogger:
             self.tb.close()
         if self.records:
             plot_reward_curve(self.records, self.out_dir / "reward_curve.png")
+
+    def summary(self, window: int = 10) -> str:
+        """How the mean reward moved: first `window` steps against the last `window`."""
+        if not self.records:
+            return "no steps completed"
+        rewards = [r["reward/mean"] for r in self.records]
+        k = min(window, len(rewards))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        return (f"{len(rewards)} steps; mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
+                f"curve: {self.out_dir / 'reward_curve.png'}")
 
 
 def _tensorboard(path: Path):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Awaitable, Optional, TypeVar
+from typing import Optional, TypeVar
 
 import torch
-
 from rolefleet.actor.client import ActorClient
-from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.actor.types import Sample, SamplingParams
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig

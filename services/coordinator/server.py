@@ -6,7 +6,6 @@ import logging
 from typing import Optional
 
 import grpc
-
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.common.config import RoleFleetConfig, dump_config
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
@@ -84,6 +83,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
             return status
         finally:
             logger.close()
+            print(f"rolefleet: {logger.summary()}", flush=True)
             for client in (roles.actor, roles.reward, roles.critic):
                 if client is not None:
                     await client.close()

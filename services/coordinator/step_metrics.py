@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from rolefleet.actor.types import FinishReason, LogProbs, Sample
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.roles import UpdateResult

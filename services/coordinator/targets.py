@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from rolefleet.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from rolefleet.algos.functional import masked_whiten
 from rolefleet.common.batch import SequenceBatch

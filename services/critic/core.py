@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 
 import torch
-
-from rolefleet.common.roles import UpdateResult
 from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import pick_device, release_memory, weights_digest
+from rolefleet.common.roles import UpdateResult
 from rolefleet.common.steps import StepLedger
 from rolefleet.common.training import optimizer_step, run_epochs
 from rolefleet.critic.model import ValueModel

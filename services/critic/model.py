@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModel
-
 from rolefleet.common.batch import SequenceBatch
+from transformers import AutoModel
 
 
 class ValueModel(torch.nn.Module):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import InvalidArgument

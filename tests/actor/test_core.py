@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import FinishReason, SamplingParams
 from rolefleet.common.batch import SequenceBatch

@@ -2,11 +2,9 @@
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from rolefleet.actor import server as actor_server
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.actor.core import ActorCore
@@ -16,6 +14,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
 from rolefleet.common.roles import open_channel
+
 from tests.helpers import expect_invalid, serving
 
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from rolefleet.common.batch import SequenceBatch, mini_batches
 from rolefleet.common.errors import InvalidArgument
 

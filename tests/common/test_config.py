@@ -1,5 +1,4 @@
 import pytest
-
 from rolefleet.common.config import ConfigError, apply_override, load_config, parse_config
 
 BASE = {"model": {"model_name_or_path": "some/model"}}

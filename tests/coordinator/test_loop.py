@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-
 READY_TIMEOUT_S = 120
 
 
@@ -47,7 +46,7 @@ def terminate(proc: subprocess.Popen, timeout: float = 30) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        raise AssertionError("process ignored SIGTERM")
+        raise AssertionError("process ignored SIGTERM") from None
 
 
 def processes_mentioning(text: str) -> list[int]:

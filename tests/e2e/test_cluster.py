@@ -6,10 +6,10 @@ import time
 import urllib.request
 
 import pytest
-
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
+
 from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, terminate, wait_ready, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -27,7 +27,7 @@ async def statuses(addresses):
 
 def scored_samples(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    line = next(l for l in text.splitlines() if l.startswith('rolefleet_samples_scored_total{role="reward"}'))
+    line = next(x for x in text.splitlines() if x.startswith('rolefleet_samples_scored_total{role="reward"}'))
     return float(line.split()[-1])
 
 
