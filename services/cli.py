@@ -37,8 +37,12 @@ def cmd_train(args) -> int:
 
 def cmd_status(args) -> int:
     from rolefleet.coordinator.client import run_status
+    from rolefleet.coordinator.state import RunState
 
-    print(asyncio.run(run_status(args.address)))
+    s = asyncio.run(run_status(args.address))
+    print(f"run {s.run_name}: {RunState(s.state).name}, step {s.step}/{s.total_steps}, "
+          f"policy version {s.policy_version}, last mean reward {s.last_reward_mean:.3f}"
+          + (f", error: {s.error}" if s.error else ""))
     return 0
 
 
@@ -74,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("status", help="show a running coordinator's run status")
-    p.add_argument("--address", default="127.0.0.1:50050", help="coordinator gRPC address")
+    p.add_argument("--address", required=True, help="coordinator gRPC address (printed when the run starts)")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-from rolefleet.common.config import RoleFleetConfig, dump_config
+from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
@@ -123,10 +123,6 @@ class Supervisor:
                 rp.proc.wait()
             if rp.log_file is not None:
                 rp.log_file.close()
-
-
-def dial_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def up(cfg: RoleFleetConfig) -> int:

@@ -61,9 +61,11 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
-        generated = out.sequences[:, width:].cpu()                          # [b, T]
-        logits = torch.stack(out.logits, dim=1).cpu()                       # [b, T, V] raw
-        logprobs = token_logprobs(logits, generated, sampling.temperature)  # [b, T]
+        generated = out.sequences[:, width:]                                 # [b, T]
+        # Per generated position, so the [b, T, V] logits are never held at once.
+        logprobs = torch.stack([token_logprobs(step_logits, generated[:, t], sampling.temperature)
+                                for t, step_logits in enumerate(out.logits)], dim=1).cpu()  # [b, T]
+        generated = generated.cpu()
         samples = []
         for i, (prompt_index, sample_index) in enumerate(chunk):
             length, reason = self._response_length(generated[i])

@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     pass
 
 
+def dial_host(host: str) -> str:
+    """The host to dial for a server bound to `host` (a wildcard bind is reachable on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -38,8 +43,7 @@ class Endpoint(_Section):
             return self.address
         if self.port == 0:
             raise ConfigError("an address is needed to reach a server configured with port 0")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"{host}:{self.port}"
+        return f"{dial_host(self.host)}:{self.port}"
 
 
 class RunSection(_Section):
@@ -85,6 +89,7 @@ class TrainSection(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     whiten_advantages: bool = True
     rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
+    connect_timeout_s: float = Field(300.0, gt=0, description="wait this long for every role to be SERVING")
 
 
 class _TrainerSection(Endpoint):

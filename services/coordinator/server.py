@@ -7,7 +7,8 @@ from typing import Optional
 
 import grpc
 from rolefleet.actor.client import GrpcActorClient
-from rolefleet.common.config import RoleFleetConfig, dump_config
+from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
+from rolefleet.common.errors import Unavailable
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
 from rolefleet.common.roles import wait_healthy
 from rolefleet.common.server import RoleServicer, rpc, serve_until_stopped, start_server, write_ready_file
@@ -18,7 +19,6 @@ from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
 
 log = logging.getLogger(__name__)
-HEALTH_TIMEOUT_S = 300.0
 
 
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -55,12 +55,19 @@ async def connect_roles(cfg: RoleFleetConfig) -> Roles:
     if cfg.critic.enabled:
         addresses["critic"] = cfg.critic.dial_address()
     for role, address in addresses.items():
-        await wait_healthy(role, address, HEALTH_TIMEOUT_S)
+        await wait_healthy(role, address, cfg.train.connect_timeout_s)
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
         reward=GrpcRewardClient(addresses["reward"], timeout),
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.critic.enabled else None,
     )
+
+
+def _failed(status: RunStatus, exc: Exception) -> RunStatus:
+    status.state, status.error = RunState.FAILED, f"{type(exc).__name__}: {exc}"
+    log.error("run failed at step %d: %s", status.step + 1, status.error)
+    print(f"rolefleet: run failed at step {status.step + 1}: {status.error}", flush=True)
+    return status
 
 
 async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None, progress: bool = True) -> RunStatus:
@@ -71,16 +78,19 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     handle = await start_server("coordinator", cfg.coordinator, lambda server: add_to_server(status, server))
     if ready_file:
         write_ready_file(ready_file, handle)
+    print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
+          f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress", flush=True)
 
     async def work() -> RunStatus:
-        roles = await connect_roles(cfg)
+        try:
+            roles = await connect_roles(cfg)
+        except Unavailable as exc:
+            return _failed(status, exc)
         logger = RunLogger(out, cfg.train.total_steps, progress=progress)
         try:
             return await train(cfg, roles, logger, status)
-        except Exception as exc:
-            status.state, status.error = RunState.FAILED, f"{type(exc).__name__}: {exc}"
-            log.error("run failed at step %d: %s", status.step + 1, status.error)
-            return status
+        except Exception as exc:  # noqa: BLE001 - the run reports any failure through its status
+            return _failed(status, exc)
         finally:
             logger.close()
             print(f"rolefleet: {logger.summary()}", flush=True)

@@ -78,19 +78,40 @@ def test_up_runs_the_cluster_and_leaves_no_process(make_config, tmp_path):
     assert processes_mentioning(str(out / "config.yaml")) == []
 
 
-def test_sigterm_to_up_stops_every_role(make_config, tmp_path):
+def test_status_of_a_running_run_then_sigterm_stops_every_role(make_config, tmp_path):
     cfg = make_config("train.total_steps=1000")
     config = write_config(cfg, tmp_path / "config.yaml")
+    resolved = str(cfg.run.out / "config.yaml")
     proc = rolefleet("up", str(config))
-    metrics = cfg.run.out / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-        time.sleep(0.2)
-    assert len(processes_mentioning(str(cfg.run.out / "config.yaml"))) == 4
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    try:
+        line = ""
+        deadline = time.monotonic() + 180
+        while "rolefleet status --address" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None
+            line = proc.stdout.readline()
+        address = line.split("--address ")[1].split("`")[0]
+        metrics = cfg.run.out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        status = rolefleet("status", "--address", address)
+        output, _ = status.communicate(timeout=60)
+        assert status.returncode == 0, output
+        assert "run test: RUNNING, step " in output and "/1000" in output
+        assert len(processes_mentioning(resolved)) == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while processes_mentioning(str(cfg.run.out / "config.yaml")) and time.monotonic() < deadline:
+    while processes_mentioning(resolved) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
+    assert processes_mentioning(resolved) == []
+
+
+def test_train_without_role_servers_fails_clearly(make_config, tmp_path):
+    cfg = make_config("train.connect_timeout_s=1", "actor.address=127.0.0.1:1", "reward.address=127.0.0.1:1",
+                      "critic.address=127.0.0.1:1")
+    proc = rolefleet("train", str(write_config(cfg, tmp_path / "config.yaml")))
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "actor at 127.0.0.1:1 was not SERVING within 1s" in output

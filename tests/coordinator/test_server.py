@@ -1,0 +1,32 @@
+"""The coordinator's control service over real gRPC: run status and stop."""
+
+import asyncio
+
+from rolefleet.coordinator import server as coordinator_server
+from rolefleet.coordinator.client import run_status, stop_run
+from rolefleet.coordinator.state import RunState, RunStatus
+
+from tests.helpers import serving
+
+
+def test_status_and_stop_over_grpc():
+    status = RunStatus("r1", total_steps=10, state=RunState.RUNNING, step=3, policy_version=3,
+                       last_reward_mean=0.5)
+
+    async def scenario():
+        async with serving("coordinator", lambda s: coordinator_server.add_to_server(status, s)) as address:
+            reply = await run_status(address)
+            assert (reply.run_name, reply.state, reply.step, reply.total_steps, reply.policy_version) == \
+                ("r1", RunState.RUNNING, 3, 10, 3)
+            assert reply.last_reward_mean == 0.5
+            stopped = await stop_run(address)
+            assert stopped.state == RunState.STOPPING and status.stop_requested
+            assert (await run_status(address)).state == RunState.STOPPING
+
+    asyncio.run(scenario())
+
+
+def test_stop_after_the_run_ended_keeps_its_final_state():
+    status = RunStatus("r2", total_steps=1, state=RunState.FINISHED)
+    status.request_stop()
+    assert status.state == RunState.FINISHED
