@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Optional
 
 import grpc
+
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.modeling import set_threads
 from rolefleet.common.server import serve_until_stopped, start_server, write_ready_file

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+
 from rolefleet.common.config import Endpoint
 from rolefleet.common.server import start_server
 

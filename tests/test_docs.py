@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from pydantic import BaseModel
+
 from rolefleet.common.config import RoleFleetConfig
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()

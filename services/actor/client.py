@@ -7,11 +7,10 @@ import asyncio
 from typing import Protocol
 
 import grpc
-import torch
+
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
-from rolefleet.actor.types import LogProbs, Sample, SamplingParams
-from rolefleet.common import codec
+from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
@@ -22,8 +21,8 @@ class ActorClient(Protocol):
     async def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]: ...
     async def compute_logprobs(self, batch: SequenceBatch, temperature: float,
                                include_reference: bool) -> LogProbs: ...
-    async def update(self, step: int, policy_version: int, batch: SequenceBatch, advantages: torch.Tensor,
-                     old_logprobs: torch.Tensor, temperature: float) -> UpdateResult: ...
+    async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
+                     temperature: float) -> UpdateResult: ...
     async def status(self) -> RoleStatus: ...
     async def close(self) -> None: ...
 
@@ -38,9 +37,8 @@ class InProcessActorClient:
     async def compute_logprobs(self, batch, temperature, include_reference):
         return await asyncio.to_thread(self.core.compute_logprobs, batch, temperature, include_reference)
 
-    async def update(self, step, policy_version, batch, advantages, old_logprobs, temperature):
-        return await asyncio.to_thread(self.core.update, step, policy_version, batch, advantages,
-                                       old_logprobs, temperature)
+    async def update(self, step, policy_version, batch, targets, temperature):
+        return await asyncio.to_thread(self.core.update, step, policy_version, batch, targets, temperature)
 
     async def status(self):
         return RoleStatus("actor", self.core.policy_version, self.core.ledger.last_step,
@@ -68,11 +66,9 @@ class GrpcActorClient:
                                                    include_reference=include_reference)
         return wire.logprobs_from_proto(await call(self.stub.ComputeLogProbs(request, timeout=self.timeout_s)))
 
-    async def update(self, step, policy_version, batch, advantages, old_logprobs, temperature):
-        request = actor_pb2.ActorUpdateRequest(
-            step=step, policy_version=policy_version, batch=batch.to_proto(),
-            advantages=codec.encode(advantages), old_logprobs=codec.encode(old_logprobs), temperature=temperature,
-        )
+    async def update(self, step, policy_version, batch, targets, temperature):
+        request = actor_pb2.ActorUpdateRequest(step=step, policy_version=policy_version, batch=batch.to_proto(),
+                                               temperature=temperature, **wire.policy_targets_to_proto(targets))
         return wire.update_result_from_proto(await call(self.stub.Update(request, timeout=self.timeout_s)))
 
     async def status(self):

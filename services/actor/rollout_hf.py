@@ -8,9 +8,10 @@ same quantity the trainer recomputes, so rollout/train mismatch stays measurable
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.modeling import token_logprobs
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class HFRolloutEngine:

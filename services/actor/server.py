@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
@@ -38,11 +39,9 @@ class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
     @rpc
     async def Update(self, request: actor_pb2.ActorUpdateRequest, context):
         batch = SequenceBatch.from_proto(request.batch)
-        advantages = batch.per_token(request.advantages, "advantages")
-        old_logprobs = batch.per_token(request.old_logprobs, "old_logprobs")
+        targets = wire.policy_targets_from_proto(request, batch)
         result = await asyncio.to_thread(
-            self.core.update, request.step, request.policy_version, batch, advantages, old_logprobs,
-            request.temperature,
+            self.core.update, request.step, request.policy_version, batch, targets, request.temperature
         )
         return wire.update_result_to_proto(result)
 

@@ -1,20 +1,24 @@
-"""Policy trainer: recomputes logprobs and applies PPO updates on packed batches.
+"""Policy trainer: recomputes logprobs and applies policy-gradient updates.
 
-Sequences are grouped into mini-batches (one optimizer step each) for `ppo_epochs` passes. Losses
-work on packed per-token tensors directly: every packed position is a real token, so the token-mean
-needs no mask.
+Sequences are grouped into mini-batches (one optimizer step each) for `ppo_epochs` passes. Each
+mini-batch's packed per-token tensors are padded to [b, T] only around the pure loss functions,
+which take a mask. The loss: the configured policy loss (optionally importance-weighted against the
+rollout engine) - entropy_coef * entropy + kl_loss_coef * KL(policy || reference), all aggregated
+the same way.
 """
 
 from __future__ import annotations
 
 import torch
-from rolefleet.actor.types import LogProbs
-from rolefleet.algos import POLICY_LOSSES
+from transformers import PreTrainedModel
+
+from rolefleet.actor.types import LogProbs, PolicyTargets
+from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, entropy_from_logits
+from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import entropy, response_logits, token_logprobs
+from rolefleet.common.modeling import response_logits, token_logprobs
 from rolefleet.common.training import optimizer_step, run_epochs
-from transformers import PreTrainedModel
 
 
 class PolicyTrainer:
@@ -25,31 +29,36 @@ class PolicyTrainer:
         self.device = device
         self.cfg = cfg
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.policy_loss = POLICY_LOSSES.get("ppo_clip")
+        self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
+        self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
+        self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
                          policy_version: int) -> LogProbs:
         self.model.eval()
-        logits = response_logits(self.model, batch, self.device)
+        logits = response_logits(self.model, batch, self.device) / temperature
         targets = batch.response_ids.to(self.device)
         ref = None
         if include_reference:
-            ref_logits = response_logits(self.ref_model, batch, self.device)
-            ref = token_logprobs(ref_logits, targets, temperature).cpu()
+            ref_logits = response_logits(self.ref_model, batch, self.device) / temperature
+            ref = token_logprobs(ref_logits, targets, 1.0).cpu()
         return LogProbs(
-            logprobs=token_logprobs(logits, targets, temperature).cpu(),
+            logprobs=token_logprobs(logits, targets, 1.0).cpu(),
             ref_logprobs=ref,
-            entropy=entropy(logits, temperature).cpu(),
+            entropy=entropy_from_logits(logits).cpu(),
             policy_version=policy_version,
         )
 
-    def update(self, batch: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
-               temperature: float) -> dict[str, float]:
-        """PPO epochs over mini-batches; returns the mean of each statistic over optimizer steps."""
+    def update(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
+        """Policy-loss epochs over mini-batches; returns each statistic averaged over optimizer steps."""
         def step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
-            return self._step(mb, advantages[tokens], old_logprobs[tokens], temperature)
+            def part(x: torch.Tensor | None) -> torch.Tensor | None:
+                return None if x is None else mb.pad_responses(x[tokens]).to(self.device)
+
+            return self._step(mb, part(targets.advantages), part(targets.old_logprobs),
+                              part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature)
 
         self.model.train()
         try:
@@ -58,15 +67,29 @@ class PolicyTrainer:
             self.model.eval()
 
     def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
+              ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
               temperature: float) -> dict[str, float]:
-        logits = response_logits(self.model, mb, self.device)
-        logprobs = token_logprobs(logits, mb.response_ids.to(self.device), temperature)
-        loss, stats = self.policy_loss(
-            logprobs, old_logprobs.to(self.device), advantages.to(self.device), torch.ones_like(logprobs),
-            self.cfg.clip_ratio,
+        cfg, mask = self.cfg, mb.response_mask().to(self.device)
+        logits = response_logits(self.model, mb, self.device) / temperature
+        logprobs = mb.pad_responses(token_logprobs(logits, mb.response_ids.to(self.device), 1.0))
+        weights, stats = None, {}
+        if rollout_logprobs is not None:
+            weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
+            stats["is_weight_mean"] = masked_mean(weights, mask).item()
+            stats["is_masked_frac"] = 1.0 - (mask.sum() / mb.response_lengths.sum().clamp(min=1)).item()
+        loss, pg_stats = self.policy_loss(
+            logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,
+            dual_clip=cfg.dual_clip, agg=cfg.loss_agg_mode, weights=weights, norm_length=cfg.loss_norm_length,
         )
-        grad_norm = optimizer_step(self.model, self.optimizer, loss, self.cfg.max_grad_norm)
-        with torch.no_grad():
-            ent = entropy(logits, temperature).mean()
-        return {"pg_loss": loss.item(), "grad_norm": grad_norm, "entropy": ent.item(),
-                **{k: v.item() for k, v in stats.items()}}
+        stats["pg_loss"] = loss.item()
+        entropy = mb.pad_responses(entropy_from_logits(logits))
+        entropy_term = aggregate(entropy, mask, cfg.loss_agg_mode, cfg.loss_norm_length)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * entropy_term
+        if cfg.kl_loss_coef > 0:
+            kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
+            loss = loss + cfg.kl_loss_coef * kl
+            stats["kl_loss"] = kl.item()
+        stats["grad_norm"] = optimizer_step(self.model, self.optimizer, loss, cfg.max_grad_norm)
+        stats["entropy"] = entropy_term.item()
+        return {**stats, **{k: v.item() for k, v in pg_stats.items()}}

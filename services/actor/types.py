@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
+
 from rolefleet.common.errors import InvalidArgument
 
 
@@ -54,3 +55,13 @@ class LogProbs:
     ref_logprobs: torch.Tensor | None      # float32 [N]
     entropy: torch.Tensor                  # float32 [N]
     policy_version: int
+
+
+@dataclass(frozen=True)
+class PolicyTargets:
+    """Per-token inputs of one policy update, packed [N] like the batch's responses."""
+
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor                      # recomputed by the training engine
+    ref_logprobs: torch.Tensor | None = None        # for the KL loss term
+    rollout_logprobs: torch.Tensor | None = None    # for importance-sampling correction

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
-from rolefleet.actor.types import FinishReason, LogProbs, Sample, SamplingParams
+
+from rolefleet.actor.types import FinishReason, LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common import codec
+from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import actor_pb2, common_pb2
 from rolefleet.common.roles import UpdateResult
 
@@ -71,3 +73,24 @@ def update_result_to_proto(r: UpdateResult) -> actor_pb2.ActorUpdateResponse:
 
 def update_result_from_proto(m: actor_pb2.ActorUpdateResponse) -> UpdateResult:
     return UpdateResult(step=m.step, model_version=m.policy_version, stats=dict(m.stats.values))
+
+
+def policy_targets_to_proto(t: PolicyTargets) -> dict:
+    """The per-token fields of an ActorUpdateRequest; absent optional tensors stay unset."""
+    fields = {"advantages": codec.encode(t.advantages), "old_logprobs": codec.encode(t.old_logprobs)}
+    for name in ("ref_logprobs", "rollout_logprobs"):
+        if getattr(t, name) is not None:
+            fields[name] = codec.encode(getattr(t, name))
+    return fields
+
+
+def policy_targets_from_proto(m: actor_pb2.ActorUpdateRequest, batch: SequenceBatch) -> PolicyTargets:
+    def optional(name: str):
+        return batch.per_token(getattr(m, name), name) if m.HasField(name) else None
+
+    return PolicyTargets(
+        advantages=batch.per_token(m.advantages, "advantages"),
+        old_logprobs=batch.per_token(m.old_logprobs, "old_logprobs"),
+        ref_logprobs=optional("ref_logprobs"),
+        rollout_logprobs=optional("rollout_logprobs"),
+    )

@@ -1,12 +1,18 @@
 """RL maths as pure tensor functions, looked up by name from the config.
 
 Tensors and scalars in, tensors out; shapes in docstrings; masks honoured; no config objects and no
-`.item()` (callers decide when to sync). Padded layout: [B, T] tensors with a bool/0-1 `mask`.
+`.item()` (callers decide when to sync). Layout: right-padded [B, T] tensors with a 0/1 `mask`.
 """
 
-from rolefleet.algos.advantages import ADVANTAGE_ESTIMATORS
-from rolefleet.algos.kl import KL_ESTIMATORS
-from rolefleet.algos.losses import POLICY_LOSSES, VALUE_LOSSES
+from rolefleet.algos.advantages import ADVANTAGE_ESTIMATORS, discounted_returns
+from rolefleet.algos.aggregation import LOSS_AGGREGATIONS, aggregate
+from rolefleet.algos.is_correction import IS_CORRECTIONS, logprob_mismatch
+from rolefleet.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from rolefleet.algos.losses import POLICY_LOSSES, VALUE_LOSSES, entropy_from_logits
 from rolefleet.algos.registry import Registry
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "VALUE_LOSSES", "Registry"]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "IS_CORRECTIONS", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES", "VALUE_LOSSES", "Registry", "aggregate", "discounted_returns", "entropy_from_logits",
+    "logprob_mismatch",
+]

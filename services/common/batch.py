@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
 from rolefleet.common import codec
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import common_pb2
@@ -95,14 +96,15 @@ class SequenceBatch:
         """Packed per-token values [N] -> right-padded [B, R_max]."""
         rows, within = self._response_index
         mask = self.response_mask()
-        out = torch.full(mask.shape, fill, dtype=packed.dtype)
-        out[rows, within] = packed
+        out = torch.full(mask.shape, fill, dtype=packed.dtype, device=packed.device)
+        # Index assignment keeps autograd: gradients flow from the padded tensor back to `packed`.
+        out[rows.to(packed.device), within.to(packed.device)] = packed
         return out
 
     def pack_responses(self, padded: torch.Tensor) -> torch.Tensor:
         """Right-padded [B, R_max] -> packed [N] (the inverse of pad_responses)."""
         rows, within = self._response_index
-        return padded[rows, within]
+        return padded[rows.to(padded.device), within.to(padded.device)]
 
     # --- wire -----------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from math import prod
 
 import numpy as np
 import torch
+
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import common_pb2
 

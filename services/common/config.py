@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from rolefleet.algos.presets import ALGORITHMS
+from rolefleet.algos.registry import Registry
 
 ROLES = ("actor", "reward", "critic", "coordinator")
 _DEVICE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+):)?(?P<gpu>\d+)$")
@@ -20,6 +24,12 @@ _DEVICE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+):)?(?P<gpu>\d+)$")
 
 class ConfigError(ValueError):
     pass
+
+
+def _one_of(registry: Registry, value: str) -> str:
+    if value not in registry:
+        raise ValueError(f"unknown {registry.kind} {value!r}; valid: {', '.join(registry.names())}")
+    return value
 
 
 def dial_host(host: str) -> str:
@@ -82,14 +92,21 @@ class SamplingSection(_Section):
 class TrainSection(_Section):
     total_steps: int = Field(20, ge=1)
     prompts_per_step: int = Field(32, ge=1)
-    samples_per_prompt: int = Field(1, ge=1, description="n rollouts per prompt")
+    samples_per_prompt: int = Field(1, ge=1, description="n rollouts per prompt (a group)")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    whiten_advantages: Optional[bool] = Field(None, description="default: the algorithm's")
+    norm_adv_by_std: Optional[bool] = Field(None, description="GRPO std scaling; default: the algorithm's")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference penalty in the token rewards")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    whiten_advantages: bool = True
+    kl_estimator: str = "k1"
+    kl_controller: str = Field("fixed", description="fixed | adaptive (targets kl_target)")
+    kl_target: float = Field(0.1, gt=0, description="adaptive controller: per-token KL to track")
+    kl_horizon: int = Field(10000, ge=1, description="adaptive controller: samples to close the gap")
     rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
     connect_timeout_s: float = Field(300.0, gt=0, description="wait this long for every role to be SERVING")
+
+    _kl = field_validator("kl_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
+    _ctl = field_validator("kl_controller")(lambda cls, v: _one_of(KL_CONTROLLERS, v))
 
 
 class _TrainerSection(Endpoint):
@@ -103,12 +120,37 @@ class _TrainerSection(Endpoint):
 
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
-    clip_ratio: float = Field(0.2, gt=0)
     rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
+    policy_loss: str = "ppo_clip"
+    clip_ratio: float = Field(0.2, gt=0, description="lower clip epsilon (and upper unless set)")
+    clip_ratio_high: Optional[float] = Field(None, gt=0, description="upper clip epsilon (clip-higher)")
+    dual_clip: Optional[float] = Field(None, gt=1, description="dual-clip bound c for negative advantages")
+    loss_agg_mode: Optional[str] = Field(None, description="default: the algorithm's")
+    loss_norm_length: Optional[int] = Field(None, ge=1, description="seq-mean-token-sum-norm divisor; "
+                                            "default sampling.max_new_tokens")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus in the policy loss")
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference term in the policy loss")
+    kl_loss_estimator: str = "k3"
+    is_correction: str = Field("none", description="rollout/train importance-sampling correction")
+    is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
+
+    _loss = field_validator("policy_loss")(lambda cls, v: _one_of(POLICY_LOSSES, v))
+    _kl = field_validator("kl_loss_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
+    _is = field_validator("is_correction")(lambda cls, v: _one_of(IS_CORRECTIONS, v))
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _agg(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else _one_of(LOSS_AGGREGATIONS, v)
+
+    @model_validator(mode="after")
+    def _gspo(self) -> ActorSection:
+        if self.policy_loss == "gspo" and self.dual_clip is not None:
+            raise ValueError("dual_clip is not defined for policy_loss gspo")
+        return self
 
 
 class CriticSection(_TrainerSection):
-    enabled: bool = True
     value_clip: float = Field(0.2, gt=0)
 
 
@@ -157,7 +199,7 @@ class DevicesSection(_Section):
 
 class RoleFleetConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
-    algorithm: Literal["ppo"] = "ppo"
+    algorithm: str = Field("ppo", description="ppo | grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -168,8 +210,16 @@ class RoleFleetConfig(_Section):
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
     devices: DevicesSection = Field(default_factory=DevicesSection)
 
+    @field_validator("algorithm")
+    @classmethod
+    def _algorithm(cls, v: str) -> str:
+        if v not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {v!r}; valid: {', '.join(ALGORITHMS)}")
+        return v
+
     @model_validator(mode="after")
-    def _models(self) -> RoleFleetConfig:
+    def _resolve(self) -> RoleFleetConfig:
+        """Fill defaults that depend on other sections (models, the algorithm's preset)."""
         default = self.model.model_name_or_path
         for section in (self.actor, self.critic):
             if section.model_name_or_path is None:
@@ -178,11 +228,29 @@ class RoleFleetConfig(_Section):
             self.actor.ref_model_name_or_path = self.actor.model_name_or_path
         if self.actor.model_name_or_path is None:
             raise ValueError("set model.model_name_or_path (or actor.model_name_or_path)")
+        preset = ALGORITHMS[self.algorithm]
+        if self.train.whiten_advantages is None:
+            self.train.whiten_advantages = preset.whiten_advantages
+        if self.train.norm_adv_by_std is None:
+            self.train.norm_adv_by_std = preset.norm_adv_by_std
+        if self.actor.loss_agg_mode is None:
+            self.actor.loss_agg_mode = preset.loss_agg_mode
+        if self.actor.clip_ratio_high is None:
+            self.actor.clip_ratio_high = self.actor.clip_ratio
+        if self.actor.loss_norm_length is None:
+            self.actor.loss_norm_length = self.sampling.max_new_tokens
+        if preset.grouped and self.train.samples_per_prompt < 2:
+            raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
+                             "set train.samples_per_prompt >= 2")
         return self
 
+    @property
+    def preset(self):
+        return ALGORITHMS[self.algorithm]
+
     def roles(self) -> list[str]:
-        """Roles this run starts, in start order (the coordinator last)."""
-        return ["actor", "reward", *(["critic"] if self.critic.enabled else []), "coordinator"]
+        """Roles this run starts, in start order (the coordinator last); the critic only if needed."""
+        return ["actor", "reward", *(["critic"] if self.preset.uses_critic else []), "coordinator"]
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -203,11 +271,14 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
 def _describe(error: ValidationError) -> str:
     lines = []
     for e in error.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in e["loc"]) or "config"
+        message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key")
+        elif isinstance(e.get("input"), dict):
+            lines.append(f"{key}: {message}")
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{key}: {message} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

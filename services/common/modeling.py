@@ -11,9 +11,10 @@ import logging
 import os
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import InvalidArgument
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """log p(token) under softmax(logits / temperature). logits [N, V], tokens [N] -> [N]."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per row. [N, V] -> [N]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def weights_digest(module: torch.nn.Module) -> str:

@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
 from rolefleet.common.server import CHANNEL_OPTIONS

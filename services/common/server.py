@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
+
 from rolefleet.common import metrics
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for

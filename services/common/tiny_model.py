@@ -15,9 +15,10 @@ import string
 from pathlib import Path
 
 import torch
-from rolefleet.tasks import make_task
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rolefleet.tasks import make_task
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+
 from rolefleet.common.batch import SequenceBatch, mini_batches
 
 StepFn = Callable[[SequenceBatch, torch.Tensor], dict[str, float]]

@@ -1,10 +1,12 @@
-"""The synchronous PPO loop (DESIGN "One step"), one numbered call per role per phase.
+"""The synchronous loop (DESIGN "One step"), one numbered call per role per phase.
 
-1. actor.Generate                                    -> samples
+1. actor.Generate                                    -> n samples per prompt
 2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently
-3. advantages and returns (pure functions)
+3. advantages and returns (the algorithm's estimator), KL-coefficient update
 4. actor.Update | critic.Update, concurrently
 5. log the step
+
+Algorithms without a critic (GRPO, RLOO, REINFORCE++) skip the critic calls; nothing else changes.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from dataclasses import dataclass
 from typing import Optional, TypeVar
 
 import torch
+
 from rolefleet.actor.client import ActorClient
-from rolefleet.actor.types import Sample, SamplingParams
+from rolefleet.actor.types import PolicyTargets, Sample, SamplingParams
+from rolefleet.algos import KL_CONTROLLERS
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
@@ -26,7 +30,7 @@ from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import ppo_targets
+from rolefleet.coordinator.targets import step_targets
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
 from rolefleet.reward.core import ScoreItem
@@ -81,7 +85,10 @@ def policy_version_of(samples: list[Sample]) -> int:
 
 async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> RunStatus:
     dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
-    s, t = cfg.sampling, cfg.train
+    s, t, a = cfg.sampling, cfg.train, cfg.actor
+    kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
+    if (roles.critic is not None) != cfg.preset.uses_critic:
+        raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
     status.state = RunState.RUNNING
     for step in range(1, t.total_steps + 1):
         if status.stop_requested:
@@ -105,13 +112,22 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         if values is None:
             values = torch.zeros(batch.num_response_tokens)
 
-        # 3. Advantages and returns.
-        targets = ppo_targets(batch, scores, values, logprobs.logprobs, logprobs.ref_logprobs, t.gamma, t.lam,
-                              t.kl_coef, t.kl_estimator, t.whiten_advantages)
+        # 3. Advantages and returns; the KL controller sees this step's KL.
+        group_ids = torch.tensor([smp.prompt_index for smp in samples])
+        targets = step_targets(cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
+                               logprobs.ref_logprobs, group_ids, kl_coef, t)
+        policy_targets = PolicyTargets(
+            advantages=targets.advantages,
+            old_logprobs=logprobs.logprobs,
+            ref_logprobs=logprobs.ref_logprobs if a.kl_loss_coef > 0 else None,
+            rollout_logprobs=torch.cat([smp.logprobs for smp in samples]) if a.is_correction != "none" else None,
+        )
+        step_kl_coef = kl_coef
+        kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
 
         # 4. Policy and value updates at once.
         actor_result, critic_result = await timer("update", asyncio.gather(
-            roles.actor.update(step, version, batch, targets.advantages, logprobs.logprobs, s.temperature),
+            roles.actor.update(step, version, batch, policy_targets, s.temperature),
             roles.critic.update(step, batch, targets.returns, values) if roles.critic else _nothing(),
         ))
 
@@ -119,6 +135,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         timer.seconds["step"] = time.perf_counter() - start
         record = step_record(step, actor_result, critic_result, batch, samples, scores, values, logprobs,
                              targets, timer.seconds)
+        record["kl_coef"] = step_kl_coef
         logger.log(record)
         status.step, status.policy_version = step, actor_result.model_version
         status.last_reward_mean = record["reward/mean"]

@@ -6,6 +6,7 @@ import logging
 from typing import Optional
 
 import grpc
+
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import Unavailable
@@ -52,14 +53,14 @@ async def connect_roles(cfg: RoleFleetConfig) -> Roles:
     """gRPC clients for the configured roles, once each answers SERVING on its health service."""
     timeout = cfg.train.rpc_timeout_s
     addresses = {"actor": cfg.actor.dial_address(), "reward": cfg.reward.dial_address()}
-    if cfg.critic.enabled:
+    if cfg.preset.uses_critic:
         addresses["critic"] = cfg.critic.dial_address()
     for role, address in addresses.items():
         await wait_healthy(role, address, cfg.train.connect_timeout_s)
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
         reward=GrpcRewardClient(addresses["reward"], timeout),
-        critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.critic.enabled else None,
+        critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
     )
 
 

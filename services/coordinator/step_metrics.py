@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
 from rolefleet.actor.types import FinishReason, LogProbs, Sample
+from rolefleet.algos import logprob_mismatch
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.targets import Targets
@@ -26,6 +28,8 @@ def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], 
                 samples: list[Sample], scores: torch.Tensor, values: torch.Tensor, logprobs: LogProbs,
                 targets: Targets, seconds: dict[str, float]) -> dict:
     rollout_logprobs = torch.cat([s.logprobs for s in samples])
+    mismatch_mean, mismatch_max = logprob_mismatch(logprobs.logprobs, rollout_logprobs,
+                                                   torch.ones_like(rollout_logprobs))
     lengths = batch.response_lengths.float()
     record = {
         "step": step,
@@ -39,8 +43,8 @@ def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], 
         **_stats("advantage", targets.advantages),
         **_stats("return", targets.returns),
         # Same weights, two engines: the gap shows sampling/numerics drift between rollout and training.
-        "rollout_train_logprob_diff/mean": (rollout_logprobs - logprobs.logprobs).abs().mean().item(),
-        "rollout_train_logprob_diff/max": (rollout_logprobs - logprobs.logprobs).abs().max().item(),
+        "rollout_train_logprob_diff/mean": mismatch_mean.item(),
+        "rollout_train_logprob_diff/max": mismatch_max.item(),
         **{f"actor/{k}": v for k, v in actor.stats.items()},
     }
     if critic is not None:

@@ -6,6 +6,7 @@ import asyncio
 from typing import Protocol
 
 import torch
+
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc

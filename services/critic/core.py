@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import torch
+
 from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from rolefleet.common.batch import SequenceBatch
 from transformers import AutoModel
+
+from rolefleet.common.batch import SequenceBatch
 
 
 class ValueModel(torch.nn.Module):

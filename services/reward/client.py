@@ -6,6 +6,7 @@ import asyncio
 from typing import Protocol
 
 import torch
+
 from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import InvalidArgument

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+
 from rolefleet.common import codec
 from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.common.roles import RoleStatus

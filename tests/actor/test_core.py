@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+
 from rolefleet.actor.core import ActorCore
-from rolefleet.actor.types import FinishReason, SamplingParams
+from rolefleet.actor.types import FinishReason, PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 
@@ -63,7 +64,8 @@ def test_update_changes_weights_bumps_version_and_is_idempotent(core):
     digest, version = core.digest(), core.policy_version
     advantages = torch.linspace(-1, 1, batch.num_response_tokens)
     step = core.ledger.last_step + 2  # steps must increase, not necessarily by one
-    result = core.update(step, version, batch, advantages, old, 1.0)
+    targets = PolicyTargets(advantages, old)
+    result = core.update(step, version, batch, targets, 1.0)
     assert result.model_version == version + 1 == core.policy_version
     assert core.digest() != digest
     assert {"pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"} <= set(result.stats)
@@ -71,11 +73,11 @@ def test_update_changes_weights_bumps_version_and_is_idempotent(core):
     assert rollout(core)[0][0].policy_version == version + 1
     # A repeat of the applied step replays the result and changes nothing.
     digest_after = core.digest()
-    assert core.update(step, version, batch, advantages, old, 1.0) == result
+    assert core.update(step, version, batch, targets, 1.0) == result
     assert core.digest() == digest_after and core.policy_version == version + 1
     # An older step that was never applied is refused, never applied late.
     with pytest.raises(FailedPrecondition, match="already moved past"):
-        core.update(step - 1, version + 1, batch, advantages, old, 1.0)
+        core.update(step - 1, version + 1, batch, targets, 1.0)
     assert core.digest() == digest_after
 
 
@@ -85,7 +87,7 @@ def test_stale_policy_version_is_a_failed_precondition(core):
     digest = core.digest()
     with pytest.raises(FailedPrecondition, match="policy version"):
         core.update(core.ledger.last_step + 1, core.policy_version - 1 if core.policy_version else 99, batch,
-                    torch.zeros_like(old), old, 1.0)
+                    PolicyTargets(torch.zeros_like(old), old), 1.0)
     assert core.digest() == digest
 
 

@@ -5,16 +5,16 @@ import asyncio
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from rolefleet.actor import server as actor_server
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.actor.core import ActorCore
-from rolefleet.actor.types import SamplingParams
+from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
 from rolefleet.common.roles import open_channel
-
 from tests.helpers import expect_invalid, serving
 
 
@@ -35,14 +35,13 @@ def test_generate_logprobs_update_status_over_grpc(core):
             lp = await client.compute_logprobs(batch, 1.0, include_reference=True)
             assert torch.allclose(lp.logprobs, torch.cat([s.logprobs for s in samples]), atol=1e-4)
             before = await client.status()
-            result = await client.update(before.last_step + 1, before.model_version, batch,
-                                         torch.ones(batch.num_response_tokens), lp.logprobs, 1.0)
+            targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+            result = await client.update(before.last_step + 1, before.model_version, batch, targets, 1.0)
             after = await client.status()
             assert after.model_version == result.model_version == before.model_version + 1
             assert after.weights_digest != before.weights_digest and after.last_step == before.last_step + 1
             with pytest.raises(FailedPrecondition):  # gRPC status maps back to the domain error
-                await client.update(after.last_step + 1, before.model_version, batch,
-                                    torch.ones(batch.num_response_tokens), lp.logprobs, 1.0)
+                await client.update(after.last_step + 1, before.model_version, batch, targets, 1.0)
             async with open_channel(address) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING

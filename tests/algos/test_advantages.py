@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from rolefleet.algos import ADVANTAGE_ESTIMATORS
 from rolefleet.algos.advantages import gae
 from rolefleet.algos.functional import masked_mean, masked_whiten

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from rolefleet.algos import KL_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
 
 ppo = POLICY_LOSSES.get("ppo_clip")

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from rolefleet.common.batch import SequenceBatch, mini_batches
 from rolefleet.common.errors import InvalidArgument
 

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+
 from rolefleet.common import codec
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import common_pb2

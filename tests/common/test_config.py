@@ -1,4 +1,5 @@
 import pytest
+
 from rolefleet.common.config import ConfigError, apply_override, load_config, parse_config
 
 BASE = {"model": {"model_name_or_path": "some/model"}}
@@ -14,10 +15,10 @@ def test_defaults_fill_role_models_from_model_section():
 
 
 def test_dotted_overrides_parse_yaml_values():
-    cfg = parse_config(BASE, ["actor.lr=1e-6", "critic.enabled=false", "devices.actor=[0, 1]",
-                              "run.output_dir=runs/try1"])
+    cfg = parse_config(BASE, ["actor.lr=1e-6", "algorithm=grpo", "train.samples_per_prompt=4",
+                              "devices.actor=[0, 1]", "run.output_dir=runs/try1"])
     assert cfg.actor.lr == 1e-6
-    assert cfg.critic.enabled is False and "critic" not in cfg.roles()
+    assert cfg.algorithm == "grpo" and "critic" not in cfg.roles()
     assert cfg.devices.actor == [0, 1]
     assert str(cfg.run.out) == "runs/try1"
 
@@ -39,6 +40,13 @@ def test_override_leaves_the_callers_dict_alone():
         ("devices.reward=['nodeA:x']", "is not a GPU index"),
         ("devices.critic=[1, 1]", "duplicate GPUs"),
         ("run.name=has space", "run.name"),
+        ("algorithm=ppo2", "unknown algorithm 'ppo2'; valid: ppo, grpo, drgrpo, rloo"),
+        ("actor.policy_loss=foo", "unknown policy loss 'foo'; valid: gspo, ppo_clip"),
+        ("actor.loss_agg_mode=mean", "valid: seq-mean-token-mean, seq-mean-token-sum"),
+        ("actor.is_correction=tis", "valid: none, seq_mask, seq_truncate, token_mask, token_truncate"),
+        ("train.kl_controller=pid", "valid: adaptive, fixed"),
+        ("actor.dual_clip=0.5", "actor.dual_clip: Input should be greater than 1"),
+        ("algorithm=rloo", "set train.samples_per_prompt >= 2"),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, message):
@@ -83,4 +91,17 @@ def test_shipped_demo_config_validates():
     from pathlib import Path
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
-    assert cfg.algorithm == "ppo" and cfg.critic.enabled
+    assert cfg.algorithm == "ppo" and "critic" in cfg.roles()
+
+
+def test_algorithm_presets_fill_defaults_the_user_did_not_set():
+    ppo = parse_config(BASE)
+    assert ppo.train.whiten_advantages is True and ppo.actor.loss_agg_mode == "token-mean"
+    dr = parse_config(BASE, ["algorithm=drgrpo", "train.samples_per_prompt=4", "sampling.max_new_tokens=7"])
+    assert dr.actor.loss_agg_mode == "seq-mean-token-sum-norm" and dr.train.norm_adv_by_std is False
+    assert dr.actor.loss_norm_length == 7 and dr.roles() == ["actor", "reward", "coordinator"]
+    mine = parse_config(BASE, ["algorithm=drgrpo", "train.samples_per_prompt=4", "actor.loss_agg_mode=token-mean",
+                               "actor.clip_ratio=0.1"])
+    assert mine.actor.loss_agg_mode == "token-mean" and mine.actor.clip_ratio_high == 0.1
+    with pytest.raises(ConfigError, match="dual_clip is not defined for policy_loss gspo"):
+        parse_config(BASE, ["actor.policy_loss=gspo", "actor.dual_clip=3"])

@@ -5,15 +5,16 @@ import json
 
 import pytest
 import torch
+
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.config import DataSection
+from rolefleet.common.config import DataSection, TrainSection
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunState, RunStatus
-from rolefleet.coordinator.targets import ppo_targets
+from rolefleet.coordinator.targets import step_targets
 from rolefleet.critic.client import InProcessCriticClient
 from rolefleet.critic.core import CriticCore
 from rolefleet.reward.client import InProcessRewardClient
@@ -60,8 +61,9 @@ def test_ppo_targets_put_the_score_on_the_last_token_and_penalise_kl():
                                      [torch.tensor([3, 4, 5]), torch.tensor([6])])
     logprobs = torch.tensor([-1.0, -1.0, -1.0, -1.0])
     ref = torch.tensor([-1.5, -1.0, -1.0, -1.0])
-    t = ppo_targets(batch, torch.tensor([1.0, 0.0]), torch.zeros(4), logprobs, ref, gamma=1.0, lam=1.0,
-                    kl_coef=0.1, kl_estimator="k1", whiten=False)
+    train = TrainSection(gamma=1.0, lam=1.0, kl_estimator="k1", whiten_advantages=False)
+    t = step_targets("gae", batch, torch.tensor([1.0, 0.0]), torch.zeros(4), logprobs, ref,
+                     torch.tensor([0, 1]), kl_coef=0.1, train=train)
     assert t.kl.tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
     # With zero values, gamma = lambda = 1: the return of a token is the sum of its future rewards.
     assert t.returns.tolist() == pytest.approx([1.0 - 0.05, 1.0, 1.0, 0.0])

@@ -5,7 +5,6 @@ import asyncio
 from rolefleet.coordinator import server as coordinator_server
 from rolefleet.coordinator.client import run_status, stop_run
 from rolefleet.coordinator.state import RunState, RunStatus
-
 from tests.helpers import serving
 
 

@@ -2,6 +2,7 @@ import asyncio
 
 import pytest
 import torch
+
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
@@ -10,7 +11,6 @@ from rolefleet.common.roles import open_channel
 from rolefleet.critic import server as critic_server
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.critic.core import CriticCore
-
 from tests.helpers import expect_invalid, serving
 
 BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])],

@@ -6,10 +6,10 @@ import time
 import urllib.request
 
 import pytest
+
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
-
 from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, terminate, wait_ready, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -1,6 +1,7 @@
 import asyncio
 
 import pytest
+
 from rolefleet.common.config import RewardSection
 from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.common.roles import open_channel
@@ -8,7 +9,6 @@ from rolefleet.reward import server as reward_server
 from rolefleet.reward.client import GrpcRewardClient
 from rolefleet.reward.core import RewardCore, ScoreItem
 from rolefleet.reward.functions import REWARD_FUNCTIONS
-
 from tests.helpers import expect_invalid, serving
 
 

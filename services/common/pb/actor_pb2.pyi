@@ -84,20 +84,24 @@ class ComputeLogProbsResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class ActorUpdateRequest(_message.Message):
-    __slots__ = ("step", "policy_version", "batch", "advantages", "old_logprobs", "temperature")
+    __slots__ = ("step", "policy_version", "batch", "advantages", "old_logprobs", "temperature", "ref_logprobs", "rollout_logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     batch: _common_pb2.SequenceBatch
     advantages: _common_pb2.Tensor
     old_logprobs: _common_pb2.Tensor
     temperature: float
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    ref_logprobs: _common_pb2.Tensor
+    rollout_logprobs: _common_pb2.Tensor
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ActorUpdateResponse(_message.Message):
     __slots__ = ("step", "policy_version", "stats")
