@@ -105,3 +105,44 @@ def test_bad_generate_input_names_the_field(core, call, field):
     with pytest.raises(InvalidArgument) as err:
         call(core)
     assert err.value.field == field
+
+
+def test_kl_loss_and_is_correction_need_their_inputs_and_report_stats(tiny_model_dir):
+    from rolefleet.common.config import parse_config
+
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                       ["actor.kl_loss_coef=0.1", "actor.is_correction=token_mask", "actor.entropy_coef=0.01",
+                        "actor.clip_ratio_high=0.28", "actor.dual_clip=3"])
+    core = ActorCore(cfg.actor)
+    samples, batch = rollout(core)
+    lp = core.compute_logprobs(batch, 1.0, include_reference=True)
+    rollout_lp = torch.cat([s.logprobs for s in samples])
+    adv = torch.linspace(-1, 1, batch.num_response_tokens)
+    with pytest.raises(InvalidArgument) as err:
+        core.update(0, 0, batch, PolicyTargets(adv, lp.logprobs, rollout_logprobs=rollout_lp), 1.0)
+    assert err.value.field == "ref_logprobs"
+    with pytest.raises(InvalidArgument) as err:
+        core.update(0, 0, batch, PolicyTargets(adv, lp.logprobs, ref_logprobs=lp.ref_logprobs), 1.0)
+    assert err.value.field == "rollout_logprobs"
+    assert core.policy_version == 0 and core.ledger.last_step == -1
+    result = core.update(0, 0, batch, PolicyTargets(adv, lp.logprobs, lp.ref_logprobs, rollout_lp), 1.0)
+    # Same weights in both engines: weights ~1, nothing masked, KL to the unchanged reference ~0.
+    assert result.stats["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert result.stats["is_masked_frac"] == 0.0
+    assert result.stats["kl_loss"] == pytest.approx(0.0, abs=1e-5)
+    assert "pg_clipfrac_lower" in result.stats and core.policy_version == 1
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_every_policy_loss_trains(tiny_model_dir, agg):
+    from rolefleet.common.config import parse_config
+
+    for loss in ("ppo_clip", "gspo"):
+        cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                           [f"actor.policy_loss={loss}", f"actor.loss_agg_mode={agg}", "actor.lr=1e-2"])
+        core = ActorCore(cfg.actor)
+        _, batch = rollout(core)
+        lp = core.compute_logprobs(batch, 1.0, include_reference=False)
+        digest = core.digest()
+        result = core.update(0, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
+        assert core.digest() != digest and result.stats["pg_loss"] < 0

@@ -115,3 +115,20 @@ def test_train_without_role_servers_fails_clearly(make_config, tmp_path):
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "actor at 127.0.0.1:1 was not SERVING within 1s" in output
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_critic_free_algorithms_run_without_a_critic_server(make_config, tmp_path, algorithm):
+    cfg = make_config(f"algorithm={algorithm}", "train.samples_per_prompt=4", "train.prompts_per_step=4",
+                      "actor.kl_loss_coef=0.01", "actor.is_correction=token_truncate")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    proc = rolefleet("up", str(config))
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    out = cfg.run.out
+    assert {p.name for p in (out / "logs").iterdir()} == {"actor.log", "reward.log"}  # no critic started
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["policy_version"] for r in records] == [1, 2]
+    assert not any(key.startswith("critic/") or key.startswith("value/") for key in records[0])
+    assert {"actor/kl_loss", "actor/is_weight_mean", "kl_coef"} <= set(records[0])
+    assert processes_mentioning(str(out / "config.yaml")) == []
