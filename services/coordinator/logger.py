@@ -17,7 +17,7 @@ class RunLogger:
     def __init__(self, out_dir: Path, total_steps: int, progress: bool = True, report_every: int | None = None):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out_dir / "metrics.jsonl", "a")
+        self.jsonl = open(out_dir / "metrics.jsonl", "w")  # a run starts its own record (no resume yet)
         self.records: list[dict] = []
         self.tb = _tensorboard(out_dir / "tensorboard")
         # A live bar on a terminal only; logs and CI get the periodic summary lines alone.

@@ -20,7 +20,7 @@ from typing import Optional, TypeVar
 import torch
 
 from rolefleet.actor.client import ActorClient
-from rolefleet.actor.types import PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.algos import KL_CONTROLLERS
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
@@ -30,7 +30,7 @@ from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import step_targets
+from rolefleet.coordinator.targets import Targets, step_targets
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
 from rolefleet.reward.core import ScoreItem
@@ -83,9 +83,28 @@ def policy_version_of(samples: list[Sample]) -> int:
     return versions.pop()
 
 
+def sampling_for(cfg: RoleFleetConfig, step: int) -> SamplingParams:
+    s = cfg.sampling
+    # A per-step seed: a rerun of the same config samples the same rollouts.
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                          n=cfg.train.samples_per_prompt, seed=cfg.run.seed * 100_003 + step)
+
+
+def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProbs,
+                       samples: list[Sample]) -> PolicyTargets:
+    """What the actor's update needs; reference and rollout logprobs travel only when its loss uses them."""
+    a = cfg.actor
+    return PolicyTargets(
+        advantages=targets.advantages,
+        old_logprobs=logprobs.logprobs,
+        ref_logprobs=logprobs.ref_logprobs if a.kl_loss_coef > 0 else None,
+        rollout_logprobs=torch.cat([smp.logprobs for smp in samples]) if a.is_correction != "none" else None,
+    )
+
+
 async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> RunStatus:
     dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
-    s, t, a = cfg.sampling, cfg.train, cfg.actor
+    s, t = cfg.sampling, cfg.train
     kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
     if (roles.critic is not None) != cfg.preset.uses_critic:
         raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
@@ -95,12 +114,9 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
             break
         timer, start = Timer(), time.perf_counter()
         records = dataset.batch(step, t.prompts_per_step)
-        sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                  max_new_tokens=s.max_new_tokens, n=t.samples_per_prompt,
-                                  seed=cfg.run.seed * 100_003 + step)
 
         # 1. Rollouts from the current policy.
-        samples = await timer("generate", roles.actor.generate([r.prompt for r in records], sampling))
+        samples = await timer("generate", roles.actor.generate([r.prompt for r in records], sampling_for(cfg, step)))
         batch, version = to_batch(samples), policy_version_of(samples)
 
         # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
@@ -116,18 +132,13 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         group_ids = torch.tensor([smp.prompt_index for smp in samples])
         targets = step_targets(cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
                                logprobs.ref_logprobs, group_ids, kl_coef, t)
-        policy_targets = PolicyTargets(
-            advantages=targets.advantages,
-            old_logprobs=logprobs.logprobs,
-            ref_logprobs=logprobs.ref_logprobs if a.kl_loss_coef > 0 else None,
-            rollout_logprobs=torch.cat([smp.logprobs for smp in samples]) if a.is_correction != "none" else None,
-        )
         step_kl_coef = kl_coef
         kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
 
         # 4. Policy and value updates at once.
         actor_result, critic_result = await timer("update", asyncio.gather(
-            roles.actor.update(step, version, batch, policy_targets, s.temperature),
+            roles.actor.update(step, version, batch, policy_targets_for(cfg, targets, logprobs, samples),
+                               s.temperature),
             roles.critic.update(step, batch, targets.returns, values) if roles.critic else _nothing(),
         ))
 
