@@ -13,8 +13,8 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
-from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
-from rolefleet.common.roles import RoleStatus, UpdateResult, call, open_channel
+from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
+from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
 
 
 class ActorClient(Protocol):
@@ -48,11 +48,8 @@ class InProcessActorClient:
         pass
 
 
-class GrpcActorClient:
-    def __init__(self, address: str, timeout_s: float):
-        self.channel = open_channel(address)
-        self.stub = actor_pb2_grpc.ActorServiceStub(self.channel)
-        self.timeout_s = timeout_s
+class GrpcActorClient(GrpcRoleClient):
+    stub_class = actor_pb2_grpc.ActorServiceStub
 
     async def generate(self, prompts, sampling):
         request = actor_pb2.GenerateRequest(prompts=prompts, sampling=wire.sampling_to_proto(sampling))
@@ -70,10 +67,3 @@ class GrpcActorClient:
         request = actor_pb2.ActorUpdateRequest(step=step, policy_version=policy_version, batch=batch.to_proto(),
                                                temperature=temperature, **wire.policy_targets_to_proto(targets))
         return wire.update_result_from_proto(await call(self.stub.Update(request, timeout=self.timeout_s)))
-
-    async def status(self):
-        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
-        return RoleStatus.from_proto(msg)
-
-    async def close(self):
-        await self.channel.close()

@@ -50,6 +50,24 @@ def open_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
+class GrpcRoleClient:
+    """Channel, stub and the calls every role answers; subclasses set `stub_class` and add theirs."""
+
+    stub_class: type
+
+    def __init__(self, address: str, timeout_s: float):
+        self.channel = open_channel(address)
+        self.stub = self.stub_class(self.channel)
+        self.timeout_s = timeout_s
+
+    async def status(self) -> RoleStatus:
+        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
+        return RoleStatus.from_proto(msg)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
 async def call(awaitable: Awaitable[T]) -> T:
     """Await a unary call, raising the domain error (InvalidArgument, ...) instead of AioRpcError."""
     try:

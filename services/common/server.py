@@ -56,14 +56,18 @@ class RoleServicer:
     requests_served = 0
 
 
+def _received(servicer: RoleServicer, method: Callable, request) -> tuple[str, float, grpc.StatusCode]:
+    servicer.requests_served += 1
+    metrics.RPC_RECEIVED_BYTES.labels(servicer.role, method.__name__).inc(request.ByteSize())
+    return method.__name__, time.perf_counter(), grpc.StatusCode.OK
+
+
 def rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Wrap a unary servicer method: map exceptions to statuses and record RPC metrics."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        name, start, code = method.__name__, time.perf_counter(), grpc.StatusCode.OK
-        self.requests_served += 1
-        metrics.RPC_RECEIVED_BYTES.labels(self.role, name).inc(request.ByteSize())
+        name, start, code = _received(self, method, request)
         try:
             response = await method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
@@ -82,9 +86,7 @@ def rpc_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        name, start, code = method.__name__, time.perf_counter(), grpc.StatusCode.OK
-        self.requests_served += 1
-        metrics.RPC_RECEIVED_BYTES.labels(self.role, name).inc(request.ByteSize())
+        name, start, code = _received(self, method, request)
         try:
             async for response in method(self, request, context):
                 metrics.RPC_SENT_BYTES.labels(self.role, name).inc(response.ByteSize())

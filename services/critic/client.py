@@ -9,8 +9,8 @@ import torch
 
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
-from rolefleet.common.roles import RoleStatus, UpdateResult, call, open_channel
+from rolefleet.common.pb import critic_pb2, critic_pb2_grpc
+from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
 from rolefleet.critic.core import CriticCore
 
 
@@ -40,11 +40,8 @@ class InProcessCriticClient:
         pass
 
 
-class GrpcCriticClient:
-    def __init__(self, address: str, timeout_s: float):
-        self.channel = open_channel(address)
-        self.stub = critic_pb2_grpc.CriticServiceStub(self.channel)
-        self.timeout_s = timeout_s
+class GrpcCriticClient(GrpcRoleClient):
+    stub_class = critic_pb2_grpc.CriticServiceStub
 
     async def compute_values(self, batch):
         request = critic_pb2.ComputeValuesRequest(batch=batch.to_proto())
@@ -56,10 +53,3 @@ class GrpcCriticClient:
                                                  old_values=codec.encode(old_values))
         response = await call(self.stub.Update(request, timeout=self.timeout_s))
         return UpdateResult(response.step, response.model_version, dict(response.stats.values))
-
-    async def status(self):
-        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
-        return RoleStatus.from_proto(msg)
-
-    async def close(self):
-        await self.channel.close()

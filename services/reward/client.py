@@ -9,8 +9,8 @@ import torch
 
 from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
-from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
-from rolefleet.common.roles import RoleStatus, call, open_channel
+from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
+from rolefleet.common.roles import GrpcRoleClient, RoleStatus, call
 from rolefleet.reward.core import RewardCore, ScoreItem
 
 
@@ -34,11 +34,8 @@ class InProcessRewardClient:
         pass
 
 
-class GrpcRewardClient:
-    def __init__(self, address: str, timeout_s: float):
-        self.channel = open_channel(address)
-        self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
-        self.timeout_s = timeout_s
+class GrpcRewardClient(GrpcRoleClient):
+    stub_class = reward_pb2_grpc.RewardServiceStub
 
     async def score(self, items):
         request = reward_pb2.ScoreRequest(
@@ -50,10 +47,3 @@ class GrpcRewardClient:
         if scores.numel() != len(items):
             raise RoleFleetError(f"reward server returned {scores.numel()} scores for {len(items)} items")
         return scores
-
-    async def status(self):
-        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
-        return RoleStatus.from_proto(msg)
-
-    async def close(self):
-        await self.channel.close()
