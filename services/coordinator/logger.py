@@ -72,7 +72,11 @@ def _tensorboard(path: Path):
 
 
 def plot_reward_curve(records: list[dict], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a dependency; a slim install still finishes its run without the picture
+        log.warning("matplotlib is not installed: no %s", path.name)
+        return
 
     matplotlib.use("Agg")  # headless: no display on CI or servers
     import matplotlib.pyplot as plt

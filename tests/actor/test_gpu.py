@@ -1,0 +1,32 @@
+"""The actor and critic cores on a CUDA device (skipped on CPU machines)."""
+
+import pytest
+import torch
+
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+from rolefleet.critic.core import CriticCore
+
+pytestmark = pytest.mark.gpu
+
+
+def test_actor_and_critic_train_on_cuda(tiny_model_dir):
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                       ["actor.kl_loss_coef=0.1", "actor.is_correction=token_truncate", "actor.lr=1e-2"])
+    actor, critic = ActorCore(cfg.actor), CriticCore(cfg.critic)
+    assert actor.device.type == "cuda" and next(actor.model.parameters()).is_cuda
+    samples = actor.generate(["1+2=", "13+4="] * 8, SamplingParams(max_new_tokens=4, n=2, seed=0))
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    lp = actor.compute_logprobs(batch, 1.0, include_reference=True)
+    rollout = torch.cat([s.logprobs for s in samples])
+    assert (lp.logprobs - rollout).abs().max() < 1e-3  # same weights, same numbers in both engines
+    digest = actor.digest()
+    adv = torch.linspace(-1, 1, batch.num_response_tokens)
+    result = actor.update(0, 0, batch, PolicyTargets(adv, lp.logprobs, lp.ref_logprobs, rollout), 1.0)
+    assert actor.digest() != digest and result.model_version == 1
+    values = critic.compute_values(batch)
+    assert values.device.type == "cpu" and values.shape == (batch.num_response_tokens,)
+    critic.update(0, batch, torch.ones_like(values), values)
+    assert critic.compute_values(batch).mean() > values.mean()
