@@ -54,7 +54,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
         from rolefleet.coordinator.state import RunState
 
         status = await run_coordinator(cfg, ready_file)
-        return 0 if status.state == RunState.FINISHED else 1
+        return 0 if status is not None and status.state in (RunState.FINISHED, RunState.STOPPED) else 1
     if role not in ROLE_BUILDERS:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
     section = getattr(cfg, role)

@@ -10,6 +10,7 @@ stops the run with a non-zero exit.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -30,9 +31,11 @@ STOP_GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(1)
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Supervisor:
         cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *overrides,
                "--config", str(self.config_path), "--ready-file", str(ready)]
         proc = subprocess.Popen(cmd, env=role_env(self.cfg, role), stdout=log_file, stderr=log_file,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         self.procs[role] = RoleProcess(role, proc, ready, log_file)
         log.info("started %s (pid %d)", role, proc.pid)
         return self.procs[role]

@@ -90,6 +90,7 @@ class PolicyTrainer:
             kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
             loss = loss + cfg.kl_loss_coef * kl
             stats["kl_loss"] = kl.item()
+        stats["loss"] = loss.item()
         stats["grad_norm"] = optimizer_step(self.model, self.optimizer, loss, cfg.max_grad_norm)
         stats["entropy"] = entropy_term.item()
         return {**stats, **{k: v.item() for k, v in pg_stats.items()}}

@@ -139,11 +139,11 @@ class SequenceBatch:
         ):
             if bool((lengths < 1).any()):
                 raise InvalidArgument(f"{field}.{name}_lengths", "every sequence needs at least one token")
-            if int(lengths.sum()) != ids.numel():
-                raise InvalidArgument(
-                    f"{field}.{name}_ids",
-                    f"holds {ids.numel()} tokens but {name}_lengths sum to {int(lengths.sum())}",
-                )
+            # Python ints: an int64 sum can wrap around and let absurd lengths through.
+            total = sum(lengths.tolist())
+            if total != ids.numel():
+                raise InvalidArgument(f"{field}.{name}_ids",
+                                      f"holds {ids.numel()} tokens but {name}_lengths sum to {total}")
             if ids.numel() and int(ids.min()) < 0:
                 raise InvalidArgument(f"{field}.{name}_ids", "token ids must be >= 0")
             if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:

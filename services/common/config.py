@@ -38,7 +38,7 @@ def dial_host(host: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class Endpoint(_Section):
@@ -108,6 +108,12 @@ class TrainSection(_Section):
     _kl = field_validator("kl_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
     _ctl = field_validator("kl_controller")(lambda cls, v: _one_of(KL_CONTROLLERS, v))
 
+    @model_validator(mode="after")
+    def _adaptive_needs_a_start(self) -> TrainSection:
+        if self.kl_controller == "adaptive" and self.kl_coef == 0:
+            raise ValueError("kl_controller adaptive scales kl_coef, which is 0: set train.kl_coef > 0")
+        return self
+
 
 class _TrainerSection(Endpoint):
     model_name_or_path: Optional[str] = None
@@ -118,11 +124,15 @@ class _TrainerSection(Endpoint):
     max_grad_norm: float = Field(1.0, gt=0)
 
 
+CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
+
+
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
     rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
     policy_loss: str = "ppo_clip"
-    clip_ratio: float = Field(0.2, gt=0, description="lower clip epsilon (and upper unless set)")
+    clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
+                                        "default: the policy loss's")
     clip_ratio_high: Optional[float] = Field(None, gt=0, description="upper clip epsilon (clip-higher)")
     dual_clip: Optional[float] = Field(None, gt=1, description="dual-clip bound c for negative advantages")
     loss_agg_mode: Optional[str] = Field(None, description="default: the algorithm's")
@@ -144,9 +154,16 @@ class ActorSection(_TrainerSection):
         return None if v is None else _one_of(LOSS_AGGREGATIONS, v)
 
     @model_validator(mode="after")
-    def _gspo(self) -> ActorSection:
+    def _clip_defaults(self) -> ActorSection:
         if self.policy_loss == "gspo" and self.dual_clip is not None:
             raise ValueError("dual_clip is not defined for policy_loss gspo")
+        if self.clip_ratio is None:
+            # A sequence-level ratio is a geometric mean and barely moves: GSPO clips far tighter.
+            low, high = CLIP_DEFAULTS[self.policy_loss]
+            self.clip_ratio = low
+            self.clip_ratio_high = self.clip_ratio_high if self.clip_ratio_high is not None else high
+        elif self.clip_ratio_high is None:
+            self.clip_ratio_high = self.clip_ratio
         return self
 
 
@@ -235,8 +252,6 @@ class RoleFleetConfig(_Section):
             self.train.norm_adv_by_std = preset.norm_adv_by_std
         if self.actor.loss_agg_mode is None:
             self.actor.loss_agg_mode = preset.loss_agg_mode
-        if self.actor.clip_ratio_high is None:
-            self.actor.clip_ratio_high = self.actor.clip_ratio
         if self.actor.loss_norm_length is None:
             self.actor.loss_norm_length = self.sampling.max_new_tokens
         if preset.grouped and self.train.samples_per_prompt < 2:

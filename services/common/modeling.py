@@ -39,7 +39,22 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_causal_lm(path: str, device: torch.device) -> PreTrainedModel:
     # fp32 master weights; bf16 autocast on CUDA comes with the GPU training issue.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device)
+    return disable_dropout(model).to(device)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """RL updates run without dropout: with it, the first on-policy ratio would be noise instead of
+    exactly 1, and old/new logprobs (computed in eval mode) would not be comparable."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        # Attention implementations read their dropout rate from the config, not from a module.
+        for key, value in config.to_dict().items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+    return model
 
 
 def response_logits(model: torch.nn.Module, batch: SequenceBatch, device: torch.device) -> torch.Tensor:

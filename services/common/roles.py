@@ -22,7 +22,7 @@ T = TypeVar("T")
 class RoleStatus:
     role: str
     model_version: int = 0
-    last_step: int = -1
+    last_step: int = 0
     weights_digest: str = ""
     requests_served: int = 0
 

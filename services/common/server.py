@@ -156,27 +156,39 @@ async def serve_until_stopped(
     handle: RoleServer,
     close: Optional[Callable[[], None]] = None,
     work: Optional[Awaitable[Any]] = None,
-    on_signal: Optional[Callable[[], None]] = None,
+    on_signal: Optional[Callable[[], bool]] = None,
 ) -> Any:
     """Serve until SIGTERM/SIGINT, or until `work` (the coordinator's run) completes; then stop.
 
-    With `work`, a signal calls `on_signal` (ask the run to stop after its step) and waits for it.
+    With `work`, a first signal calls `on_signal`, which asks the run to stop at a consistent point
+    and returns True when there is nothing to keep consistent yet (cancel at once); a second signal
+    cancels the work regardless. A cancelled work returns None.
     """
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
+    task = asyncio.ensure_future(work) if work is not None else None
+    signals = 0
 
     def _signalled() -> None:
+        nonlocal signals
+        signals += 1
         log.info("%s: shutdown signal received", handle.role)
-        if on_signal is not None:
-            on_signal()
+        cancel_now = on_signal() if on_signal is not None and signals == 1 else True
+        if task is not None and cancel_now:
+            task.cancel()
         stopped.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _signalled)
     try:
-        if work is None:
+        if task is None:
             await stopped.wait()
             return None
-        return await work
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if not stopped.is_set():
+                raise  # cancelled from outside, not by a signal
+            return None
     finally:
         await handle.stop(close)

@@ -18,16 +18,25 @@ class StepLedger(Generic[R]):
         self.role = role
         self.keep = keep
         self.results: OrderedDict[int, R] = OrderedDict()
-        self.last_step = -1
+        self.last_step = 0
+        self.broken: Optional[str] = None
 
     def check(self, step: int) -> Optional[R]:
-        if step < 0:
-            raise InvalidArgument("step", f"must be >= 0, got {step}")
+        """The recorded result of a repeated step, None for a new one, or an error."""
+        # Step ids start at 1: 0 is what a client that forgot to set the field sends.
+        if step < 1:
+            raise InvalidArgument("step", f"must be >= 1, got {step}")
         if step in self.results:
             return self.results[step]
+        if self.broken is not None:
+            raise FailedPrecondition(f"{self.role} refuses updates until restarted: {self.broken}")
         if step <= self.last_step:
             raise FailedPrecondition(f"{self.role} already moved past step {step} (last applied: {self.last_step})")
         return None
+
+    def mark_broken(self, step: int, exc: Exception) -> None:
+        """An update of `step` left the weights partially applied: refuse every later update."""
+        self.broken = f"the update of step {step} {exc}"
 
     def record(self, step: int, result: R) -> None:
         self.results[step] = result

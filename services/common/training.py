@@ -8,29 +8,57 @@ from collections.abc import Callable
 import torch
 
 from rolefleet.common.batch import SequenceBatch, mini_batches
+from rolefleet.common.errors import FailedPrecondition
 
 StepFn = Callable[[SequenceBatch, torch.Tensor], dict[str, float]]
+
+
+class PartialUpdate(FailedPrecondition):
+    """An update failed after some of its optimizer steps were applied: the weights are neither the
+    old nor the new ones, so the role must not accept further updates (see StepLedger.mark_broken)."""
 
 
 def run_epochs(batch: SequenceBatch, epochs: int, num_mini_batches: int, generator: torch.Generator,
                step: StepFn) -> dict[str, float]:
     """Call `step(mini_batch, packed_token_index)` once per mini-batch per epoch (one optimizer step
-    each); return each statistic averaged over those steps."""
+    each); return each statistic averaged over those steps.
+
+    If the first optimizer step fails nothing has changed (the mini-batch RNG is rewound too) and
+    the error propagates as is; a later failure is a PartialUpdate.
+    """
+    rng_state = generator.get_state()
     totals: dict[str, float] = defaultdict(float)
-    steps = 0
-    for _ in range(epochs):
-        for rows in mini_batches(len(batch), num_mini_batches, generator):
-            for name, value in step(batch.select(rows), batch.token_index(rows)).items():
-                totals[name] += value
-            steps += 1
+    steps, planned = 0, epochs * min(num_mini_batches, len(batch))
+    try:
+        for _ in range(epochs):
+            for rows in mini_batches(len(batch), num_mini_batches, generator):
+                for name, value in step(batch.select(rows), batch.token_index(rows)).items():
+                    totals[name] += value
+                steps += 1
+    except Exception as exc:
+        if steps == 0:
+            generator.set_state(rng_state)
+            raise
+        raise PartialUpdate(f"failed after {steps} of {planned} optimizer steps: {exc}") from exc
     return {name: total / steps for name, total in totals.items()}
+
+
+class NonFiniteGradient(FailedPrecondition):
+    """The loss or its gradient overflowed; the optimizer step was not taken."""
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
                    max_grad_norm: float) -> float:
-    """Backward, clip, step; returns the pre-clip gradient norm."""
+    """Backward, clip, step; returns the pre-clip gradient norm.
+
+    A non-finite gradient (huge targets, overflowing ratios) is never applied: the gradients are
+    dropped and NonFiniteGradient raised, so the weights and optimizer state stay as they were.
+    """
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradient(f"non-finite gradient (loss {loss.item():.4g}); the optimizer step was skipped")
     optimizer.step()
     return grad_norm.item()

@@ -14,6 +14,7 @@ class PromptDataset:
             raise ValueError("the dataset is empty")
         self.records = records
         self.seed = seed
+        self._orders: dict[int, list[int]] = {}
 
     @classmethod
     def from_config(cls, cfg: DataSection, seed: int) -> PromptDataset:
@@ -24,10 +25,12 @@ class PromptDataset:
         """The prompts of `step` (1-based): a pure function of (seed, step), so a resumed run sees
         the same prompts it would have seen."""
         start = (step - 1) * size
-        out = []
-        for i in range(start, start + size):
-            epoch, index = divmod(i, len(self.records))
+        return [self.records[self._order(epoch)[index]]
+                for epoch, index in (divmod(i, len(self.records)) for i in range(start, start + size))]
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
             order = list(range(len(self.records)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.records[order[index]])
-        return out
+            self._orders = {epoch: order}  # a step spans at most two epochs; keep the newest
+        return self._orders[epoch]

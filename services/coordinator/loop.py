@@ -123,6 +123,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         scores, values, logprobs = await timer("score", asyncio.gather(
             roles.reward.score(score_items(records, samples)),
             roles.critic.compute_values(batch) if roles.critic else _nothing(),
+            # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
             roles.actor.compute_logprobs(batch, s.temperature, include_reference=True),
         ))
         if values is None:
@@ -150,5 +151,5 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         logger.log(record)
         status.step, status.policy_version = step, actor_result.model_version
         status.last_reward_mean = record["reward/mean"]
-    status.state = RunState.FINISHED
+    status.state = RunState.STOPPED if status.stop_requested else RunState.FINISHED
     return status

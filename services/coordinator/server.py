@@ -71,7 +71,9 @@ def _failed(status: RunStatus, exc: Exception) -> RunStatus:
     return status
 
 
-async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None, progress: bool = True) -> RunStatus:
+async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None,
+                          progress: bool = True) -> Optional[RunStatus]:
+    """Serve the control service and run the loop; None when a signal cancelled it while starting."""
     out = cfg.run.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
@@ -79,10 +81,11 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     handle = await start_server("coordinator", cfg.coordinator, lambda server: add_to_server(status, server))
     if ready_file:
         write_ready_file(ready_file, handle)
-    print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
-          f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress", flush=True)
 
     async def work() -> RunStatus:
+        # Printed once the signal handlers are in place, so a stop right after it is handled.
+        print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
+              f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress", flush=True)
         try:
             roles = await connect_roles(cfg)
         except Unavailable as exc:

@@ -12,6 +12,7 @@ class RunState(IntEnum):  # values match rolefleet.v1.RunState
     STOPPING = 3
     FINISHED = 4
     FAILED = 5
+    STOPPED = 6
 
 
 @dataclass
@@ -25,7 +26,11 @@ class RunStatus:
     error: str = ""
     stop_requested: bool = False
 
-    def request_stop(self) -> None:
+    def request_stop(self) -> bool:
+        """Ask the run to stop after the step in flight. True when it has not started stepping, so
+        it may be cancelled at once (nothing to leave consistent)."""
         self.stop_requested = True
+        starting = self.state == RunState.STARTING
         if self.state in (RunState.STARTING, RunState.RUNNING):
             self.state = RunState.STOPPING
+        return starting

@@ -85,3 +85,13 @@ def test_mini_batches_partition_the_batch():
     assert len(parts) == 3
     assert sorted(torch.cat(parts).tolist()) == list(range(7))
     assert len(mini_batches(2, 5, torch.Generator())) == 2  # never an empty mini-batch
+
+
+def test_lengths_that_overflow_int64_sums_are_rejected():
+    # int64 sum wraps around: 2 + (2**63 - 1) * 2 + 2 "equals" 2 tokens
+    huge = 2**63 - 1
+    bad = SequenceBatch(torch.tensor([1, 2]), torch.tensor([2, huge, huge, 2]), torch.tensor([3, 4, 5, 6]),
+                        torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(InvalidArgument) as err:
+        bad.validate()
+    assert err.value.field == "batch.prompt_ids"

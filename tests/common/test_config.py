@@ -47,6 +47,7 @@ def test_override_leaves_the_callers_dict_alone():
         ("train.kl_controller=pid", "valid: adaptive, fixed"),
         ("actor.dual_clip=0.5", "actor.dual_clip: Input should be greater than 1"),
         ("algorithm=rloo", "set train.samples_per_prompt >= 2"),
+        ("train.kl_controller=adaptive", "kl_controller adaptive scales kl_coef, which is 0"),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, message):
@@ -105,3 +106,12 @@ def test_algorithm_presets_fill_defaults_the_user_did_not_set():
     assert mine.actor.loss_agg_mode == "token-mean" and mine.actor.clip_ratio_high == 0.1
     with pytest.raises(ConfigError, match="dual_clip is not defined for policy_loss gspo"):
         parse_config(BASE, ["actor.policy_loss=gspo", "actor.dual_clip=3"])
+
+
+def test_clip_range_defaults_follow_the_policy_loss():
+    gspo = parse_config(BASE, ["actor.policy_loss=gspo"])
+    assert (gspo.actor.clip_ratio, gspo.actor.clip_ratio_high) == (3e-4, 4e-4)
+    ppo = parse_config(BASE, ["actor.clip_ratio_high=0.28"])
+    assert (ppo.actor.clip_ratio, ppo.actor.clip_ratio_high) == (0.2, 0.28)
+    mine = parse_config(BASE, ["actor.policy_loss=gspo", "actor.clip_ratio=1e-3"])
+    assert (mine.actor.clip_ratio, mine.actor.clip_ratio_high) == (1e-3, 1e-3)

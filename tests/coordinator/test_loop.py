@@ -54,6 +54,7 @@ def test_stop_request_ends_the_run_between_steps(make_config):
     asyncio.run(train(cfg, roles, logger, status))
     logger.close()
     assert status.step == 0 and roles.actor.core.policy_version == 0
+    assert status.state == RunState.STOPPED
 
 
 def test_ppo_targets_put_the_score_on_the_last_token_and_penalise_kl():
@@ -75,6 +76,8 @@ def test_dataset_batches_are_deterministic_and_cover_each_epoch():
     assert data.batch(2, 4) == PromptDataset.from_config(DataSection(task="addition", size=10), seed=3).batch(2, 4)
     epoch = data.batch(1, 5) + data.batch(2, 5)
     assert sorted(map(id, epoch)) == sorted(map(id, data.records))
+    spanning = data.batch(2, 7)  # items 7..13: the end of epoch 0 and the start of epoch 1
+    assert spanning[:3] == data.batch(1, 10)[7:] and spanning[3:] == data.batch(2, 10)[:4]
 
 
 def test_dataset_from_jsonl(tmp_path):
@@ -85,3 +88,21 @@ def test_dataset_from_jsonl(tmp_path):
     path.write_text('{"question": "q1"}\n')
     with pytest.raises(ValueError, match="d.jsonl:1"):
         PromptDataset.from_config(DataSection(task=None, path=str(path)), seed=0)
+
+
+def test_adaptive_kl_controller_moves_the_coefficient_between_steps(make_config):
+    from rolefleet.algos import KL_CONTROLLERS
+
+    cfg = make_config("train.total_steps=3", "train.kl_coef=0.1", "train.kl_controller=adaptive",
+                      "train.kl_target=1e-6", "train.kl_horizon=100", "actor.lr=1e-2")
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor)), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(CriticCore(cfg.critic)))
+    logger = RunLogger(cfg.run.out, 3, progress=False)
+    asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, 3)))
+    logger.close()
+    r = logger.records
+    assert r[0]["kl_coef"] == 0.1
+    for prev, cur in zip(r, r[1:]):
+        expected = KL_CONTROLLERS.get("adaptive")(prev["kl_coef"], prev["kl"], 1e-6, 100, 8)
+        assert cur["kl_coef"] == pytest.approx(expected)
+    assert r[2]["kl_coef"] > r[1]["kl_coef"]  # KL far above target: the penalty grows

@@ -27,7 +27,7 @@ def test_values_start_at_zero_and_move_toward_returns(core):
     values = core.compute_values(BATCH)
     assert values.shape == (5,) and torch.all(values == 0)  # zero-initialised head
     returns = torch.ones(5)
-    for step in range(5):
+    for step in range(1, 6):
         core.update(step, BATCH, returns, core.compute_values(BATCH))
     assert core.compute_values(BATCH).mean() > 0.2
     assert core.model_version == 5
@@ -39,11 +39,11 @@ def test_update_over_grpc_changes_weights_and_replays_repeats(core):
             client = GrpcCriticClient(address, timeout_s=30)
             before = await client.status()
             values = await client.compute_values(BATCH)
-            result = await client.update(0, BATCH, torch.ones(5), values)
+            result = await client.update(1, BATCH, torch.ones(5), values)
             after = await client.status()
             assert after.weights_digest != before.weights_digest and after.model_version == 1
             assert {"vf_loss", "vf_clipfrac"} <= set(result.stats)
-            assert await client.update(0, BATCH, torch.ones(5), values) == result
+            assert await client.update(1, BATCH, torch.ones(5), values) == result
             assert (await client.status()).weights_digest == after.weights_digest
             await client.close()
 
@@ -60,10 +60,10 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                     batch=common_pb2.SequenceBatch(prompt_ids=common_pb2.Tensor(dtype="int128")))),
                     "batch.prompt_ids.dtype")
                 await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
-                    step=0, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(4)),
+                    step=1, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(4)),
                     old_values=codec.encode(torch.zeros(5)))), "returns.shape")
                 await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
-                    step=0, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(5)),
+                    step=1, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(5)),
                     old_values=codec.encode(torch.full((5,), float("inf"))))), "old_values")
                 await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
                     step=-3, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(5)),
@@ -74,3 +74,17 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                 assert list(values.values.shape) == [5]
 
     asyncio.run(scenario())
+
+
+def test_old_values_reach_the_clipped_value_loss(core):
+    seen = []
+    real = core.value_loss
+
+    def spy(values, old_values, returns, mask, value_clip):
+        seen.append((old_values.clone(), value_clip))
+        return real(values, old_values, returns, mask, value_clip)
+
+    core.value_loss = spy
+    old = torch.tensor([0.5, -0.5, 1.0, 2.0, 3.0])
+    core.update(1, BATCH, torch.ones(5), old)
+    assert seen and all(torch.equal(o.cpu().sort().values, old.sort().values) and c == 0.2 for o, c in seen)

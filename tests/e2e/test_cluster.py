@@ -132,3 +132,17 @@ def test_critic_free_algorithms_run_without_a_critic_server(make_config, tmp_pat
     assert not any(key.startswith("critic/") or key.startswith("value/") for key in records[0])
     assert {"actor/kl_loss", "actor/is_weight_mean", "kl_coef"} <= set(records[0])
     assert processes_mentioning(str(out / "config.yaml")) == []
+
+
+def test_sigterm_while_connecting_stops_the_coordinator_at_once(make_config, tmp_path):
+    cfg = make_config("actor.address=127.0.0.1:1", "reward.address=127.0.0.1:1", "critic.address=127.0.0.1:1")
+    proc = rolefleet("train", str(write_config(cfg, tmp_path / "config.yaml")))
+    deadline = time.monotonic() + 60
+    line = ""
+    while "rolefleet status --address" not in line:  # the control service is up; roles are not
+        assert time.monotonic() < deadline and proc.poll() is None
+        line = proc.stdout.readline()
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 1  # did not finish the run
+    assert time.monotonic() - started < 15  # not the 300 s connect timeout

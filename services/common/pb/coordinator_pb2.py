@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erolefleet/v1/coordinator.proto\x12\x0crolefleet.v1\"\x15\n\x13GetRunStatusRequest\"\xa8\x01\n\tRunStatus\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.rolefleet.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x18\n\x10last_reward_mean\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\r\n\x0bStopRequest\"5\n\x0cStopResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.rolefleet.v1.RunState*\x9a\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\x9f\x01\n\x12\x43oordinatorService\x12J\n\x0cGetRunStatus\x12!.rolefleet.v1.GetRunStatusRequest\x1a\x17.rolefleet.v1.RunStatus\x12=\n\x04Stop\x12\x19.rolefleet.v1.StopRequest\x1a\x1a.rolefleet.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erolefleet/v1/coordinator.proto\x12\x0crolefleet.v1\"\x15\n\x13GetRunStatusRequest\"\xa8\x01\n\tRunStatus\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.rolefleet.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x18\n\x10last_reward_mean\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\r\n\x0bStopRequest\"5\n\x0cStopResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.rolefleet.v1.RunState*\xb1\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x32\x9f\x01\n\x12\x43oordinatorService\x12J\n\x0cGetRunStatus\x12!.rolefleet.v1.GetRunStatusRequest\x1a\x17.rolefleet.v1.RunStatus\x12=\n\x04Stop\x12\x19.rolefleet.v1.StopRequest\x1a\x1a.rolefleet.v1.StopResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.coordinator_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNSTATE']._serialized_start=313
-  _globals['_RUNSTATE']._serialized_end=467
+  _globals['_RUNSTATE']._serialized_end=490
   _globals['_GETRUNSTATUSREQUEST']._serialized_start=48
   _globals['_GETRUNSTATUSREQUEST']._serialized_end=69
   _globals['_RUNSTATUS']._serialized_start=72
@@ -41,6 +41,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPREQUEST']._serialized_end=255
   _globals['_STOPRESPONSE']._serialized_start=257
   _globals['_STOPRESPONSE']._serialized_end=310
-  _globals['_COORDINATORSERVICE']._serialized_start=470
-  _globals['_COORDINATORSERVICE']._serialized_end=629
+  _globals['_COORDINATORSERVICE']._serialized_start=493
+  _globals['_COORDINATORSERVICE']._serialized_end=652
 # @@protoc_insertion_point(module_scope)

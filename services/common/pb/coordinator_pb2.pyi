@@ -13,12 +13,14 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_STOPPING: _ClassVar[RunState]
     RUN_STATE_FINISHED: _ClassVar[RunState]
     RUN_STATE_FAILED: _ClassVar[RunState]
+    RUN_STATE_STOPPED: _ClassVar[RunState]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_STARTING: RunState
 RUN_STATE_RUNNING: RunState
 RUN_STATE_STOPPING: RunState
 RUN_STATE_FINISHED: RunState
 RUN_STATE_FAILED: RunState
+RUN_STATE_STOPPED: RunState
 
 class GetRunStatusRequest(_message.Message):
     __slots__ = ()

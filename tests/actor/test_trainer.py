@@ -1,0 +1,114 @@
+"""The actor's loss assembly and update safety: what reaches the pure loss functions, how the IS
+mask, entropy bonus and KL term enter the objective, and that failed updates change nothing."""
+
+import pytest
+import torch
+
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.tiny_model import make_tiny_model
+
+ONE_STEP = ["actor.ppo_epochs=1", "actor.num_mini_batches=1"]
+
+
+def make_core(model_dir, *overrides, ref=None):
+    raw = {"model": {"model_name_or_path": model_dir}}
+    if ref is not None:
+        raw["actor"] = {"ref_model_name_or_path": ref}
+    return ActorCore(parse_config(raw, list(overrides)).actor)
+
+
+def rollout(core):
+    samples = core.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=4, n=2, seed=11))
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    return samples, batch, core.compute_logprobs(batch, 1.0, include_reference=True)
+
+
+def test_config_reaches_the_policy_loss(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.clip_ratio=0.1", "actor.clip_ratio_high=0.3", "actor.dual_clip=4",
+                     "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_norm_length=9")
+    seen = []
+    real = core.trainer.policy_loss
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    core.trainer.policy_loss = spy
+    _, batch, lp = rollout(core)
+    core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
+    assert seen and all(kw["clip_low"] == 0.1 and kw["clip_high"] == 0.3 and kw["dual_clip"] == 4 and
+                        kw["agg"] == "seq-mean-token-sum-norm" and kw["norm_length"] == 9 for kw in seen)
+
+
+def test_is_mask_removes_tokens_from_the_loss(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.is_correction=token_mask", "actor.is_threshold=2", *ONE_STEP)
+    _, batch, lp = rollout(core)
+    n0 = int(batch.response_lengths[0])
+    rollout_lp = lp.logprobs.clone()
+    rollout_lp[:n0] -= 5.0  # pi_old / pi_rollout = e^5 on response 0: masked
+    adv = torch.ones(batch.num_response_tokens)
+    adv[:n0] = 100.0
+    result = core.update(1, 0, batch, PolicyTargets(adv, lp.logprobs, rollout_logprobs=rollout_lp), 1.0)
+    # One on-policy step: ratio 1, so the token-mean loss is -mean(A) over the kept tokens = -1.
+    assert result.stats["pg_loss"] == pytest.approx(-1.0, abs=1e-4)
+    assert result.stats["is_masked_frac"] == pytest.approx(n0 / batch.num_response_tokens)
+
+
+def test_entropy_bonus_lowers_the_objective(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.entropy_coef=0.5", *ONE_STEP)
+    _, batch, lp = rollout(core)
+    result = core.update(1, 0, batch, PolicyTargets(torch.zeros(batch.num_response_tokens), lp.logprobs), 1.0)
+    assert result.stats["entropy"] > 0
+    assert result.stats["loss"] == pytest.approx(-0.5 * result.stats["entropy"], rel=1e-5)
+
+
+def test_kl_loss_raises_the_objective_and_pulls_toward_the_reference(tiny_model_dir, tmp_path):
+    other = make_tiny_model(tmp_path / "ref", task="addition", warm_start_steps=5, seed=3)
+    core = make_core(tiny_model_dir, "actor.kl_loss_coef=2.0", "actor.lr=1e-4", *ONE_STEP, ref=str(other))
+    _, batch, lp = rollout(core)
+    zeros = torch.zeros(batch.num_response_tokens)
+    result = core.update(1, 0, batch, PolicyTargets(zeros, lp.logprobs, lp.ref_logprobs), 1.0)
+    assert result.stats["kl_loss"] > 0
+    assert result.stats["loss"] == pytest.approx(2.0 * result.stats["kl_loss"], rel=1e-5)
+    after = core.compute_logprobs(batch, 1.0, include_reference=True)
+    kl_before = (torch.exp(lp.ref_logprobs - lp.logprobs) - 1 - (lp.ref_logprobs - lp.logprobs)).mean()
+    kl_after = (torch.exp(after.ref_logprobs - after.logprobs) - 1 - (after.ref_logprobs - after.logprobs)).mean()
+    assert kl_after < kl_before
+
+
+def test_non_finite_gradient_changes_nothing(tiny_model_dir):
+    core = make_core(tiny_model_dir)
+    _, batch, lp = rollout(core)
+    digest = core.digest()
+    huge = torch.full((batch.num_response_tokens,), 3e38)
+    with pytest.raises(FailedPrecondition, match="non-finite gradient"):
+        core.update(1, 0, batch, PolicyTargets(huge, lp.logprobs), 1.0)
+    assert core.digest() == digest and core.policy_version == 0 and core.ledger.last_step == 0
+    # The same step with sane targets is then applied normally.
+    core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
+    assert core.policy_version == 1
+
+
+def test_a_partly_applied_update_blocks_further_updates(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.num_mini_batches=2")
+    _, batch, lp = rollout(core)
+    real, calls = core.trainer._step, []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory")
+        return real(*args, **kwargs)
+
+    core.trainer._step = failing_second
+    targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+    with pytest.raises(FailedPrecondition, match="after 1 of 2 optimizer steps"):
+        core.update(1, 0, batch, targets, 1.0)
+    core.trainer._step = real
+    with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
+        core.update(1, 0, batch, targets, 1.0)  # a retry must not apply the first mini-batch twice
+    assert core.policy_version == 0
