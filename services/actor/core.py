@@ -68,6 +68,11 @@ class ActorCore:
     def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
         sampling.validate()
         prompt_ids = self.tokenize_prompts(prompts)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        longest = max(len(p) for p in prompt_ids)
+        if limit is not None and longest + sampling.max_new_tokens > limit:
+            raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens after a "
+                                  f"{longest}-token prompt exceed the model's {limit} positions")
         with self._lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
             samples = self.engine.generate(prompt_ids, sampling, self.policy_version)
         metrics.TOKENS_GENERATED.labels(ROLE).inc(sum(len(s.response_ids) for s in samples))
