@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -66,6 +67,21 @@ class ActorCore:
         return ids
 
     def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
+        return [sample for chunk in self.generate_chunks(prompts, sampling) for sample in chunk]
+
+    def generate_chunks(self, prompts: list[str], sampling: SamplingParams) -> Iterator[list[Sample]]:
+        """Samples as each forward batch finishes. Input is validated before the first chunk;
+        the model stays locked until the iterator is exhausted or closed."""
+        prompt_ids = self._validate_generate(prompts, sampling)
+        return self._locked_chunks(prompt_ids, sampling)
+
+    def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
+        with self._lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
+            for chunk in self.engine.generate(prompt_ids, sampling, self.policy_version):
+                metrics.TOKENS_GENERATED.labels(ROLE).inc(sum(len(s.response_ids) for s in chunk))
+                yield chunk
+
+    def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()
         prompt_ids = self.tokenize_prompts(prompts)
         limit = getattr(self.model.config, "max_position_embeddings", None)
@@ -73,10 +89,7 @@ class ActorCore:
         if limit is not None and longest + sampling.max_new_tokens > limit:
             raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens after a "
                                   f"{longest}-token prompt exceed the model's {limit} positions")
-        with self._lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
-            samples = self.engine.generate(prompt_ids, sampling, self.policy_version)
-        metrics.TOKENS_GENERATED.labels(ROLE).inc(sum(len(s.response_ids) for s in samples))
-        return samples
+        return prompt_ids
 
     # --- training ---------------------------------------------------------------------------------
 

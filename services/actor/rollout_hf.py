@@ -7,6 +7,8 @@ same quantity the trainer recomputes, so rollout/train mismatch stays measurable
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -22,22 +24,23 @@ class HFRolloutEngine:
         self.device = device
         self.batch_size = batch_size
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams, policy_version: int) -> list[Sample]:
-        """n samples for each prompt, ordered prompt-major. prompt_ids: list of int64 [P_i]."""
+    def generate(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams,
+                 policy_version: int) -> Iterator[list[Sample]]:
+        """n samples for each prompt, prompt-major, yielded one forward batch (`batch_size` sequences)
+        at a time so callers can stream finished samples. prompt_ids: list of int64 [P_i]."""
         if sampling.seed >= 0:
             torch.manual_seed(sampling.seed)
         jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(sampling.n)]
-        samples: list[Sample] = []
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, len(jobs), self.batch_size):
                 chunk = jobs[start : start + self.batch_size]
-                samples.extend(self._generate_chunk(chunk, prompt_ids, sampling, policy_version))
+                with torch.no_grad():
+                    samples = self._generate_chunk(chunk, prompt_ids, sampling, policy_version)
+                yield samples
         finally:
             self.model.train(was_training)
-        return samples
 
     def _generate_chunk(self, chunk, prompt_ids, sampling: SamplingParams, policy_version: int) -> list[Sample]:
         prompts = [prompt_ids[p] for p, _ in chunk]

@@ -86,3 +86,28 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                 assert reply.policy_version == before.model_version + 1
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_stream_releases_the_model(tiny_model_dir):
+    from rolefleet.common.config import parse_config
+
+    core = ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                                  ["actor.rollout_batch_size=1"]).actor)
+
+    async def scenario():
+        async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
+            async with open_channel(address) as channel:
+                stub = actor_pb2_grpc.ActorServiceStub(channel)
+                sampling = actor_pb2.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4, n=4, seed=1)
+                call = stub.Generate(actor_pb2.GenerateRequest(prompts=["1+2="] * 8, sampling=sampling))
+                first = await call.read()  # one forward batch of one sequence is out
+                assert first.prompt_index == 0
+                call.cancel()
+                # The model lock is released: a new request is served in full.
+                client = GrpcActorClient(address, timeout_s=30)
+                samples = await asyncio.wait_for(
+                    client.generate(["3+4="], SamplingParams(max_new_tokens=3, n=2, seed=2)), timeout=30)
+                assert len(samples) == 2
+                await client.close()
+
+    asyncio.run(scenario())
