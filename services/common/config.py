@@ -48,11 +48,12 @@ class Endpoint(_Section):
     address: Optional[str] = Field(None, description="host:port clients dial; default host:port")
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default torch's")
 
-    def dial_address(self) -> str:
+    def dial_address(self, role: str) -> str:
         if self.address:
             return self.address
         if self.port == 0:
-            raise ConfigError("an address is needed to reach a server configured with port 0")
+            raise ConfigError(f"set {role}.address (or a fixed {role}.port): the server "
+                              "picks its port at start (port 0), so it cannot be dialled from the config")
         return f"{dial_host(self.host)}:{self.port}"
 
 
@@ -74,6 +75,15 @@ class DataSection(_Section):
     task: Optional[str] = Field("addition", description="built-in prompt generator (rolefleet.tasks)")
     path: Optional[str] = Field(None, description="JSONL of {prompt, ground_truth}; overrides task")
     size: int = Field(4096, ge=1, description="prompts drawn from a built-in task")
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: Optional[str]) -> Optional[str]:
+        from rolefleet.tasks import TASKS
+
+        if v is not None and v not in TASKS:
+            raise ValueError(f"unknown task {v!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:
@@ -173,6 +183,13 @@ class CriticSection(_TrainerSection):
 
 class RewardSection(Endpoint):
     function: str = Field("exact_match", description="name in the rule-based reward registry")
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v: str) -> str:
+        from rolefleet.reward.functions import REWARD_FUNCTIONS
+
+        return _one_of(REWARD_FUNCTIONS, v)
 
 
 class CoordinatorSection(Endpoint):

@@ -49,12 +49,14 @@ def add_to_server(status: RunStatus, server: grpc.aio.Server) -> list[str]:
     return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
 
 
-async def connect_roles(cfg: RoleFleetConfig) -> Roles:
+def role_addresses(cfg: RoleFleetConfig) -> dict[str, str]:
+    """Where each role this run needs is dialled (ConfigError when one cannot be known)."""
+    return {role: getattr(cfg, role).dial_address(role) for role in cfg.roles() if role != "coordinator"}
+
+
+async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str]) -> Roles:
     """gRPC clients for the configured roles, once each answers SERVING on its health service."""
     timeout = cfg.train.rpc_timeout_s
-    addresses = {"actor": cfg.actor.dial_address(), "reward": cfg.reward.dial_address()}
-    if cfg.preset.uses_critic:
-        addresses["critic"] = cfg.critic.dial_address()
     for role, address in addresses.items():
         await wait_healthy(role, address, cfg.train.connect_timeout_s)
     return Roles(
@@ -74,6 +76,7 @@ def _failed(status: RunStatus, exc: Exception) -> RunStatus:
 async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None,
                           progress: bool = True) -> Optional[RunStatus]:
     """Serve the control service and run the loop; None when a signal cancelled it while starting."""
+    addresses = role_addresses(cfg)  # before anything starts: a config without them is an error
     out = cfg.run.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
@@ -87,7 +90,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
         print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
               f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress", flush=True)
         try:
-            roles = await connect_roles(cfg)
+            roles = await connect_roles(cfg, addresses)
         except Unavailable as exc:
             return _failed(status, exc)
         logger = RunLogger(out, cfg.train.total_steps, progress=progress)

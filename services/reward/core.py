@@ -23,10 +23,7 @@ class ScoreItem:
 
 class RewardCore:
     def __init__(self, cfg: RewardSection):
-        try:
-            self.fn = REWARD_FUNCTIONS.get(cfg.function)
-        except KeyError as e:
-            raise ValueError(f"reward.function: {e.args[0]}") from None
+        self.fn = REWARD_FUNCTIONS.get(cfg.function)  # the config schema already checked the name
         self.scored = 0
 
     def score(self, items: list[ScoreItem]) -> torch.Tensor:

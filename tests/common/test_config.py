@@ -48,6 +48,8 @@ def test_override_leaves_the_callers_dict_alone():
         ("actor.dual_clip=0.5", "actor.dual_clip: Input should be greater than 1"),
         ("algorithm=rloo", "set train.samples_per_prompt >= 2"),
         ("train.kl_controller=adaptive", "kl_controller adaptive scales kl_coef, which is 0"),
+        ("data.task=sums", "unknown task 'sums'; built-in tasks: addition"),
+        ("reward.function=fuzzy", "unknown reward function 'fuzzy'; valid: exact_match, numeric_match"),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, message):
@@ -115,3 +117,11 @@ def test_clip_range_defaults_follow_the_policy_loss():
     assert (ppo.actor.clip_ratio, ppo.actor.clip_ratio_high) == (0.2, 0.28)
     mine = parse_config(BASE, ["actor.policy_loss=gspo", "actor.clip_ratio=1e-3"])
     assert (mine.actor.clip_ratio, mine.actor.clip_ratio_high) == (1e-3, 1e-3)
+
+
+def test_a_role_on_port_0_needs_an_address_to_be_dialled():
+    cfg = parse_config(BASE)
+    with pytest.raises(ConfigError, match="set actor.address"):
+        cfg.actor.dial_address("actor")
+    assert parse_config(BASE, ["actor.port=5000"]).actor.dial_address("actor") == "127.0.0.1:5000"
+    assert parse_config(BASE, ["actor.address=actor:7"]).actor.dial_address("actor") == "actor:7"

@@ -146,3 +146,9 @@ def test_sigterm_while_connecting_stops_the_coordinator_at_once(make_config, tmp
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 1  # did not finish the run
     assert time.monotonic() - started < 15  # not the 300 s connect timeout
+
+
+def test_train_without_role_addresses_is_a_config_error(make_config, tmp_path):
+    proc = rolefleet("train", str(write_config(make_config(), tmp_path / "config.yaml")))
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "set actor.address" in output

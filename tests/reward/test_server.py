@@ -28,8 +28,10 @@ def test_rule_based_functions(name, response, truth, expected):
 
 
 def test_unknown_function_is_a_config_error_listing_valid_names():
-    with pytest.raises(ValueError, match="reward.function: unknown reward function 'nope'; valid: exact_match"):
-        RewardCore(RewardSection(function="nope"))
+    from rolefleet.common.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="reward.function: unknown reward function 'nope'; valid: exact_match"):
+        parse_config({"model": {"model_name_or_path": "m"}}, ["reward.function=nope"])
 
 
 def test_score_over_grpc_and_malformed_request():
