@@ -18,9 +18,13 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_up(args) -> int:
-    from rolefleet.up import up
+    from rolefleet.up import RoleFailed, up
 
-    return up(load_config(args.config, args.overrides))
+    try:
+        return up(load_config(args.config, args.overrides))
+    except RoleFailed as e:
+        print(f"rolefleet: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_serve(args) -> int:

@@ -38,6 +38,10 @@ def _die_with_parent(parent: int) -> None:  # runs in the child between fork and
             os._exit(1)
 
 
+class RoleFailed(RuntimeError):
+    """A role process could not be brought up."""
+
+
 @dataclass
 class RoleProcess:
     role: str
@@ -89,15 +93,21 @@ class Supervisor:
             for role in roles:
                 rp = self.procs[role]
                 if rp.proc.poll() is not None:
-                    raise RuntimeError(f"{role} exited with code {rp.proc.returncode} before it was ready; "
-                                       f"see {self.logs / (role + '.log')}")
+                    raise RoleFailed(f"{role} exited with code {rp.proc.returncode} before it was ready; "
+                                     f"the end of {self.logs / (role + '.log')}:\n{self.log_tail(role)}")
                 if role not in ports and (p := rp.ports()) is not None:
                     ports[role] = p
             if time.monotonic() > deadline:
                 missing = sorted(set(roles) - set(ports))
-                raise RuntimeError(f"roles not ready after {READY_TIMEOUT_S:.0f}s: {missing}")
+                raise RoleFailed(f"roles not ready after {READY_TIMEOUT_S:.0f}s: {missing}")
             time.sleep(0.1)
         return ports
+
+    def log_tail(self, role: str, lines: int = 8) -> str:
+        try:
+            return "\n".join((self.logs / f"{role}.log").read_text().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def watch(self, main: str) -> int:
         """Wait for `main` (the coordinator) to exit; fail fast if another role dies first."""
@@ -107,7 +117,8 @@ class Supervisor:
                 return code
             for role, rp in self.procs.items():
                 if role != main and rp.proc.poll() is not None:
-                    log.error("%s exited with code %d during the run; stopping", role, rp.proc.returncode)
+                    print(f"rolefleet: {role} exited with code {rp.proc.returncode} during the run; stopping. "
+                          f"The end of its log:\n{self.log_tail(role)}", file=sys.stderr, flush=True)
                     return 1
             time.sleep(0.2)
 

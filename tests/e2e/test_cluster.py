@@ -152,3 +152,12 @@ def test_train_without_role_addresses_is_a_config_error(make_config, tmp_path):
     proc = rolefleet("train", str(write_config(make_config(), tmp_path / "config.yaml")))
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "set actor.address" in output
+
+
+def test_up_with_a_missing_model_says_why(make_config, tmp_path):
+    cfg = make_config(f"model.model_name_or_path={tmp_path / 'no-such-model'}")
+    proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "exited with code 1 before it was ready" in output and "no-such-model" in output
+    assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
