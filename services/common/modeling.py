@@ -29,8 +29,17 @@ def set_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+def check_model_path(path: str) -> str:
+    """A local path that is not a directory fails here with a plain message; an `org/name` hub id
+    is left to transformers."""
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    return path
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(check_model_path(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -38,7 +47,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def load_causal_lm(path: str, device: torch.device) -> PreTrainedModel:
     # fp32 master weights; bf16 autocast on CUDA comes with the GPU training issue.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(check_model_path(path), dtype=torch.float32)
     return disable_dropout(model).to(device)
 
 

@@ -6,14 +6,14 @@ import torch
 from transformers import AutoModel
 
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.modeling import disable_dropout
+from rolefleet.common.modeling import check_model_path, disable_dropout
 
 
 class ValueModel(torch.nn.Module):
     def __init__(self, path: str):
         super().__init__()
         # AutoModel takes the backbone weights of a causal-LM checkpoint and drops its LM head.
-        self.backbone = disable_dropout(AutoModel.from_pretrained(path, dtype=torch.float32))
+        self.backbone = disable_dropout(AutoModel.from_pretrained(check_model_path(path), dtype=torch.float32))
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         # Zero init: values start at 0, so early advantages are the raw returns, not head noise.
         torch.nn.init.zeros_(self.head.weight)
