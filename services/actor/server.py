@@ -11,7 +11,7 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
 from rolefleet.common.roles import RoleStatus
-from rolefleet.common.server import RoleServicer, rpc, rpc_stream
+from rolefleet.common.server import RoleServicer, iterate_in_thread, rpc, rpc_stream
 
 
 class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
@@ -23,25 +23,12 @@ class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
     @rpc_stream
     async def Generate(self, request: actor_pb2.GenerateRequest, context):
         sampling = wire.sampling_from_proto(request.sampling)
-        # Model work runs in a thread so health checks and metrics stay responsive meanwhile; each
-        # forward batch is sent as soon as it finishes.
-        chunks = self.core.generate_chunks(list(request.prompts), sampling)
-        loop, running = asyncio.get_running_loop(), None
-        try:
-            while True:
-                running = loop.run_in_executor(None, next, chunks, None)
-                # Shielded: a cancelled call must not abandon the batch the thread is computing.
-                chunk = await asyncio.shield(running)
-                if chunk is None:
-                    break
-                for sample in chunk:
-                    yield wire.sample_to_proto(sample)
-        finally:
-            # Closing the iterator releases the model lock; wait for a batch still in flight.
-            if running is not None and not running.done():
-                running.add_done_callback(lambda _: chunks.close())
-            else:
-                chunks.close()
+        prompts = list(request.prompts)
+        # Validation, tokenization and generation all run off the loop; each forward batch is sent
+        # as soon as it finishes.
+        async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling)):
+            for sample in chunk:
+                yield wire.sample_to_proto(sample)
 
     @rpc
     async def ComputeLogProbs(self, request: actor_pb2.ComputeLogProbsRequest, context):

@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -70,6 +71,9 @@ def rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         name, start, code = _received(self, method, request)
         try:
             response = await method(self, request, context)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the client went away or its deadline passed
+            raise
         except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
             code, message = _fail(self.role, name, exc)
             await context.abort(code, message)
@@ -91,6 +95,9 @@ def rpc_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
             async for response in method(self, request, context):
                 metrics.RPC_SENT_BYTES.labels(self.role, name).inc(response.ByteSize())
                 yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
         except Exception as exc:  # noqa: BLE001
             code, message = _fail(self.role, name, exc)
             await context.abort(code, message)
@@ -98,6 +105,53 @@ def rpc_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
             metrics.RPC_SECONDS.labels(self.role, name, code.name).observe(time.perf_counter() - start)
 
     return wrapper
+
+
+_DONE = object()
+
+
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """Run a blocking iterator on a thread of its own and yield its items on the event loop.
+
+    Its own thread, not the shared executor: an iterator that holds a lock between items (the
+    actor's model lock during a rollout) must not wait for a pool slot that callers queued on that
+    lock already hold. Closing the async iterator (a cancelled call) stops the thread after the item
+    in flight and closes the blocking iterator there, where it runs.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+
+    def post(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    def produce() -> None:
+        try:
+            iterator = make_iterator()
+            try:
+                for item in iterator:
+                    post(item)
+                    if stop.is_set():
+                        break
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()
+            post(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            post(exc)
+
+    threading.Thread(target=produce, name="stream-producer", daemon=True).start()
+    try:
+        while (item := await queue.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
 
 
 @dataclass
@@ -117,7 +171,8 @@ class RoleServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         if close is not None:
-            close()
+            # Off the loop: closing may wait for a rollout thread to let go of the model.
+            await asyncio.to_thread(close)
 
 
 async def start_server(
