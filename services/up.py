@@ -80,7 +80,10 @@ class Supervisor:
         level = "info" if log_to_file else logging.getLevelName(logging.getLogger().level).lower()
         cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *overrides,
                "--config", str(self.config_path), "--ready-file", str(ready)]
+        # A session of its own: a Ctrl-C in the terminal reaches `up` alone, which stops the
+        # children in order (coordinator first) instead of all at once.
         proc = subprocess.Popen(cmd, env=role_env(self.cfg, role), stdout=log_file, stderr=log_file,
+                                start_new_session=True,
                                 preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         self.procs[role] = RoleProcess(role, proc, ready, log_file)
         log.info("started %s (pid %d)", role, proc.pid)
@@ -123,20 +126,24 @@ class Supervisor:
             time.sleep(0.2)
 
     def stop_all(self) -> None:
-        """SIGTERM everyone (each role shuts down in order), then SIGKILL stragglers."""
-        for rp in self.procs.values():
-            if rp.proc.poll() is None:
-                rp.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for rp in self.procs.values():
-            try:
-                rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs; killing it", rp.role, STOP_GRACE_S)
-                rp.proc.kill()
-                rp.proc.wait()
-            if rp.log_file is not None:
-                rp.log_file.close()
+        """The coordinator first, so it can finish its step while the roles still answer; then the
+        roles. SIGTERM (each shuts down in order), then SIGKILL after the grace period."""
+        first = [rp for rp in self.procs.values() if rp.role == "coordinator"]
+        rest = [rp for rp in self.procs.values() if rp.role != "coordinator"]
+        for group in (first, rest):
+            for rp in group:
+                if rp.proc.poll() is None:
+                    rp.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for rp in group:
+                try:
+                    rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0fs; killing it", rp.role, STOP_GRACE_S)
+                    rp.proc.kill()
+                    rp.proc.wait()
+                if rp.log_file is not None:
+                    rp.log_file.close()
 
 
 def up(cfg: RoleFleetConfig) -> int:

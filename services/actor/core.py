@@ -108,6 +108,10 @@ class ActorCore:
         with self._lock:
             done = self.ledger.check(step)
             if done is not None:
+                if policy_version != done.model_version - 1:
+                    # Same step id, other batch: a new run against a used actor, not a retry.
+                    raise FailedPrecondition(f"step {step} was already applied to policy version "
+                                             f"{done.model_version - 1}, not {policy_version}")
                 return done
             if policy_version != self.policy_version:
                 raise FailedPrecondition(

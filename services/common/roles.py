@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -76,8 +76,10 @@ async def call(awaitable: Awaitable[T]) -> T:
         raise error_from_rpc(e) from None
 
 
-async def wait_healthy(role: str, address: str, timeout_s: float) -> None:
-    """Poll the standard health service until `address` answers SERVING, or raise Unavailable."""
+async def wait_healthy(role: str, address: str, timeout_s: float,
+                       give_up: Callable[[], bool] = lambda: False) -> None:
+    """Poll the standard health service until `address` answers SERVING; raise Unavailable on
+    timeout or as soon as `give_up()` is true."""
     deadline = time.monotonic() + timeout_s
     async with open_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -88,6 +90,8 @@ async def wait_healthy(role: str, address: str, timeout_s: float) -> None:
                     return
             except grpc.aio.AioRpcError:
                 pass  # not up yet
+            if give_up():
+                raise Unavailable(f"gave up waiting for {role} at {address}")
             if time.monotonic() > deadline:
                 raise Unavailable(f"{role} at {address} was not SERVING within {timeout_s:.0f}s")
             await asyncio.sleep(0.2)

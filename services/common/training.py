@@ -35,6 +35,8 @@ def run_epochs(batch: SequenceBatch, epochs: int, num_mini_batches: int, generat
                 for name, value in step(batch.select(rows), batch.token_index(rows)).items():
                     totals[name] += value
                 steps += 1
+    except PartialUpdate:
+        raise
     except Exception as exc:
         if steps == 0:
             generator.set_state(rng_state)
@@ -60,5 +62,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, los
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient(f"non-finite gradient (loss {loss.item():.4g}); the optimizer step was skipped")
-    optimizer.step()
+    try:
+        optimizer.step()
+    except Exception as exc:  # e.g. out of memory inside Adam: some parameters already moved
+        raise PartialUpdate(f"the optimizer step failed midway ({exc})") from exc
     return grad_norm.item()

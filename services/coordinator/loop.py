@@ -102,13 +102,25 @@ def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProb
     )
 
 
+async def require_fresh(roles: Roles) -> None:
+    """Step ids start at 1 in every run; trainer roles that already applied steps (another run)
+    would answer this run's steps with their recorded results. Resuming comes with checkpoints."""
+    for name, client in (("actor", roles.actor), ("critic", roles.critic)):
+        if client is not None and (st := await client.status()).last_step > 0:
+            raise FailedPrecondition(f"the {name} already applied steps up to {st.last_step} in another run: "
+                                     "restart the role servers for a new run")
+
+
 async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> RunStatus:
     dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
     s, t = cfg.sampling, cfg.train
     kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
     if (roles.critic is not None) != cfg.preset.uses_critic:
         raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
-    status.state = RunState.RUNNING
+    await require_fresh(roles)
+    status.stepping = True
+    if not status.stop_requested:
+        status.state = RunState.RUNNING
     for step in range(1, t.total_steps + 1):
         if status.stop_requested:
             break
@@ -151,5 +163,5 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         logger.log(record)
         status.step, status.policy_version = step, actor_result.model_version
         status.last_reward_mean = record["reward/mean"]
-    status.state = RunState.STOPPED if status.stop_requested else RunState.FINISHED
+    status.state = RunState.STOPPED if status.step < t.total_steps else RunState.FINISHED
     return status

@@ -54,11 +54,12 @@ def role_addresses(cfg: RoleFleetConfig) -> dict[str, str]:
     return {role: getattr(cfg, role).dial_address(role) for role in cfg.roles() if role != "coordinator"}
 
 
-async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str]) -> Roles:
-    """gRPC clients for the configured roles, once each answers SERVING on its health service."""
+async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status: RunStatus) -> Roles:
+    """gRPC clients for the configured roles, once each answers SERVING on its health service
+    (a stop request ends the wait)."""
     timeout = cfg.train.rpc_timeout_s
     for role, address in addresses.items():
-        await wait_healthy(role, address, cfg.train.connect_timeout_s)
+        await wait_healthy(role, address, cfg.train.connect_timeout_s, give_up=lambda: status.stop_requested)
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
         reward=GrpcRewardClient(addresses["reward"], timeout),
@@ -90,8 +91,11 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
         print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
               f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress", flush=True)
         try:
-            roles = await connect_roles(cfg, addresses)
+            roles = await connect_roles(cfg, addresses, status)
         except Unavailable as exc:
+            if status.stop_requested:
+                status.state = RunState.STOPPED
+                return status
             return _failed(status, exc)
         logger = RunLogger(out, cfg.train.total_steps, progress=progress)
         try:

@@ -25,12 +25,12 @@ class RunStatus:
     last_reward_mean: float = 0.0
     error: str = ""
     stop_requested: bool = False
+    stepping: bool = False  # set once the loop runs steps; before that a stop may cancel at once
 
     def request_stop(self) -> bool:
         """Ask the run to stop after the step in flight. True when it has not started stepping, so
         it may be cancelled at once (nothing to leave consistent)."""
         self.stop_requested = True
-        starting = self.state == RunState.STARTING
         if self.state in (RunState.STARTING, RunState.RUNNING):
             self.state = RunState.STOPPING
-        return starting
+        return not self.stepping

@@ -112,3 +112,28 @@ def test_a_partly_applied_update_blocks_further_updates(tiny_model_dir):
     with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
         core.update(1, 0, batch, targets, 1.0)  # a retry must not apply the first mini-batch twice
     assert core.policy_version == 0
+
+
+def test_a_failure_inside_the_first_optimizer_step_blocks_further_updates(tiny_model_dir):
+    core = make_core(tiny_model_dir)
+    _, batch, lp = rollout(core)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")  # Adam may have moved some parameters already
+
+    core.trainer.optimizer.step = out_of_memory
+    targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+    with pytest.raises(FailedPrecondition, match="optimizer step failed midway"):
+        core.update(1, 0, batch, targets, 1.0)
+    with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
+        core.update(1, 0, batch, targets, 1.0)
+
+
+def test_a_replayed_step_must_come_from_the_same_policy_version(tiny_model_dir):
+    core = make_core(tiny_model_dir)
+    _, batch, lp = rollout(core)
+    targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+    first = core.update(1, 0, batch, targets, 1.0)
+    assert core.update(1, 0, batch, targets, 1.0) == first  # a retry
+    with pytest.raises(FailedPrecondition, match="already applied to policy version 0, not 1"):
+        core.update(1, 1, batch, targets, 1.0)  # another run reusing step id 1

@@ -106,3 +106,23 @@ def test_adaptive_kl_controller_moves_the_coefficient_between_steps(make_config)
         expected = KL_CONTROLLERS.get("adaptive")(prev["kl_coef"], prev["kl"], 1e-6, 100, 8)
         assert cur["kl_coef"] == pytest.approx(expected)
     assert r[2]["kl_coef"] > r[1]["kl_coef"]  # KL far above target: the penalty grows
+
+
+def test_a_second_run_against_used_roles_is_refused(make_config):
+    from rolefleet.common.errors import FailedPrecondition
+
+    cfg = make_config("train.total_steps=1")
+    actor = ActorCore(cfg.actor)
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(CriticCore(cfg.critic)))
+    for attempt in range(2):
+        logger = RunLogger(cfg.run.out, 1, progress=False)
+        try:
+            if attempt == 0:
+                asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, 1)))
+            else:
+                with pytest.raises(FailedPrecondition, match="already applied steps up to 1"):
+                    asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, 1)))
+        finally:
+            logger.close()
+    assert actor.policy_version == 1
