@@ -49,6 +49,7 @@ ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
 
 
 async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
+    set_threads(getattr(cfg, role).num_threads)
     if role == "coordinator":
         from rolefleet.coordinator.server import run_coordinator
         from rolefleet.coordinator.state import RunState
@@ -58,7 +59,6 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if role not in ROLE_BUILDERS:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
     section = getattr(cfg, role)
-    set_threads(section.num_threads)
     core, add_servicers = ROLE_BUILDERS[role](cfg)
     handle = await start_server(role, section, add_servicers)
     if ready_file:

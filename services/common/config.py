@@ -89,6 +89,8 @@ class DataSection(_Section):
     def _one_source(self) -> DataSection:
         if not self.task and not self.path:
             raise ValueError("set data.task or data.path")
+        if self.path and not Path(self.path).is_file():
+            raise ValueError(f"data.path {self.path} is not a file")
         return self
 
 

@@ -49,6 +49,7 @@ def test_override_leaves_the_callers_dict_alone():
         ("algorithm=rloo", "set train.samples_per_prompt >= 2"),
         ("train.kl_controller=adaptive", "kl_controller adaptive scales kl_coef, which is 0"),
         ("data.task=sums", "unknown task 'sums'; built-in tasks: addition"),
+        ("data.path=/no/such.jsonl", "data.path /no/such.jsonl is not a file"),
         ("reward.function=fuzzy", "unknown reward function 'fuzzy'; valid: exact_match, numeric_match"),
     ],
 )
