@@ -42,7 +42,7 @@ class InProcessActorClient:
 
     async def status(self):
         return RoleStatus("actor", self.core.policy_version, self.core.ledger.last_step,
-                          await asyncio.to_thread(self.core.digest))
+                          await asyncio.to_thread(self.core.digest), broken=self.core.ledger.broken or "")
 
     async def close(self):
         pass

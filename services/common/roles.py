@@ -25,16 +25,18 @@ class RoleStatus:
     last_step: int = 0
     weights_digest: str = ""
     requests_served: int = 0
+    broken: str = ""  # why the role refuses updates until restarted
 
     def to_proto(self) -> common_pb2.RoleStatus:
         return common_pb2.RoleStatus(
             role=self.role, model_version=self.model_version, last_step=self.last_step,
-            weights_digest=self.weights_digest, requests_served=self.requests_served,
+            weights_digest=self.weights_digest, requests_served=self.requests_served, broken=self.broken,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.RoleStatus) -> RoleStatus:
-        return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served)
+        return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served,
+                   msg.broken)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,12 @@ async def require_fresh(roles: Roles) -> None:
     """Step ids start at 1 in every run; trainer roles that already applied steps (another run)
     would answer this run's steps with their recorded results. Resuming comes with checkpoints."""
     for name, client in (("actor", roles.actor), ("critic", roles.critic)):
-        if client is not None and (st := await client.status()).last_step > 0:
+        if client is None:
+            continue
+        st = await client.status()
+        if st.broken:
+            raise FailedPrecondition(f"the {name} refuses updates: {st.broken}")
+        if st.last_step > 0:
             raise FailedPrecondition(f"the {name} already applied steps up to {st.last_step} in another run: "
                                      "restart the role servers for a new run")
 

@@ -34,7 +34,7 @@ class InProcessCriticClient:
 
     async def status(self):
         return RoleStatus("critic", self.core.model_version, self.core.ledger.last_step,
-                          await asyncio.to_thread(self.core.digest))
+                          await asyncio.to_thread(self.core.digest), broken=self.core.ledger.broken or "")
 
     async def close(self):
         pass

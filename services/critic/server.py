@@ -39,7 +39,7 @@ class CriticServicer(RoleServicer, critic_pb2_grpc.CriticServiceServicer):
     async def GetStatus(self, request: common_pb2.GetStatusRequest, context):
         digest = await asyncio.to_thread(self.core.digest)
         return RoleStatus(self.role, self.core.model_version, self.core.ledger.last_step, digest,
-                          self.requests_served).to_proto()
+                          self.requests_served, self.core.ledger.broken or "").to_proto()
 
 
 def add_to_server(core: CriticCore, server: grpc.aio.Server) -> list[str]:

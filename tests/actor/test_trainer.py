@@ -1,9 +1,12 @@
 """The actor's loss assembly and update safety: what reaches the pure loss functions, how the IS
 mask, entropy bonus and KL term enter the objective, and that failed updates change nothing."""
 
+import asyncio
+
 import pytest
 import torch
 
+from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
@@ -112,6 +115,8 @@ def test_a_partly_applied_update_blocks_further_updates(tiny_model_dir):
     with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
         core.update(1, 0, batch, targets, 1.0)  # a retry must not apply the first mini-batch twice
     assert core.policy_version == 0
+    status = asyncio.run(InProcessActorClient(core).status())
+    assert "after 1 of 2 optimizer steps" in status.broken  # visible to operators and the coordinator
 
 
 def test_a_failure_inside_the_first_optimizer_step_blocks_further_updates(tiny_model_dir):
