@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Generic, Optional, TypeVar
 
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 
 R = TypeVar("R")
+
+
+class PartialUpdate(FailedPrecondition):
+    """An update failed after some of its optimizer steps touched the weights."""
 
 
 class StepLedger(Generic[R]):
@@ -34,9 +40,15 @@ class StepLedger(Generic[R]):
             raise FailedPrecondition(f"{self.role} already moved past step {step} (last applied: {self.last_step})")
         return None
 
-    def mark_broken(self, step: int, exc: Exception) -> None:
-        """An update of `step` left the weights partially applied: refuse every later update."""
-        self.broken = f"the update of step {step} {exc}"
+    @contextmanager
+    def applying(self, step: int) -> Iterator[None]:
+        """Wrap the work of a new step: a PartialUpdate inside leaves the weights neither old nor
+        new, so every later update is refused until the role is restarted."""
+        try:
+            yield
+        except PartialUpdate as exc:
+            self.broken = f"the update of step {step} {exc}"
+            raise
 
     def record(self, step: int, result: R) -> None:
         self.results[step] = result

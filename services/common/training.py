@@ -9,13 +9,9 @@ import torch
 
 from rolefleet.common.batch import SequenceBatch, mini_batches
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.steps import PartialUpdate
 
 StepFn = Callable[[SequenceBatch, torch.Tensor], dict[str, float]]
-
-
-class PartialUpdate(FailedPrecondition):
-    """An update failed after some of its optimizer steps were applied: the weights are neither the
-    old nor the new ones, so the role must not accept further updates (see StepLedger.mark_broken)."""
 
 
 def run_epochs(batch: SequenceBatch, epochs: int, num_mini_batches: int, generator: torch.Generator,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import grpc
@@ -18,8 +17,6 @@ from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
-
-log = logging.getLogger(__name__)
 
 
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -69,7 +66,6 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
 
 def _failed(status: RunStatus, exc: Exception) -> RunStatus:
     status.state, status.error = RunState.FAILED, f"{type(exc).__name__}: {exc}"
-    log.error("run failed at step %d: %s", status.step + 1, status.error)
     print(f"rolefleet: run failed at step {status.step + 1}: {status.error}", flush=True)
     return status
 

@@ -13,7 +13,7 @@ from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import pick_device, release_memory, weights_digest
 from rolefleet.common.roles import UpdateResult
 from rolefleet.common.steps import StepLedger
-from rolefleet.common.training import PartialUpdate, optimizer_step, run_epochs
+from rolefleet.common.training import optimizer_step, run_epochs
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -60,10 +60,9 @@ class CriticCore:
 
             self.model.train()
             try:
-                stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
-            except PartialUpdate as exc:
-                self.ledger.mark_broken(step, exc)
-                raise
+                with self.ledger.applying(step):
+                    stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator,
+                                       train_step)
             finally:
                 self.model.eval()
             self.model_version += 1
