@@ -82,8 +82,10 @@ class PolicyTrainer:
             dual_clip=cfg.dual_clip, agg=cfg.loss_agg_mode, weights=weights, norm_length=cfg.loss_norm_length,
         )
         stats["pg_loss"] = loss.item()
-        entropy = mb.pad_responses(entropy_from_logits(logits))
-        entropy_term = aggregate(entropy, mask, cfg.loss_agg_mode, cfg.loss_norm_length)
+        # Entropy over the vocabulary is costly to differentiate: keep its graph only when it is a loss term.
+        with torch.set_grad_enabled(cfg.entropy_coef > 0):
+            entropy = mb.pad_responses(entropy_from_logits(logits))
+            entropy_term = aggregate(entropy, mask, cfg.loss_agg_mode, cfg.loss_norm_length)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * entropy_term
         if cfg.kl_loss_coef > 0:
