@@ -82,6 +82,9 @@ class ActorCore:
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()
+        if len(prompts) * sampling.n > self.cfg.max_sequences_per_request:
+            raise InvalidArgument("sampling.n", f"{len(prompts)} prompts x n={sampling.n} exceed "
+                                  f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")
         prompt_ids = self.tokenize_prompts(prompts)
         limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in prompt_ids)

@@ -142,6 +142,7 @@ CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) pe
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
     rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
+    max_sequences_per_request: int = Field(65536, ge=1, description="prompts x n one Generate may ask for")
     policy_loss: str = "ppo_clip"
     clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
                                         "default: the policy loss's")

@@ -104,6 +104,7 @@ def test_stale_policy_version_is_a_failed_precondition(core):
         (lambda c: c.generate(["1+1="], SamplingParams(top_p=0)), "sampling.top_p"),
         (lambda c: c.generate(["1+1="], SamplingParams(n=0)), "sampling.n"),
         (lambda c: c.generate(["1+1="], SamplingParams(max_new_tokens=125)), "sampling.max_new_tokens"),
+        (lambda c: c.generate(["1+1="] * 2, SamplingParams(n=40_000)), "sampling.n"),
     ],
 )
 def test_bad_generate_input_names_the_field(core, call, field):
