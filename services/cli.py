@@ -6,8 +6,13 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
-from rolefleet.common.config import ROLES, ConfigError, load_config
+from rolefleet.common.config import ROLES, ConfigError, RoleFleetConfig, load_config
+from rolefleet.common.preflight import preflight
+from rolefleet.tasks import TASKS
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _setup_logging(level: str) -> None:
@@ -17,33 +22,49 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def checked_config(args, command: str, roles: list[str] | None = None) -> RoleFleetConfig:
+    """The config of `args`, validated and preflighted for `roles` (default: every role of the run)
+    before anything starts, so a bad config never costs a model load."""
+    cfg = load_config(args.config, args.overrides)
+    preflight(cfg, roles or cfg.roles(), command=command)
+    return cfg
+
+
 def cmd_up(args) -> int:
+    cfg = checked_config(args, "up")
     from rolefleet.up import RoleFailed, up
 
     try:
-        return up(load_config(args.config, args.overrides))
+        return up(cfg)
     except RoleFailed as e:
         print(f"rolefleet: {e}", file=sys.stderr)
         return 1
 
 
 def cmd_serve(args) -> int:
+    cfg = checked_config(args, "serve", [args.role])
     from rolefleet.serve import run
 
-    return run(args.role, load_config(args.config, args.overrides), args.ready_file)
+    return run(args.role, cfg, args.ready_file)
 
 
 def cmd_train(args) -> int:
+    cfg = checked_config(args, "train", ["coordinator"])
     from rolefleet.serve import run
 
-    return run("coordinator", load_config(args.config, args.overrides))
+    return run("coordinator", cfg)
 
 
 def cmd_status(args) -> int:
+    from rolefleet.common.errors import RoleFleetError
     from rolefleet.coordinator.client import run_status
     from rolefleet.coordinator.state import RunState
 
-    s = asyncio.run(run_status(args.address))
+    try:
+        s = asyncio.run(run_status(args.address))
+    except RoleFleetError as e:  # no coordinator there (yet, or any more): a message, not a crash
+        print(f"rolefleet: no run status from {args.address}: {e}", file=sys.stderr)
+        return 1
     print(f"run {s.run_name}: {RunState(s.state).name}, step {s.step}/{s.total_steps}, "
           f"policy version {s.policy_version}, last mean reward {s.last_reward_mean:.3f}"
           + (f", error: {s.error}" if s.error else ""))
@@ -53,15 +74,20 @@ def cmd_status(args) -> int:
 def cmd_tiny_model(args) -> int:
     from rolefleet.common.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.out, task=args.task, warm_start_steps=args.warm_start_steps,
-                           hidden=args.hidden, layers=args.layers, seed=args.seed)
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)  # before the warm start, not after it
+        path = make_tiny_model(args.out, task=args.task, warm_start_steps=args.warm_start_steps,
+                               hidden=args.hidden, layers=args.layers, seed=args.seed)
+    except OSError as e:  # an unwritable OUT is the user's argument, not a crash
+        raise ConfigError(f"tiny-model: cannot write {args.out}: {e.strerror or e}") from None
     print(path)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolefleet", description="RL post-training on role servers.")
-    parser.add_argument("--log-level", default="warning", help="python logging level (default: warning)")
+    parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
+                        help="python logging level (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start every role locally as its own process, run, stop them all")
@@ -87,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")
     p.add_argument("out")
-    p.add_argument("--task", default=None, help="built-in task for a supervised warm start")
+    p.add_argument("--task", default=None, choices=sorted(TASKS), help="built-in task for a supervised warm start")
     p.add_argument("--warm-start-steps", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -96,8 +122,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Overrides may come anywhere after the subcommand: argparse hands the positional `overrides`
+    an empty list as soon as an option follows the first positional (`serve actor --config C k=v`),
+    so the `key=value` words it leaves over are overrides too; any other leftover is an error."""
+    parser = build_parser()
+    args, leftover = parser.parse_known_args(argv)
+    takes_overrides = hasattr(args, "overrides")
+    stray = [a for a in leftover if not (takes_overrides and _is_override(a))]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if leftover:
+        args.overrides = [*args.overrides, *leftover]
+    return args
+
+
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     _setup_logging(args.log_level)
     try:
         return args.fn(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Optional
 
@@ -12,7 +13,13 @@ import grpc
 
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.modeling import set_threads
-from rolefleet.common.server import serve_until_stopped, start_server, write_ready_file
+from rolefleet.common.server import (
+    StartupError,
+    check_ports_free,
+    serve_until_stopped,
+    start_server,
+    write_ready_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +57,16 @@ ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
 
 async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
     set_threads(getattr(cfg, role).num_threads)
+    check_ports_free(role, getattr(cfg, role))
     if role == "coordinator":
         from rolefleet.coordinator.server import run_coordinator
         from rolefleet.coordinator.state import RunState
 
         status = await run_coordinator(cfg, ready_file)
+        if status is not None:
+            # The last line a supervisor (or a test) reads: how the run ended, and after which step.
+            print(f"rolefleet: run {cfg.run.name} ended {status.state.name} after step {status.step}/"
+                  f"{status.total_steps}", flush=True)
         return 0 if status is not None and status.state in (RunState.FINISHED, RunState.STOPPED) else 1
     if role not in ROLE_BUILDERS:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
@@ -69,4 +81,8 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
 
 
 def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
-    return asyncio.run(serve_role(role, cfg, ready_file))
+    try:
+        return asyncio.run(serve_role(role, cfg, ready_file))
+    except StartupError as exc:
+        print(f"rolefleet: {exc}", file=sys.stderr, flush=True)
+        return 1

@@ -9,6 +9,7 @@ stops the run with a non-zero exit.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import json
@@ -24,9 +25,12 @@ from pathlib import Path
 from typing import IO, Optional
 
 from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
+from rolefleet.common.errors import RoleFleetError
+from rolefleet.common.roles import fetch_status
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
+STATUS_TIMEOUT_S = 30.0
 STOP_GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1
 
@@ -106,6 +110,19 @@ class Supervisor:
             time.sleep(0.1)
         return ports
 
+    def check_identity(self, addresses: dict[str, str], ports: dict[str, dict]) -> None:
+        """Each address must be answered by the process this run started, not a server left over
+        from another run that happens to answer there: the run would train that one instead."""
+        for role, address in addresses.items():
+            try:
+                status = asyncio.run(fetch_status(role, address, STATUS_TIMEOUT_S))
+            except RoleFleetError as exc:
+                raise RoleFailed(f"{role} at {address} does not answer GetStatus: {exc}") from None
+            if status.instance_id != ports[role].get("instance_id"):
+                raise RoleFailed(f"{role} at {address} is another server (instance {status.instance_id or '?'}), "
+                                 f"not the {role} this run started (pid {ports[role].get('pid')}); stop the "
+                                 "other server or change the port")
+
     def log_tail(self, role: str, lines: int = 8) -> str:
         try:
             return "\n".join((self.logs / f"{role}.log").read_text().splitlines()[-lines:])
@@ -160,10 +177,10 @@ def up(cfg: RoleFleetConfig) -> int:
             for role in servers:
                 sup.start(role, [], log_to_file=True)
             ports = sup.wait_ready(servers)
-            addresses = [f"{role}.address={dial_host(getattr(cfg, role).host)}:{ports[role]['grpc_port']}"
-                         for role in servers]
+            addresses = {role: f"{dial_host(getattr(cfg, role).host)}:{ports[role]['grpc_port']}" for role in servers}
+            sup.check_identity(addresses, ports)
             print(f"rolefleet: {', '.join(servers)} ready; logs in {out / 'logs'}", flush=True)
-            sup.start("coordinator", addresses, log_to_file=False)
+            sup.start("coordinator", [f"{role}.address={a}" for role, a in addresses.items()], log_to_file=False)
             return sup.watch("coordinator")
         finally:
             sup.stop_all()

@@ -21,12 +21,19 @@ async def serving(role: str, add_servicers: Callable[[grpc.aio.Server], list[str
         await handle.stop()
 
 
-async def expect_invalid(call, field: str) -> str:
-    """Await a raw stub call; require INVALID_ARGUMENT whose message names `field`."""
+async def expect_code(call, code: grpc.StatusCode, *texts: str) -> str:
+    """Await a raw stub call (or a stream's read); require `code` with every one of `texts` in the
+    message."""
     try:
         await call
     except grpc.aio.AioRpcError as e:
-        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
-        assert field in e.details(), e.details()
+        assert e.code() == code, (e.code(), e.details())
+        for text in texts:
+            assert text in e.details(), e.details()
         return e.details()
-    raise AssertionError(f"expected INVALID_ARGUMENT naming {field}")
+    raise AssertionError(f"expected {code.name} naming {texts}")
+
+
+async def expect_invalid(call, field: str) -> str:
+    """Await a raw stub call; require INVALID_ARGUMENT whose message names `field`."""
+    return await expect_code(call, grpc.StatusCode.INVALID_ARGUMENT, field)

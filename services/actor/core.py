@@ -13,9 +13,9 @@ from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common import metrics
-from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import (
     load_causal_lm,
     load_tokenizer,
@@ -44,6 +44,8 @@ class ActorCore:
             self.ref_model = load_causal_lm(cfg.ref_model_name_or_path, self.device)
         self.ref_model.requires_grad_(False).eval()
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
         self.engine = HFRolloutEngine(self.model, self.tokenizer, self.device, cfg.rollout_batch_size)
         self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed)
         self.policy_version = 0
@@ -57,6 +59,12 @@ class ActorCore:
     def tokenize_prompts(self, prompts: list[str]) -> list[torch.Tensor]:
         if not prompts:
             raise InvalidArgument("prompts", "no prompts given")
+        # Sizes first: tokenizing a 10 MB prompt takes half a minute and gigabytes, only to be refused.
+        for i, prompt in enumerate(prompts):
+            size = len(prompt.encode("utf-8", errors="surrogatepass"))
+            if size > self.cfg.max_prompt_bytes:
+                raise LimitExceeded(f"prompts[{i}]", f"{size} bytes exceed actor.max_prompt_bytes="
+                                    f"{self.cfg.max_prompt_bytes}")
         ids = []
         for i, prompt in enumerate(prompts):
             tokens = self.tokenizer(prompt)["input_ids"]
@@ -83,10 +91,13 @@ class ActorCore:
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()
         if len(prompts) * sampling.n > self.cfg.max_sequences_per_request:
-            raise InvalidArgument("sampling.n", f"{len(prompts)} prompts x n={sampling.n} exceed "
-                                  f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")
+            raise LimitExceeded("sampling.n", f"{len(prompts)} prompts x n={sampling.n} exceed "
+                                f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")
+        limit = self.max_positions
+        if limit is not None and 1 + sampling.max_new_tokens > limit:  # before tokenizing anything
+            raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens exceed "
+                                  f"the model's {limit} positions")
         prompt_ids = self.tokenize_prompts(prompts)
-        limit = getattr(self.model.config, "max_position_embeddings", None)
         longest = max(len(p) for p in prompt_ids)
         if limit is not None and longest + sampling.max_new_tokens > limit:
             raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens after a "
@@ -96,7 +107,7 @@ class ActorCore:
     # --- training ---------------------------------------------------------------------------------
 
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool) -> LogProbs:
-        batch.validate(vocab_size=self.vocab_size)
+        batch.check_limits(self.limits, vocab_size=self.vocab_size)
         temperature = require_temperature(temperature)
         with self._lock:
             return self.trainer.compute_logprobs(batch, temperature, include_reference, self.policy_version)
@@ -104,7 +115,7 @@ class ActorCore:
     def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                temperature: float) -> UpdateResult:
         """One policy update. A repeat of an applied step returns its recorded result unchanged."""
-        batch.validate(vocab_size=self.vocab_size)
+        batch.check_limits(self.limits, vocab_size=self.vocab_size)
         self._check_targets(batch, targets)
         temperature = require_temperature(temperature)
         with self._lock:
@@ -130,15 +141,15 @@ class ActorCore:
         return result
 
     def _check_targets(self, batch: SequenceBatch, targets: PolicyTargets) -> None:
-        batch.check_per_token(targets.advantages, "advantages")
-        batch.check_per_token(targets.old_logprobs, "old_logprobs")
+        batch.check_per_token(targets.advantages, "advantages", "target")
+        batch.check_per_token(targets.old_logprobs, "old_logprobs", "logprob")
         if self.cfg.kl_loss_coef > 0 and targets.ref_logprobs is None:
             raise InvalidArgument("ref_logprobs", "required: actor.kl_loss_coef > 0 adds a KL loss term")
         if self.cfg.is_correction != "none" and targets.rollout_logprobs is None:
             raise InvalidArgument("rollout_logprobs", f"required by actor.is_correction={self.cfg.is_correction}")
         for name in ("ref_logprobs", "rollout_logprobs"):
             if getattr(targets, name) is not None:
-                batch.check_per_token(getattr(targets, name), name)
+                batch.check_per_token(getattr(targets, name), name, "logprob")
 
     # --- status / lifecycle -----------------------------------------------------------------------
 

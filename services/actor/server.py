@@ -32,7 +32,7 @@ class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
 
     @rpc
     async def ComputeLogProbs(self, request: actor_pb2.ComputeLogProbsRequest, context):
-        batch = SequenceBatch.from_proto(request.batch)
+        batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
         result = await asyncio.to_thread(
             self.core.compute_logprobs, batch, request.temperature, request.include_reference
         )
@@ -40,7 +40,7 @@ class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
 
     @rpc
     async def Update(self, request: actor_pb2.ActorUpdateRequest, context):
-        batch = SequenceBatch.from_proto(request.batch)
+        batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
         targets = wire.policy_targets_from_proto(request, batch)
         result = await asyncio.to_thread(
             self.core.update, request.step, request.policy_version, batch, targets, request.temperature

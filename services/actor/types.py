@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 
+from rolefleet.common.config import MIN_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 
 
@@ -26,8 +28,9 @@ class SamplingParams:
 
     def validate(self, field_prefix: str = "sampling") -> None:
         checks = [
-            ("temperature", self.temperature > 0, "must be > 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE,
+             f"must be finite and >= {MIN_TEMPERATURE}"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),  # NaN fails the comparison too
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("max_new_tokens", self.max_new_tokens > 0, "must be > 0"),
             ("n", self.n > 0, "must be > 0"),

@@ -1,50 +1,66 @@
 """Advantage estimators. Inputs are right-padded [B, T] per-token tensors with a 0/1 `mask`; outcome
 estimators read each response's score as the sum of its token rewards (the score sits on the last
-token, plus any per-token KL penalty). Returns (advantages [B, T], returns [B, T]), 0 on padding.
+token, plus any per-token KL penalty). Returns (advantages [B, T], returns [B, T]), 0 on padding;
+float32 for half-precision inputs, the input dtype otherwise.
 
-group_ids [B] (int64) mark responses to the same prompt (GRPO, RLOO, REINFORCE++-baseline).
+group_ids [B] (int64) mark responses to the same prompt (GRPO, RLOO, REINFORCE++-baseline). A response
+with no tokens takes no part in its group's statistics and gets advantage 0.
+
+Each estimator declares the inputs it needs as parameters; the coordinator calls it through
+`ADVANTAGE_ESTIMATORS.call`, so a new estimator needs nothing but its registered function.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rolefleet.algos.functional import masked_whiten
+from rolefleet.algos.functional import check_group_ids, check_inputs, masked_sum, masked_whiten, upcast
 from rolefleet.algos.registry import Registry
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
 
 
+def _clean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, upcast(x), 0)
+
+
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = sum_{k >= t} gamma^(k - t) r_k within each response. [B, T] -> [B, T], 0 on padding."""
-    m = mask.to(token_rewards.dtype)
-    rewards = token_rewards * m
-    returns = torch.zeros_like(rewards)
+    check_inputs(token_rewards=token_rewards, mask=mask)
+    m = mask.bool()
+    rewards = _clean(token_rewards, m)
     running = torch.zeros_like(rewards[:, 0])
+    columns = []
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * m[:, t]
-        returns[:, t] = running
-    return returns
+        running = torch.where(m[:, t], rewards[:, t] + gamma * running, 0)
+        columns.append(running)
+    return torch.stack(columns[::-1], dim=1)
 
 
-def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-response (group sum, group size, unbiased group std) of `scores` [B]."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    groups = int(inverse.max()) + 1
-    size = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, torch.ones_like(scores))
-    total = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, scores)
-    mean = total / size
-    sq = torch.zeros(groups, dtype=scores.dtype).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor,
+                 valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-response (group sum, group size, unbiased group std) of `scores` [B] over the `valid`
+    responses [B] of each group."""
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    zeros = scores.new_zeros(uniq.numel())
+    size = zeros.index_add(0, inverse, valid.to(scores.dtype))
+    total = zeros.index_add(0, inverse, torch.where(valid, scores, 0))
+    mean = total / size.clamp(min=1)
+    sq = zeros.index_add(0, inverse, torch.where(valid, (scores - mean[inverse]) ** 2, 0))
     std = torch.sqrt(sq / (size - 1).clamp(min=1))
     return total[inverse], size[inverse], std[inverse]
 
 
-def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return per_seq[:, None] * mask.to(per_seq.dtype)
+def _outcome_inputs(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor):
+    """(bool mask [B, T], scores [B], has-tokens [B]) after checking the shapes."""
+    check_inputs(token_rewards=token_rewards, mask=mask)
+    check_group_ids(group_ids, mask)
+    m = mask.bool()
+    return m, masked_sum(upcast(token_rewards), m, dim=-1), m.any(-1)
 
 
-def _scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (token_rewards * mask.to(token_rewards.dtype)).sum(-1)
+def _broadcast(per_seq: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, per_seq[:, None], 0)
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
@@ -52,18 +68,19 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation with a critic. After the last masked token the value is 0
     (terminal). returns = advantages + values."""
-    m = mask.to(values.dtype)
-    values = values * m
-    rewards = token_rewards * m
-    advantages = torch.zeros_like(values)
+    check_inputs(token_rewards=token_rewards, values=values, mask=mask)
+    m = mask.bool()
+    values, rewards = _clean(values, m), _clean(token_rewards, m)
     last = torch.zeros_like(values[:, 0])
+    columns = []
     for t in reversed(range(values.shape[1])):
         next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         # Padding holds no state: the running sum is reset there so it cannot leak into real tokens.
-        last = (delta + gamma * lam * last) * m[:, t]
-        advantages[:, t] = last
-    return advantages, (advantages + values) * m
+        last = torch.where(m[:, t], delta + gamma * lam * last, 0)
+        columns.append(last)
+    advantages = torch.stack(columns[::-1], dim=1)
+    return advantages, torch.where(m, advantages + values, 0)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -72,12 +89,12 @@ def grpo(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tenso
     """Group-normalised outcome advantage: (score - group mean) / (group std + eps), the same for every
     token of a response. norm_by_std=False gives the Dr. GRPO advantage (no std scaling), which does
     not up-weight prompts whose answers barely differ."""
-    scores = _scores(token_rewards, mask)
-    total, size, std = _group_stats(scores, group_ids)
-    adv = scores - total / size
+    m, scores, valid = _outcome_inputs(token_rewards, mask, group_ids)
+    total, size, std = _group_stats(scores, group_ids, valid)
+    adv = scores - total / size.clamp(min=1)
     if norm_by_std:
         adv = adv / (std + eps)
-    adv = _broadcast(adv, mask)
+    adv = _broadcast(adv, m)
     return adv, adv
 
 
@@ -85,11 +102,11 @@ def grpo(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tenso
 def rloo(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out: score minus the mean score of the *other* responses to the prompt.
     A response alone in its group has no baseline and gets advantage 0."""
-    scores = _scores(token_rewards, mask)
-    total, size, _ = _group_stats(scores, group_ids)
+    m, scores, valid = _outcome_inputs(token_rewards, mask, group_ids)
+    total, size, _ = _group_stats(scores, group_ids, valid)
     baseline = (total - scores) / (size - 1).clamp(min=1)
-    adv = torch.where(size > 1, scores - baseline, torch.zeros_like(scores))
-    adv = _broadcast(adv, mask)
+    adv = torch.where(valid & (size > 1), scores - baseline, 0)
+    adv = _broadcast(adv, m)
     return adv, adv
 
 
@@ -106,7 +123,7 @@ def reinforce_pp_baseline(token_rewards: torch.Tensor, mask: torch.Tensor,
                           group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with baseline: score minus the group mean, broadcast to tokens, then whitened over
     the batch (the batch std, not each group's, so easy prompts are not up-weighted)."""
-    scores = _scores(token_rewards, mask)
-    total, size, _ = _group_stats(scores, group_ids)
-    centred = _broadcast(scores - total / size, mask)
-    return masked_whiten(centred, mask), centred
+    m, scores, valid = _outcome_inputs(token_rewards, mask, group_ids)
+    total, size, _ = _group_stats(scores, group_ids, valid)
+    centred = _broadcast(scores - total / size.clamp(min=1), m)
+    return masked_whiten(centred, m), centred

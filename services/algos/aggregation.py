@@ -3,42 +3,58 @@
 token-mean             sum over all tokens / number of tokens (long responses weigh more)
 seq-mean-token-mean    mean over tokens within each response, then mean over responses
 seq-mean-token-sum     sum over tokens within each response, then mean over responses
-seq-mean-token-sum-norm  sum over all tokens / (B * norm_length): a constant normaliser, so neither
-                       length nor batch composition rescales the gradient (Dr. GRPO)
+seq-mean-token-sum-norm  sum over all tokens / (responses * norm_length): a constant normaliser per
+                       response, so neither length nor batch composition rescales the gradient (Dr. GRPO)
+
+"Responses" counts only rows with at least one token: a response the IS correction masked out
+entirely is gone from the batch, not an extra zero that dilutes the others. An all-masked batch
+gives 0 with a zero gradient. A 1-D loss [N] is one row. float32 for half-precision inputs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rolefleet.algos.functional import masked_mean, masked_sum
+from rolefleet.algos.functional import check_inputs, masked_mean, masked_sum, upcast
 from rolefleet.algos.registry import Registry
 
 LOSS_AGGREGATIONS: Registry = Registry("loss aggregation")
 
 
+def _rows(loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss [B, T] upcast, bool mask [B, T]) after checking the shapes."""
+    check_inputs(None, loss=loss, mask=mask)
+    if loss.dim() not in (1, 2):
+        raise ValueError(f"loss must be [B, T] or [N], got shape {tuple(loss.shape)}")
+    return upcast(loss).reshape(-1, loss.shape[-1]), mask.bool().reshape(-1, loss.shape[-1])
+
+
 @LOSS_AGGREGATIONS.register("token-mean")
 def token_mean(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
-    return masked_mean(loss, mask)
+    loss, m = _rows(loss, mask)
+    return masked_mean(loss, m)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-mean")
 def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
-    per_seq = masked_mean(loss, mask, dim=-1)
-    has_tokens = mask.to(loss.dtype).sum(-1) > 0
-    return masked_mean(per_seq, has_tokens)
+    loss, m = _rows(loss, mask)
+    return masked_mean(masked_mean(loss, m, dim=-1), m.any(-1))
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
 def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
-    return masked_sum(loss, mask, dim=-1).mean()
+    loss, m = _rows(loss, mask)
+    return masked_sum(loss, m) / m.any(-1).sum().clamp(min=1)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
     """norm_length: the constant divisor per sequence (e.g. max_new_tokens); default: padded width T."""
+    if norm_length is not None and norm_length < 1:
+        raise ValueError(f"norm_length must be >= 1, got {norm_length}")
+    loss, m = _rows(loss, mask)
     length = norm_length if norm_length is not None else loss.shape[-1]
-    return masked_sum(loss, mask) / (loss.shape[0] * length)
+    return masked_sum(loss, m) / (m.any(-1).sum().clamp(min=1) * length)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None) -> torch.Tensor:

@@ -14,8 +14,32 @@ from functools import cached_property
 import torch
 
 from rolefleet.common import codec
-from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.pb import common_pb2
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one request may carry: `section` is the config section holding the limits (named in
+    errors, e.g. `critic.max_tokens_per_request`); `max_positions` is the model's context length."""
+
+    section: str
+    max_sequences: int
+    max_tokens: int
+    max_positions: int | None = None
+
+    @classmethod
+    def of(cls, section: str, cfg, max_positions: int | None = None) -> BatchLimits:
+        return cls(section, cfg.max_sequences_per_request, cfg.max_tokens_per_request, max_positions)
+
+    def check(self, sequences: int, tokens: int, field: str = "batch") -> None:
+        """Sizes as declared (before decoding): too large is RESOURCE_EXHAUSTED naming the limit."""
+        if sequences > self.max_sequences:
+            raise LimitExceeded(f"{field}.prompt_lengths", f"{sequences} sequences exceed "
+                                f"{self.section}.max_sequences_per_request={self.max_sequences}")
+        if tokens > self.max_tokens:
+            raise LimitExceeded(f"{field}.prompt_ids", f"{tokens} prompt + response tokens exceed "
+                                f"{self.section}.max_tokens_per_request={self.max_tokens}")
 
 
 @dataclass(frozen=True)
@@ -117,13 +141,32 @@ class SequenceBatch:
         )
 
     @classmethod
-    def from_proto(cls, msg: common_pb2.SequenceBatch, field: str = "batch") -> SequenceBatch:
+    def from_proto(cls, msg: common_pb2.SequenceBatch, field: str = "batch",
+                   limits: BatchLimits | None = None) -> SequenceBatch:
+        """Decode and validate; with `limits`, the declared sizes are checked before decoding."""
+        if limits is not None:
+            sequences = codec.declared_numel(msg.prompt_lengths, f"{field}.prompt_lengths")
+            tokens = (codec.declared_numel(msg.prompt_ids, f"{field}.prompt_ids")
+                      + codec.declared_numel(msg.response_ids, f"{field}.response_ids"))
+            limits.check(sequences, tokens, field)
+
         def ints(name: str) -> torch.Tensor:
             return codec.decode_as(getattr(msg, name), f"{field}.{name}", torch.int64, ndim=1)
 
         batch = cls(*(ints(n) for n in ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")))
         batch.validate(field)
         return batch
+
+    def check_limits(self, limits: BatchLimits, field: str = "batch", vocab_size: int | None = None) -> None:
+        """What a core checks before touching its model: the request limits, ids in the vocabulary,
+        and no sequence longer than the model's positions."""
+        limits.check(len(self), self.prompt_ids.numel() + self.response_ids.numel(), field)
+        self.validate(field, vocab_size)
+        if limits.max_positions is not None:
+            longest = int((self.prompt_lengths + self.response_lengths).max())
+            if longest > limits.max_positions:
+                raise InvalidArgument(f"{field}.response_lengths", f"a {longest}-token sequence exceeds the "
+                                      f"model's {limits.max_positions} positions")
 
     def validate(self, field: str = "batch", vocab_size: int | None = None) -> None:
         if len(self) == 0:
@@ -153,8 +196,9 @@ class SequenceBatch:
         """Decode a packed per-response-token float tensor and check it matches this batch."""
         return self.check_per_token(codec.decode_as(msg, field, torch.float32, ndim=1), field)
 
-    def check_per_token(self, tensor: torch.Tensor, field: str) -> torch.Tensor:
-        """Require a finite float tensor of shape [sum(response_lengths)]."""
+    def check_per_token(self, tensor: torch.Tensor, field: str, kind: str | None = None) -> torch.Tensor:
+        """Require a finite float tensor of shape [sum(response_lengths)]; `kind` adds the range of
+        its quantity ("logprob" or "target", see VALUE_RANGES)."""
         if tensor.dim() != 1 or tensor.numel() != self.num_response_tokens:
             raise InvalidArgument(
                 f"{field}.shape",
@@ -162,7 +206,24 @@ class SequenceBatch:
             )
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidArgument(field, "contains NaN or infinite values")
+        if kind is not None:
+            low, high, what = VALUE_RANGES[kind]
+            if bool((tensor < low).any() | (tensor > high).any()):
+                raise InvalidArgument(field, f"values must lie in [{low:g}, {high:g}] ({what}); got "
+                                      f"[{tensor.min().item():.4g}, {tensor.max().item():.4g}]")
         return tensor
+
+
+# Ranges of per-token inputs that train a model. An update is several optimizer steps: a value that
+# overflows the loss in a later mini-batch would leave the weights half-updated (the role then
+# refuses updates until restarted), so absurd values are refused before the first step instead.
+VALUE_RANGES: dict[str, tuple[float, float, str]] = {
+    # log p <= 0; a little slack for engines whose log-softmax rounds above 0.
+    "logprob": (-float("inf"), 1e-3, "log-probabilities are <= 0"),
+    # Advantages, returns and values: whitened or group-normalised targets are O(1-100); 1e6 leaves
+    # room for raw reward scales while keeping A x ratio (at most e^20) far from float32 overflow.
+    "target": (-1e6, 1e6, "|advantage|, |return| and |value| <= 1e6"),
+}
 
 
 def mini_batches(batch_size: int, num_mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
 """torch.Tensor <-> rolefleet.v1.Tensor (dtype name, shape, little-endian C-order bytes).
 
-Decoding validates everything a peer could get wrong (unknown dtype, negative dims, byte length
-that does not match shape x itemsize) and names the offending field, so servers answer
-INVALID_ARGUMENT instead of crashing on a reshape.
+Decoding validates everything a peer could get wrong (unknown dtype, a rank or dimension past the
+wire limits, negative dims, byte length that does not match shape x itemsize) before anything is
+allocated, and names the offending field, so servers answer INVALID_ARGUMENT instead of crashing on
+a reshape.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+# Nothing RoleFleet sends has more than 2 dimensions; numpy refuses more than 64 and torch
+# overflows its strides on huge dimensions of zero-size tensors, so both are bounded up front.
+MAX_RANK = 8
+# No dimension can exceed the elements a message can carry (512 MiB of 1-byte items), even when
+# another dimension is 0 and the tensor holds no bytes.
+MAX_DIM = 1 << 31
 _LITTLE = sys.byteorder == "little"
 
 
@@ -46,13 +53,24 @@ def encode(tensor: torch.Tensor) -> common_pb2.Tensor:
     return common_pb2.Tensor(dtype=_NAMES[t.dtype], shape=list(t.shape), data=array.tobytes())
 
 
+def declared_numel(msg: common_pb2.Tensor, field: str) -> int:
+    """Elements the message claims to hold, read from its shape alone (nothing decoded)."""
+    if len(msg.shape) > MAX_RANK:
+        raise InvalidArgument(f"{field}.shape", f"{len(msg.shape)} dimensions; at most {MAX_RANK} are allowed")
+    return prod(max(d, 0) for d in msg.shape)
+
+
 def decode(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
     """Decode `msg`; `field` names it in errors (e.g. "batch.response_ids")."""
     if msg.dtype not in DTYPES:
         raise InvalidArgument(f"{field}.dtype", f"unknown dtype {msg.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if len(msg.shape) > MAX_RANK:
+        raise InvalidArgument(f"{field}.shape", f"{len(msg.shape)} dimensions; at most {MAX_RANK} are allowed")
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{field}.shape", f"negative dimension in {list(shape)}")
+    if any(d > MAX_DIM for d in shape):
+        raise InvalidArgument(f"{field}.shape", f"dimension over {MAX_DIM} in {list(shape)}")
     dtype = DTYPES[msg.dtype]
     wire = torch.int16 if dtype == torch.bfloat16 else dtype
     itemsize = torch.empty((), dtype=wire).element_size()

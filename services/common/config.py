@@ -19,11 +19,20 @@ from rolefleet.algos.presets import ALGORITHMS
 from rolefleet.algos.registry import Registry
 
 ROLES = ("actor", "reward", "critic", "coordinator")
+# Logits are divided by the temperature: below this the sampling distribution is one-hot in bf16 and
+# fp32 alike, logprob ratios blow up, and a subnormal value would divide by ~0 (NaN logprobs).
+MIN_TEMPERATURE = 1e-2
 _DEVICE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+):)?(?P<gpu>\d+)$")
 
 
 class ConfigError(ValueError):
-    pass
+    """A config, override or preflight problem; the CLI prints it and exits with code 2."""
+
+
+def split_device(entry: Union[int, str]) -> tuple[Optional[str], int]:
+    """(node, GPU index) of a validated `devices.*` entry; node is None for a local index."""
+    match = _DEVICE.match(str(entry))
+    return match.group("node"), int(match.group("gpu"))
 
 
 def _one_of(registry: Registry, value: str) -> str:
@@ -38,7 +47,8 @@ def dial_host(host: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf and NaN are never meaningful settings (an infinite learning rate, a NaN clip range).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Endpoint(_Section):
@@ -95,7 +105,7 @@ class DataSection(_Section):
 
 
 class SamplingSection(_Section):
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(16, ge=1)
@@ -134,6 +144,11 @@ class _TrainerSection(Endpoint):
     ppo_epochs: int = Field(1, ge=1)
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
     max_grad_norm: float = Field(1.0, gt=0)
+    # Per-request caps, checked from the declared sizes before anything is decoded or allocated.
+    max_sequences_per_request: int = Field(65536, ge=1, description="sequences one request may carry "
+                                           "(actor Generate: prompts x n)")
+    max_tokens_per_request: int = Field(1 << 20, ge=1, description="prompt + response tokens one "
+                                        "ComputeLogProbs / ComputeValues / Update may carry")
 
 
 CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
@@ -142,7 +157,8 @@ CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) pe
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
     rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
-    max_sequences_per_request: int = Field(65536, ge=1, description="prompts x n one Generate may ask for")
+    max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
+                                  "checked before tokenization")
     policy_loss: str = "ppo_clip"
     clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
                                         "default: the policy loss's")
@@ -186,6 +202,9 @@ class CriticSection(_TrainerSection):
 
 class RewardSection(Endpoint):
     function: str = Field("exact_match", description="name in the rule-based reward registry")
+    max_items_per_request: int = Field(65536, ge=1, description="samples one Score request may carry")
+    max_item_bytes: int = Field(1 << 20, ge=1, description="UTF-8 bytes of one item's prompt + response + "
+                                "ground truth")
 
     @field_validator("function")
     @classmethod
@@ -231,7 +250,7 @@ class DevicesSection(_Section):
 
     def local_indices(self, role: str) -> list[int]:
         """GPU indices for CUDA_VISIBLE_DEVICES on this node; 'node:i' entries keep their index."""
-        return [int(_DEVICE.match(str(d)).group("gpu")) for d in getattr(self, role)]
+        return [split_device(d)[1] for d in getattr(self, role)]
 
 
 class RoleFleetConfig(_Section):
@@ -300,7 +319,28 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    node[parts[-1]] = _override_value(override, text)
+
+
+def _override_value(override: str, text: str) -> Any:
+    if not text.strip():
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        # Quote a value that is meant as a string: run.name="'{x}'".
+        raise ConfigError(f"override {override!r}: the value {text!r} is not valid YAML "
+                          f"({_yaml_problem(e)})") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """The YAML error without its source excerpt (which would repeat the override)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return problem
+    where = f"column {mark.column + 1}" if mark.line == 0 else f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"{problem} at {where}"
 
 
 def _describe(error: ValidationError) -> str:
@@ -329,15 +369,32 @@ def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> RoleFleetCon
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RoleFleetConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    raw = _read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (run, actor, ...)")
     return parse_config(raw, overrides)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The parsed file, or a ConfigError naming it: missing, a directory, unreadable, not UTF-8,
+    not YAML."""
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                          f"offset {e.start})") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
 
 
 def dump_config(config: RoleFleetConfig) -> str:

@@ -23,6 +23,17 @@ class InvalidArgument(RoleFleetError):
         super().__init__(f"{field}: {message}")
 
 
+class LimitExceeded(RoleFleetError):
+    """A request is larger than a configured per-request limit; `field` names what is too large and
+    the message names the limit's config key, so the caller knows to split the request."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
 class FailedPrecondition(RoleFleetError):
     """The request is well formed but the role is in the wrong state (e.g. policy-version mismatch)."""
 
@@ -48,6 +59,9 @@ def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> RoleFleetError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, message = details.partition(": ")
         return InvalidArgument(field, message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        field, _, message = details.partition(": ")
+        return LimitExceeded(field, message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

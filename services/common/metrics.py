@@ -26,6 +26,8 @@ ROLLOUT_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 SAMPLES_SCORED = Counter("rolefleet_samples_scored", "Samples scored by the reward role", ["role"])
+REWARD_ERRORS = Counter("rolefleet_reward_errors", "Samples a reward function could not score (an "
+                        "exception, a non-number, NaN or inf)", ["role", "function"])
 STAGE_SECONDS = Counter(
     "rolefleet_stage_busy_seconds", "Time the coordinator spent in each step phase", ["role", "stage"]
 )

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import MIN_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -30,11 +32,12 @@ def set_threads(num_threads: int | None) -> None:
 
 
 def check_model_path(path: str) -> str:
-    """A local path that is not a directory fails here with a plain message; an `org/name` hub id
-    is left to transformers."""
-    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    """The same rule as the config check (`preflight.model_problem`): a local model directory, or
+    a hub id that can be loaded; anything else fails here with a plain message."""
+    from rolefleet.common.preflight import model_problem
+
+    if (problem := model_problem(path)) is not None:
+        raise FileNotFoundError(problem)
     return path
 
 
@@ -91,8 +94,9 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 
 def require_temperature(temperature: float, field: str = "temperature") -> float:
-    if not temperature > 0:
-        raise InvalidArgument(field, f"must be > 0, got {temperature}")
+    """Logits are divided by it: finite and at least MIN_TEMPERATURE (docs/config.md says why)."""
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise InvalidArgument(field, f"must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
     return float(temperature)
 
 

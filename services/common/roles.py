@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
-from rolefleet.common.server import CHANNEL_OPTIONS
+from rolefleet.common.server import CHANNEL_OPTIONS, INSTANCE_ID
 
 T = TypeVar("T")
 
@@ -26,17 +26,19 @@ class RoleStatus:
     weights_digest: str = ""
     requests_served: int = 0
     broken: str = ""  # why the role refuses updates until restarted
+    instance_id: str = INSTANCE_ID  # the answering process (a status is built where it is served)
 
     def to_proto(self) -> common_pb2.RoleStatus:
         return common_pb2.RoleStatus(
             role=self.role, model_version=self.model_version, last_step=self.last_step,
             weights_digest=self.weights_digest, requests_served=self.requests_served, broken=self.broken,
+            instance_id=self.instance_id,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.RoleStatus) -> RoleStatus:
         return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served,
-                   msg.broken)
+                   msg.broken, msg.instance_id)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,20 @@ class GrpcRoleClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def _status_stubs() -> dict[str, type]:
+    from rolefleet.common.pb import actor_pb2_grpc, critic_pb2_grpc, reward_pb2_grpc
+
+    return {"actor": actor_pb2_grpc.ActorServiceStub, "critic": critic_pb2_grpc.CriticServiceStub,
+            "reward": reward_pb2_grpc.RewardServiceStub}
+
+
+async def fetch_status(role: str, address: str, timeout_s: float) -> RoleStatus:
+    """GetStatus of the `role` server at `address`, with nothing but the stubs (no role client)."""
+    async with open_channel(address) as channel:
+        stub = _status_stubs()[role](channel)
+        return RoleStatus.from_proto(await call(stub.GetStatus(common_pb2.GetStatusRequest(), timeout=timeout_s)))
 
 
 async def call(awaitable: Awaitable[T]) -> T:

@@ -14,8 +14,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,16 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# gRPC sets SO_REUSEPORT by default, which lets a second server bind a busy port and silently share
+# (or steal) its traffic: a stale actor would keep answering a new run. A busy port must fail.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 SHUTDOWN_GRACE_S = 10.0
+# Tells this process apart from any other server that answers at the same address (`up` checks it).
+INSTANCE_ID = uuid.uuid4().hex
+
+
+class StartupError(RuntimeError):
+    """A server cannot start (e.g. its port is in use); the message says which and why."""
 
 
 def _fail(role: str, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -175,22 +186,56 @@ class RoleServer:
             await asyncio.to_thread(close)
 
 
+def check_ports_free(role: str, endpoint: Endpoint) -> None:
+    """Fail fast, before a role spends minutes loading models, when a fixed port is already taken.
+    The real bind still refuses a port taken in between (no port reuse)."""
+    for kind, port in (("gRPC", endpoint.port), ("metrics", endpoint.metrics_port)):
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is free
+            try:
+                probe.bind((endpoint.host, port))
+            except OSError as exc:
+                raise StartupError(_busy(role, kind, endpoint.host, port, exc)) from None
+
+
+def _busy(role: str, kind: str, host: str, port: int, exc: BaseException) -> str:
+    # gRPC's bind error carries no errno; an OSError from the metrics server or the probe does.
+    reason = getattr(exc, "strerror", None) or "the port is in use or the address is not available here"
+    return (f"{role}: cannot listen for {kind} on {host}:{port}: {reason}. Another process holds the port "
+            f"(a server left from an earlier run?); stop it or pick another {role}."
+            f"{'port' if kind == 'gRPC' else 'metrics_port'}")
+
+
 async def start_server(
     role: str,
     endpoint: Endpoint,
     add_servicers: Callable[[grpc.aio.Server], list[str]],
 ) -> RoleServer:
-    """Start a role's server; `add_servicers` registers its services and returns their full names."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    """Start a role's server; `add_servicers` registers its services and returns their full names.
+    A port that cannot be bound raises StartupError and leaves nothing running."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     names = add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
-    if port == 0:
-        raise OSError(f"{role}: cannot bind {endpoint.host}:{endpoint.port}")
+    # Metrics first: an HTTP server can be closed again for sure, a bound but unstarted gRPC server
+    # keeps its port until it is garbage collected.
+    try:
+        httpd, _ = start_http_server(endpoint.metrics_port, addr=endpoint.host)
+    except OSError as exc:
+        raise StartupError(_busy(role, "metrics", endpoint.host, endpoint.metrics_port, exc)) from None
+    try:
+        port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
+        if port == 0:
+            raise RuntimeError("no port bound")
+    except RuntimeError as exc:  # grpc raises this when the bind fails
+        httpd.shutdown()
+        httpd.server_close()
+        raise StartupError(_busy(role, "gRPC", endpoint.host, endpoint.port, exc)) from None
     await server.start()
-    httpd, _ = start_http_server(endpoint.metrics_port, addr=endpoint.host)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.HEALTH.labels(role).set(1)
@@ -202,8 +247,8 @@ def write_ready_file(path: str | Path, handle: RoleServer) -> None:
     """Publish the bound ports atomically, so a supervisor never reads a half-written file."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"role": handle.role, "pid": os.getpid(), "grpc_port": handle.grpc_port,
-                               "metrics_port": handle.metrics_port}))
+    tmp.write_text(json.dumps({"role": handle.role, "pid": os.getpid(), "instance_id": INSTANCE_ID,
+                               "grpc_port": handle.grpc_port, "metrics_port": handle.metrics_port}))
     tmp.replace(path)
 
 

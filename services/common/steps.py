@@ -17,8 +17,9 @@ class PartialUpdate(FailedPrecondition):
 
 
 class StepLedger(Generic[R]):
-    """Steps must increase. A repeat of a recorded step returns its result; an older step that was
-    never applied (or fell out of the window) is a FAILED_PRECONDITION, never a second update."""
+    """Steps advance one at a time. A repeat of a recorded step returns its result; any other step
+    id (older and unrecorded, or beyond the next one) is a FAILED_PRECONDITION that changes nothing:
+    accepting a jump would make the role refuse every later step of the run."""
 
     def __init__(self, role: str, keep: int = 1024):
         self.role = role
@@ -28,7 +29,7 @@ class StepLedger(Generic[R]):
         self.broken: Optional[str] = None
 
     def check(self, step: int) -> Optional[R]:
-        """The recorded result of a repeated step, None for a new one, or an error."""
+        """The recorded result of a repeated step, None for the next one, or an error."""
         # Step ids start at 1: 0 is what a client that forgot to set the field sends.
         if step < 1:
             raise InvalidArgument("step", f"must be >= 1, got {step}")
@@ -38,6 +39,8 @@ class StepLedger(Generic[R]):
             raise FailedPrecondition(f"{self.role} refuses updates until restarted: {self.broken}")
         if step <= self.last_step:
             raise FailedPrecondition(f"{self.role} already moved past step {step} (last applied: {self.last_step})")
+        if step != self.last_step + 1:
+            raise FailedPrecondition(f"{self.role} expects step {self.last_step + 1} next, got {step}")
         return None
 
     @contextmanager

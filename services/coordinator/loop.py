@@ -1,7 +1,7 @@
 """The synchronous loop (DESIGN "One step"), one numbered call per role per phase.
 
 1. actor.Generate                                    -> n samples per prompt
-2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently
+2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently; all of it finite
 3. advantages and returns (the algorithm's estimator), KL-coefficient update
 4. actor.Update | critic.Update, concurrently
 5. log the step
@@ -26,6 +26,7 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.state import RunState, RunStatus
@@ -145,6 +146,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         ))
         if values is None:
             values = torch.zeros(batch.num_response_tokens)
+        require_finite(samples, scores, values, logprobs, cfg.reward.function)
 
         # 3. Advantages and returns; the KL controller sees this step's KL.
         group_ids = torch.tensor([smp.prompt_index for smp in samples])

@@ -3,7 +3,6 @@ advantage estimator. Batches stay packed; tensors are padded only around the pur
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,24 +20,6 @@ class Targets:
     kl: torch.Tensor          # float32 [N], per-token KL estimate to the reference
 
 
-@dataclass(frozen=True)
-class EstimatorInputs:
-    token_rewards: torch.Tensor  # [B, T]
-    values: torch.Tensor         # [B, T], zeros without a critic
-    mask: torch.Tensor           # [B, T]
-    group_ids: torch.Tensor      # [B]
-
-
-# How each registered estimator is called: which inputs and which train.* knobs it takes.
-_CALLS: dict[str, Callable[[Callable, EstimatorInputs, TrainSection], tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": lambda f, x, t: f(x.token_rewards, x.values, x.mask, gamma=t.gamma, lam=t.lam),
-    "grpo": lambda f, x, t: f(x.token_rewards, x.mask, x.group_ids, norm_by_std=t.norm_adv_by_std),
-    "rloo": lambda f, x, t: f(x.token_rewards, x.mask, x.group_ids),
-    "reinforce_pp": lambda f, x, t: f(x.token_rewards, x.mask, gamma=t.gamma),
-    "reinforce_pp_baseline": lambda f, x, t: f(x.token_rewards, x.mask, x.group_ids),
-}
-
-
 def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, values: torch.Tensor,
                  logprobs: torch.Tensor, ref_logprobs: torch.Tensor, group_ids: torch.Tensor, kl_coef: float,
                  train: TrainSection) -> Targets:
@@ -47,8 +28,11 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
     kl = KL_ESTIMATORS.get(train.kl_estimator)(logprobs, ref_logprobs)
     token_rewards = batch.pad_responses(-kl_coef * kl)
     token_rewards[torch.arange(len(batch)), batch.response_lengths - 1] += scores
-    inputs = EstimatorInputs(token_rewards, batch.pad_responses(values), mask, group_ids)
-    advantages, returns = _CALLS[estimator](ADVANTAGE_ESTIMATORS.get(estimator), inputs, train)
+    # Each estimator takes the inputs its signature declares from these.
+    advantages, returns = ADVANTAGE_ESTIMATORS.call(
+        estimator, token_rewards=token_rewards, values=batch.pad_responses(values), mask=mask, group_ids=group_ids,
+        gamma=train.gamma, lam=train.lam, norm_by_std=train.norm_adv_by_std,
+    )
     if train.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     return Targets(batch.pack_responses(advantages), batch.pack_responses(returns), kl)

@@ -8,7 +8,7 @@ import torch
 
 from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import metrics
-from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import pick_device, release_memory, weights_digest
 from rolefleet.common.roles import UpdateResult
@@ -26,6 +26,7 @@ class CriticCore:
         torch.manual_seed(seed)
         self.model = ValueModel(cfg.model_name_or_path).to(self.device)
         self.model.eval()
+        self.limits = BatchLimits.of(ROLE, cfg, self.model.max_positions)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
@@ -35,15 +36,15 @@ class CriticCore:
 
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N]."""
-        batch.validate(vocab_size=self.model.vocab_size)
+        batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
         with self._lock, torch.no_grad():
             return self.model.response_values(batch, self.device).cpu()
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
         """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result."""
-        batch.validate(vocab_size=self.model.vocab_size)
-        batch.check_per_token(returns, "returns")
-        batch.check_per_token(old_values, "old_values")
+        batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
+        batch.check_per_token(returns, "returns", "target")
+        batch.check_per_token(old_values, "old_values", "target")
         with self._lock:
             done = self.ledger.check(step)
             if done is not None:

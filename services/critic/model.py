@@ -20,6 +20,10 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     @property
+    def max_positions(self) -> int | None:
+        return getattr(self.backbone.config, "max_position_embeddings", None)
+
+    @property
     def vocab_size(self) -> int:
         return self.backbone.get_input_embeddings().num_embeddings
 

@@ -22,13 +22,13 @@ class CriticServicer(RoleServicer, critic_pb2_grpc.CriticServiceServicer):
 
     @rpc
     async def ComputeValues(self, request: critic_pb2.ComputeValuesRequest, context):
-        batch = SequenceBatch.from_proto(request.batch)
+        batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
         values = await asyncio.to_thread(self.core.compute_values, batch)
         return critic_pb2.ComputeValuesResponse(values=codec.encode(values))
 
     @rpc
     async def Update(self, request: critic_pb2.CriticUpdateRequest, context):
-        batch = SequenceBatch.from_proto(request.batch)
+        batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
         returns = batch.per_token(request.returns, "returns")
         old_values = batch.per_token(request.old_values, "old_values")
         result = await asyncio.to_thread(self.core.update, request.step, batch, returns, old_values)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
 from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
-from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.reward.functions import REWARD_FUNCTIONS
 
 ROLE = "reward"
+# float32 carries scores to the coordinator: a larger value would arrive as inf.
+_MAX_SCORE = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -20,20 +24,52 @@ class ScoreItem:
     response: str
     ground_truth: str
 
+    def size(self) -> int:
+        return sum(len(t.encode("utf-8", errors="surrogatepass")) for t in (self.prompt, self.response,
+                                                                            self.ground_truth))
+
 
 class RewardCore:
     def __init__(self, cfg: RewardSection):
+        self.cfg = cfg
         self.fn = REWARD_FUNCTIONS.get(cfg.function)  # the config schema already checked the name
         self.scored = 0
 
     def score(self, items: list[ScoreItem]) -> torch.Tensor:
-        """float32 [len(items)]."""
-        if not items:
-            raise InvalidArgument("items", "no items to score")
-        scores = torch.tensor([self.fn(i.prompt, i.response, i.ground_truth) for i in items], dtype=torch.float32)
+        """float32 [len(items)]. One sample the function cannot score (an exception, a non-number,
+        NaN or inf) refuses the request, naming the sample: a silent NaN would poison the step's
+        advantages, and a made-up score would train on a reward nobody defined."""
+        self._check_sizes(items)
+        scores = torch.tensor([self._score_one(i, item) for i, item in enumerate(items)], dtype=torch.float32)
         self.scored += len(items)
         metrics.SAMPLES_SCORED.labels(ROLE).inc(len(items))
         return scores
+
+    def _check_sizes(self, items: list[ScoreItem]) -> None:
+        if not items:
+            raise InvalidArgument("items", "no items to score")
+        if len(items) > self.cfg.max_items_per_request:
+            raise LimitExceeded("items", f"{len(items)} items exceed reward.max_items_per_request="
+                                f"{self.cfg.max_items_per_request}")
+        for i, item in enumerate(items):
+            if item.size() > self.cfg.max_item_bytes:
+                raise LimitExceeded(f"items[{i}]", f"{item.size()} bytes exceed reward.max_item_bytes="
+                                    f"{self.cfg.max_item_bytes}")
+
+    def _score_one(self, index: int, item: ScoreItem) -> float:
+        name = self.cfg.function
+        try:
+            value = self.fn(item.prompt, item.response, item.ground_truth)
+        except Exception as exc:  # noqa: BLE001 - the function's failure is this sample's error
+            metrics.REWARD_ERRORS.labels(ROLE, name).inc()
+            raise InvalidArgument(f"items[{index}]", f"reward function {name!r} raised "
+                                  f"{type(exc).__name__}: {exc}") from None
+        # bool is a Real too, and a fine 0/1 score; strings, None and tensors are not.
+        if not isinstance(value, Real) or not math.isfinite(value) or abs(value) > _MAX_SCORE:
+            metrics.REWARD_ERRORS.labels(ROLE, name).inc()
+            raise InvalidArgument(f"items[{index}]", f"reward function {name!r} returned {value!r}, "
+                                  "not a finite number")
+        return float(value)
 
     def close(self) -> None:
         pass

@@ -1,5 +1,7 @@
 """ActorCore driven in-process: rollouts, logprob recomputation, PPO updates, idempotency."""
 
+import time
+
 import pytest
 import torch
 
@@ -67,7 +69,7 @@ def test_update_changes_weights_bumps_version_and_is_idempotent(core):
     old = core.compute_logprobs(batch, 1.0, include_reference=False).logprobs
     digest, version = core.digest(), core.policy_version
     advantages = torch.linspace(-1, 1, batch.num_response_tokens)
-    step = core.ledger.last_step + 2  # steps must increase, not necessarily by one
+    step = core.ledger.last_step + 1
     targets = PolicyTargets(advantages, old)
     result = core.update(step, version, batch, targets, 1.0)
     assert result.model_version == version + 1 == core.policy_version
@@ -79,10 +81,13 @@ def test_update_changes_weights_bumps_version_and_is_idempotent(core):
     digest_after = core.digest()
     assert core.update(step, version, batch, targets, 1.0) == result
     assert core.digest() == digest_after and core.policy_version == version + 1
-    # An older step that was never applied is refused, never applied late.
-    with pytest.raises(FailedPrecondition, match="already moved past"):
-        core.update(step - 1, version + 1, batch, targets, 1.0)
-    assert core.digest() == digest_after
+    # Only the next step is applied: a jump (e.g. a step id of 2**63 - 1) would make the actor
+    # refuse every later step of the run, so it is refused and changes nothing.
+    for jump in (step + 2, 2**63 - 1):
+        with pytest.raises(FailedPrecondition, match=f"expects step {step + 1} next"):
+            core.update(jump, version + 1, batch, targets, 1.0)
+    assert core.digest() == digest_after and core.ledger.last_step == step
+    assert core.update(step + 1, version + 1, batch, targets, 1.0).model_version == version + 2
 
 
 def test_stale_policy_version_is_a_failed_precondition(core):
@@ -104,7 +109,9 @@ def test_stale_policy_version_is_a_failed_precondition(core):
         (lambda c: c.generate(["1+1="], SamplingParams(top_p=0)), "sampling.top_p"),
         (lambda c: c.generate(["1+1="], SamplingParams(n=0)), "sampling.n"),
         (lambda c: c.generate(["1+1="], SamplingParams(max_new_tokens=125)), "sampling.max_new_tokens"),
-        (lambda c: c.generate(["1+1="] * 2, SamplingParams(n=40_000)), "sampling.n"),
+        (lambda c: c.generate(["1+1="], SamplingParams(temperature=1e-45)), "sampling.temperature"),
+        (lambda c: c.generate(["1+1="], SamplingParams(temperature=float("nan"))), "sampling.temperature"),
+        (lambda c: c.generate(["1+1="], SamplingParams(top_p=float("nan"))), "sampling.top_p"),
     ],
 )
 def test_bad_generate_input_names_the_field(core, call, field):
@@ -119,3 +126,32 @@ def test_step_ids_start_at_one(core):
     with pytest.raises(InvalidArgument) as err:  # 0 is what a client that forgot the field sends
         core.update(0, core.policy_version, batch, PolicyTargets(ones, -ones), 1.0)
     assert err.value.field == "step"
+
+
+def test_request_limits_are_checked_before_any_work(core):
+    from rolefleet.common.errors import LimitExceeded
+
+    started = time.perf_counter()
+    with pytest.raises(LimitExceeded, match="actor.max_prompt_bytes=262144") as err:
+        core.generate(["1+1=", "7" * 10_000_000], SamplingParams())  # refused before tokenizing 10 MB
+    assert err.value.field == "prompts[1]" and time.perf_counter() - started < 1.0
+    with pytest.raises(LimitExceeded, match="actor.max_sequences_per_request=65536") as err:
+        core.generate(["1+1="] * 2, SamplingParams(n=40_000))
+    assert err.value.field == "sampling.n"
+
+
+def test_positions_and_subnormal_temperatures_are_refused_before_the_model_runs(core):
+    digest = core.digest()
+    limit = core.max_positions
+    long = SequenceBatch.from_lists([torch.full((limit,), 4)], [torch.tensor([5])])
+    with pytest.raises(InvalidArgument, match=f"exceeds the model's {limit} positions"):
+        core.compute_logprobs(long, 1.0, include_reference=False)
+    _, batch = rollout(core)
+    ones = torch.ones(batch.num_response_tokens)
+    for temperature in (1e-45, float("nan"), float("inf"), -1.0):
+        with pytest.raises(InvalidArgument, match="temperature: must be finite and >= 0.01"):
+            core.compute_logprobs(batch, temperature, include_reference=False)
+        with pytest.raises(InvalidArgument, match="temperature"):
+            core.update(core.ledger.last_step + 1, core.policy_version, batch, PolicyTargets(ones, -ones),
+                        temperature)
+    assert core.digest() == digest

@@ -24,9 +24,9 @@ def test_actor_and_critic_train_on_cuda(tiny_model_dir):
     assert (lp.logprobs - rollout).abs().max() < 1e-3  # same weights, same numbers in both engines
     digest = actor.digest()
     adv = torch.linspace(-1, 1, batch.num_response_tokens)
-    result = actor.update(0, 0, batch, PolicyTargets(adv, lp.logprobs, lp.ref_logprobs, rollout), 1.0)
+    result = actor.update(1, 0, batch, PolicyTargets(adv, lp.logprobs, lp.ref_logprobs, rollout), 1.0)
     assert actor.digest() != digest and result.model_version == 1
     values = critic.compute_values(batch)
     assert values.device.type == "cpu" and values.shape == (batch.num_response_tokens,)
-    critic.update(0, batch, torch.ones_like(values), values)
+    critic.update(1, batch, torch.ones_like(values), values)
     assert critic.compute_values(batch).mean() > values.mean()

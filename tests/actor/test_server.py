@@ -1,6 +1,7 @@
 """The actor over real gRPC on an ephemeral loopback port, through the gRPC client and raw stubs."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -109,5 +110,69 @@ def test_a_cancelled_stream_releases_the_model(tiny_model_dir):
                     client.generate(["3+4="], SamplingParams(max_new_tokens=3, n=2, seed=2)), timeout=30)
                 assert len(samples) == 2
                 await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_hostile_requests_are_refused_and_change_nothing(core):
+    """Each wire case a hostile or buggy client sends: a clear status naming what is wrong, the same
+    status and weights afterwards, and a valid request still served."""
+    import grpc
+
+    from tests.helpers import expect_code
+
+    code = grpc.StatusCode
+
+    async def scenario():
+        async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
+            async with open_channel(address) as channel:
+                stub = actor_pb2_grpc.ActorServiceStub(channel)
+                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
+                good = dict(step=before.last_step + 1, policy_version=before.model_version,
+                            batch=batch.to_proto(), temperature=1.0,
+                            advantages=codec.encode(torch.ones(2)), old_logprobs=codec.encode(torch.zeros(2)))
+                many = SequenceBatch.from_lists([torch.tensor([4])] * 70_000, [torch.tensor([5])] * 70_000)
+                deep = common_pb2.Tensor(dtype="int64", shape=[0] * 65)
+                wide_batch = batch.to_proto()
+                wide_batch.response_ids.CopyFrom(common_pb2.Tensor(dtype="int64", shape=[0, 2**62]))
+                long = SequenceBatch.from_lists([torch.full((core.max_positions,), 4)], [torch.tensor([5])])
+                cases = [
+                    (lambda: stub.Update(actor_pb2.ActorUpdateRequest(**dict(good, step=2**63 - 1))),
+                     code.FAILED_PRECONDITION, f"expects step {before.last_step + 1} next"),
+                    (lambda: stub.Update(actor_pb2.ActorUpdateRequest(**dict(good, temperature=1e-45))),
+                     code.INVALID_ARGUMENT, "temperature"),
+                    (lambda: stub.Update(actor_pb2.ActorUpdateRequest(**dict(good, temperature=float("nan")))),
+                     code.INVALID_ARGUMENT, "temperature"),
+                    (lambda: stub.Update(actor_pb2.ActorUpdateRequest(**dict(good, batch=many.to_proto()))),
+                     code.RESOURCE_EXHAUSTED, "actor.max_sequences_per_request"),
+                    (lambda: stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(batch=batch.to_proto(),
+                                                                           temperature=1e-45)),
+                     code.INVALID_ARGUMENT, "temperature"),
+                    (lambda: stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(
+                        batch=common_pb2.SequenceBatch(prompt_ids=deep), temperature=1.0)),
+                     code.INVALID_ARGUMENT, "batch.prompt_ids.shape"),
+                    (lambda: stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(
+                        batch=wide_batch, temperature=1.0)),
+                     code.INVALID_ARGUMENT, "batch.response_ids.shape"),
+                    (lambda: stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(batch=long.to_proto(), temperature=1.0)),
+                     code.INVALID_ARGUMENT, "positions"),
+                    (lambda: stub.Generate(actor_pb2.GenerateRequest(
+                        prompts=["1+1=", "9" * 10_000_000], sampling=actor_pb2.SamplingParams(
+                            temperature=1.0, top_p=1.0, max_new_tokens=2, n=1))).read(),
+                     code.RESOURCE_EXHAUSTED, "prompts[1]", "actor.max_prompt_bytes"),
+                    (lambda: stub.Generate(actor_pb2.GenerateRequest(prompts=["1+1="], sampling=actor_pb2.SamplingParams(
+                        temperature=1e-45, top_p=1.0, max_new_tokens=2, n=1))).read(),
+                     code.INVALID_ARGUMENT, "sampling.temperature"),
+                ]
+                for call, expected, *texts in cases:
+                    started = time.perf_counter()
+                    await expect_code(call(), expected, *texts)
+                    assert time.perf_counter() - started < 5, texts  # refused up front, not after the work
+                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                assert (after.model_version, after.last_step, after.weights_digest) == \
+                    (before.model_version, before.last_step, before.weights_digest)
+                reply = await stub.Update(actor_pb2.ActorUpdateRequest(**good))
+                assert reply.policy_version == before.model_version + 1
 
     asyncio.run(scenario())

@@ -83,14 +83,38 @@ def test_kl_loss_raises_the_objective_and_pulls_toward_the_reference(tiny_model_
     assert kl_after < kl_before
 
 
+def test_absurd_targets_are_refused_before_the_first_optimizer_step(tiny_model_dir):
+    from rolefleet.common.errors import InvalidArgument
+
+    core = make_core(tiny_model_dir)
+    _, batch, lp = rollout(core)
+    digest = core.digest()
+    n = batch.num_response_tokens
+    for targets, field in ((PolicyTargets(torch.full((n,), 3e38), lp.logprobs), "advantages"),
+                           (PolicyTargets(torch.ones(n), lp.logprobs + 5.0), "old_logprobs"),
+                           (PolicyTargets(torch.ones(n), lp.logprobs, rollout_logprobs=-lp.logprobs),
+                            "rollout_logprobs")):
+        with pytest.raises(InvalidArgument, match="values must lie in") as err:
+            core.update(1, 0, batch, targets, 1.0)
+        assert err.value.field == field
+    assert core.digest() == digest and core.policy_version == 0 and core.ledger.last_step == 0
+
+
 def test_non_finite_gradient_changes_nothing(tiny_model_dir):
     core = make_core(tiny_model_dir)
     _, batch, lp = rollout(core)
     digest = core.digest()
-    huge = torch.full((batch.num_response_tokens,), 3e38)
+    real = core.trainer.policy_loss
+
+    def overflowing(*args, **kwargs):  # a loss that overflows (diverged model, extreme numerics)
+        loss, stats = real(*args, **kwargs)
+        return loss * float("inf"), stats
+
+    core.trainer.policy_loss = overflowing
     with pytest.raises(FailedPrecondition, match="non-finite gradient"):
-        core.update(1, 0, batch, PolicyTargets(huge, lp.logprobs), 1.0)
+        core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
     assert core.digest() == digest and core.policy_version == 0 and core.ledger.last_step == 0
+    core.trainer.policy_loss = real
     # The same step with sane targets is then applied normally.
     core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
     assert core.policy_version == 1

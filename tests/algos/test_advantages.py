@@ -1,11 +1,26 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rolefleet.algos import ADVANTAGE_ESTIMATORS, discounted_returns
 from rolefleet.algos.advantages import gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from rolefleet.algos.functional import masked_mean, masked_whiten
 from tests.algos import refs
 from tests.algos.conftest import pad, unpad
+from tests.algos.edge import (
+    FAST,
+    FULL,
+    GARBAGE,
+    REWARD,
+    Case,
+    check_all_masked,
+    check_case,
+    covered,
+    group_ids,
+    masks,
+    tensor,
+)
 
 
 def gae_reference(rewards, values, gamma, lam):
@@ -147,3 +162,89 @@ def test_registry_lists_valid_names():
     assert ADVANTAGE_ESTIMATORS.get("gae") is gae
     with pytest.raises(KeyError, match="valid: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
         ADVANTAGE_ESTIMATORS.get("nope")
+
+
+# --- edge inputs (property-based) ---------------------------------------------------------------------
+
+def _outcome_case(fn):
+    def build(draw, mask):
+        ids = group_ids(draw, mask.shape[0])
+        kwargs = {"norm_by_std": draw(st.booleans())} if fn is grpo else {}
+        return Case(lambda x: fn(x["token_rewards"], x["mask"], ids, **kwargs),
+                    {"token_rewards": tensor(draw, REWARD, mask.shape)}, mask)
+    return build
+
+
+def _gae_case(draw, mask):
+    gamma, lam = draw(st.floats(0.0, 1.0)), draw(st.floats(0.0, 1.0))
+    return Case(lambda x: gae(x["token_rewards"], x["values"], x["mask"], gamma=gamma, lam=lam),
+                {"token_rewards": tensor(draw, REWARD, mask.shape), "values": tensor(draw, REWARD, mask.shape)}, mask)
+
+
+def _returns_case(fn):
+    def build(draw, mask):
+        gamma = draw(st.floats(0.0, 1.0))
+        return Case(lambda x: fn(x["token_rewards"], x["mask"], gamma=gamma),
+                    {"token_rewards": tensor(draw, REWARD, mask.shape)}, mask)
+    return build
+
+
+ESTIMATOR_CASES = {
+    "gae": _gae_case,
+    "grpo": _outcome_case(grpo),
+    "rloo": _outcome_case(rloo),
+    "reinforce_pp": _returns_case(reinforce_pp),
+    "reinforce_pp_baseline": _outcome_case(reinforce_pp_baseline),
+}
+CASES = {**{(ADVANTAGE_ESTIMATORS.get(n), n): c for n, c in ESTIMATOR_CASES.items()},
+         (discounted_returns, "discounted_returns"): _returns_case(discounted_returns)}
+CASE_IDS = [name for _, name in CASES]
+
+
+def test_every_estimator_has_edge_cases():
+    covered(ESTIMATOR_CASES, ADVANTAGE_ESTIMATORS.names())
+
+
+@pytest.mark.parametrize("fn, name", list(CASES), ids=CASE_IDS)
+@FAST
+@given(data=st.data(), mask=masks(), garbage=GARBAGE, dtype=FULL)
+def test_estimators_on_edge_inputs(fn, name, data, mask, garbage, dtype):
+    check_case(fn, CASES[fn, name](data.draw, mask), garbage, dtype)
+
+
+@pytest.mark.parametrize("fn, name", list(CASES), ids=CASE_IDS)
+@settings(FAST, max_examples=10)
+@given(data=st.data(), mask=masks(all_masked=True))
+def test_estimators_on_an_all_masked_batch(fn, name, data, mask):
+    check_all_masked(CASES[fn, name](data.draw, mask))
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_rows_without_tokens_take_no_part_in_group_statistics(name):
+    # Response 2 of group 0 has no tokens: without it the group is {1, 0}, as if it were not there.
+    rewards, mask = pad([[1.0], [0.0], [], [5.0], [3.0]], width=2)
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    fn = ADVANTAGE_ESTIMATORS.get(name)
+    adv, _ = fn(rewards, mask, groups)
+    alone, _ = fn(rewards[[0, 1, 3, 4]], mask[[0, 1, 3, 4]], groups[[0, 1, 3, 4]])
+    assert torch.allclose(adv[[0, 1, 3, 4]], alone) and torch.all(adv[2] == 0)
+
+
+def test_estimators_reject_empty_and_mismatched_input_by_name():
+    rewards, mask = torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="token_rewards is empty"):
+        grpo(rewards, mask, torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="token_rewards is empty"):
+        gae(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="values has shape"):
+        gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="group_ids must be"):
+        rloo(torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(3, dtype=torch.long))
+
+
+def test_bf16_rewards_accumulate_in_float32():
+    # 300 tokens of 1.0 plus one of 0.5: bf16 cannot even hold 300.5 (its spacing there is 2).
+    rewards = torch.ones(1, 301, dtype=torch.bfloat16)
+    rewards[0, -1] = 0.5
+    returns = discounted_returns(rewards, torch.ones(1, 301), gamma=1.0)
+    assert returns.dtype == torch.float32 and returns[0, 0].item() == 300.5

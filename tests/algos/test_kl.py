@@ -2,8 +2,24 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rolefleet.algos import KL_CONTROLLERS, KL_ESTIMATORS
+from rolefleet.algos.kl import K3_MAX
+from tests.algos.edge import (
+    FAST,
+    FULL,
+    GARBAGE,
+    LOG_RATIO,
+    LOGPROB,
+    Case,
+    check_all_masked,
+    check_case,
+    covered,
+    masks,
+    tensor,
+)
 
 
 @pytest.mark.parametrize("name", ["k1", "k2", "k3"])
@@ -53,3 +69,96 @@ def test_adaptive_controller_tracks_the_target():
     for _ in range(400):
         coef = KL_CONTROLLERS.get("adaptive")(coef, kl_per_coef / coef, target=0.1, horizon=1000, n_steps=100)
     assert kl_per_coef / coef == pytest.approx(0.1, rel=0.05)
+
+
+# --- edge inputs (property-based) ---------------------------------------------------------------------
+
+def _estimator_case(name):
+    def build(draw, mask):
+        fn, lp = KL_ESTIMATORS.get(name), tensor(draw, LOGPROB, mask.shape)
+        # Elementwise, no mask argument: only the unmasked positions are promised anything.
+        return Case(lambda x: fn(x["logprobs"], x["ref_logprobs"]),
+                    {"logprobs": lp, "ref_logprobs": lp - tensor(draw, LOG_RATIO, mask.shape)}, mask,
+                    grad=("logprobs",), elementwise=True)
+    return build
+
+
+ESTIMATOR_CASES = {name: _estimator_case(name) for name in ("k1", "k2", "k3")}
+
+
+def test_every_kl_estimator_and_controller_has_edge_cases():
+    covered(ESTIMATOR_CASES, KL_ESTIMATORS.names())
+    covered(CONTROLLER_BOUNDS, KL_CONTROLLERS.names())
+
+
+@pytest.mark.parametrize("name", KL_ESTIMATORS.names())
+@FAST
+@given(data=st.data(), mask=masks(), garbage=GARBAGE, dtype=FULL)
+def test_kl_estimators_on_edge_inputs(name, data, mask, garbage, dtype):
+    check_case(KL_ESTIMATORS.get(name), ESTIMATOR_CASES[name](data.draw, mask), garbage, dtype)
+
+
+@pytest.mark.parametrize("name", KL_ESTIMATORS.names())
+@settings(FAST, max_examples=5)
+@given(data=st.data(), mask=masks(all_masked=True))
+def test_kl_estimators_on_an_all_masked_batch(name, data, mask):
+    check_all_masked(ESTIMATOR_CASES[name](data.draw, mask))
+
+
+def test_k3_is_bounded_with_no_gradient_beyond_the_bound():
+    # logp - ref = -12: r^-1 = e^12, so k3 = e^12 - 1 - 12 = 1.6e5 unbounded; verl's low_var_kl caps at 10.
+    # The other side grows only linearly (k3 ~ -log r - 1) but is capped the same way.
+    logp = torch.tensor([-12.0, -1e4, 0.0, -2.0], dtype=torch.float64, requires_grad=True)
+    k3 = KL_ESTIMATORS.get("k3")(logp, torch.tensor([0.0, 0.0, -1e4, 0.0], dtype=torch.float64))
+    k3.sum().backward()
+    assert k3.tolist() == pytest.approx([K3_MAX, K3_MAX, K3_MAX, math.exp(2.0) - 3.0])
+    # Capped tokens push nothing (and -1e4 no longer reaches exp: e^1e4 = inf, inf x 0 = NaN in the
+    # backward); inside the bounds dk3/dlogp = 1 - e^(ref - logp).
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 0.0, 1.0 - math.exp(2.0)])
+
+
+def test_kl_estimators_reject_empty_and_mismatched_input_by_name():
+    with pytest.raises(ValueError, match="logprobs is empty"):
+        KL_ESTIMATORS.get("k3")(torch.zeros(0), torch.zeros(0))
+    with pytest.raises(ValueError, match="ref_logprobs has shape"):
+        KL_ESTIMATORS.get("k1")(torch.zeros(3), torch.zeros(4))
+
+
+# --- controllers --------------------------------------------------------------------------------------
+
+# The most the coefficient may move in one update, as multipliers (lowest, highest).
+CONTROLLER_BOUNDS = {"fixed": (1.0, 1.0), "adaptive": (0.8, 1.2)}
+
+
+@pytest.mark.parametrize("name", KL_CONTROLLERS.names())
+@FAST
+@given(coef=st.floats(0.0, 1e6), current_kl=st.floats(allow_nan=True, allow_infinity=True),
+       target=st.floats(1e-6, 10.0), horizon=st.integers(1, 10_000), n_steps=st.integers(0, 10**7))
+def test_controllers_keep_the_coefficient_finite_non_negative_and_bounded(name, coef, current_kl, target,
+                                                                           horizon, n_steps):
+    new = KL_CONTROLLERS.get(name)(coef, current_kl, target, horizon, n_steps)
+    low, high = CONTROLLER_BOUNDS[name]
+    assert math.isfinite(new) and new >= 0
+    assert coef * low * (1 - 1e-12) <= new <= coef * high * (1 + 1e-12)
+    if not math.isfinite(current_kl):
+        assert new == coef
+
+
+def test_adaptive_controller_stays_positive_when_n_steps_far_exceeds_the_horizon():
+    # Ziegler's 1 + error * n / horizon = 1 - 0.2 * 1000 / 10 = -19: the coefficient went negative.
+    assert KL_CONTROLLERS.get("adaptive")(0.1, current_kl=0.0, target=0.1, horizon=10, n_steps=1000) == pytest.approx(0.08)
+    assert KL_CONTROLLERS.get("adaptive")(0.1, current_kl=1.0, target=0.1, horizon=10, n_steps=1000) == pytest.approx(0.12)
+
+
+@pytest.mark.parametrize("current_kl", [math.nan, math.inf, -math.inf])
+def test_adaptive_controller_ignores_a_non_finite_kl(current_kl):
+    assert KL_CONTROLLERS.get("adaptive")(0.1, current_kl, target=0.1, horizon=10, n_steps=5) == 0.1
+
+
+@pytest.mark.parametrize("name", KL_CONTROLLERS.names())
+@pytest.mark.parametrize("kwargs, named", [({"coef": -0.1}, "coef"), ({"target": 0.0}, "target"),
+                                           ({"horizon": 0}, "horizon"), ({"n_steps": -1}, "n_steps")])
+def test_controllers_reject_meaningless_settings_by_name(name, kwargs, named):
+    args = {"coef": 0.1, "current_kl": 0.1, "target": 0.1, "horizon": 10, "n_steps": 1, **kwargs}
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        KL_CONTROLLERS.get(name)(**args)

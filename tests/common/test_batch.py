@@ -95,3 +95,30 @@ def test_lengths_that_overflow_int64_sums_are_rejected():
     with pytest.raises(InvalidArgument) as err:
         bad.validate()
     assert err.value.field == "batch.prompt_ids"
+
+
+def test_limits_are_checked_from_declared_sizes_before_decoding():
+    from rolefleet.common.batch import BatchLimits
+    from rolefleet.common.errors import LimitExceeded
+    from rolefleet.common.pb import common_pb2
+
+    limits = BatchLimits("critic", max_sequences=2, max_tokens=10)
+    with pytest.raises(LimitExceeded, match="3 sequences exceed critic.max_sequences_per_request=2"):
+        SequenceBatch.from_proto(make_batch().to_proto(), limits=limits)
+    # A claimed 2**40 tokens with no bytes behind them: refused by the limit, nothing allocated.
+    huge = common_pb2.SequenceBatch(prompt_ids=common_pb2.Tensor(dtype="int64", shape=[2**40]),
+                                    prompt_lengths=make_batch().to_proto().prompt_lengths)
+    with pytest.raises(LimitExceeded, match="critic.max_tokens_per_request=10") as err:
+        SequenceBatch.from_proto(huge, limits=BatchLimits("critic", 8, 10))
+    assert err.value.field == "batch.prompt_ids"
+    ok = SequenceBatch.from_proto(make_batch().to_proto(), limits=BatchLimits("critic", 3, 12))
+    assert len(ok) == 3
+
+
+def test_check_limits_refuses_sequences_longer_than_the_model():
+    from rolefleet.common.batch import BatchLimits
+
+    batch = make_batch()  # longest sequence: 5 tokens
+    batch.check_limits(BatchLimits("actor", 8, 100, max_positions=5))
+    with pytest.raises(InvalidArgument, match="a 5-token sequence exceeds the model's 4 positions"):
+        batch.check_limits(BatchLimits("actor", 8, 100, max_positions=4))

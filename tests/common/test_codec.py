@@ -72,3 +72,25 @@ def test_decode_as_checks_rank_and_family():
 def test_unsupported_dtype_cannot_be_encoded():
     with pytest.raises(TypeError, match="not supported"):
         codec.encode(torch.zeros(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize(
+    "shape, text",
+    [
+        ([0] * 65, "at most 8 are allowed"),        # numpy refuses > 64 dims: was INTERNAL
+        ([1] * 9, "at most 8 are allowed"),
+        ([0, 2**62], "dimension over"),            # zero-size, no bytes, absurd dimension
+        ([2**40, 0, 2**40], "dimension over"),
+    ],
+)
+def test_ranks_and_dimensions_past_the_wire_limits_are_refused_before_allocating(shape, text):
+    msg = common_pb2.Tensor(dtype="float32", shape=shape, data=b"")
+    with pytest.raises(InvalidArgument, match=text) as err:
+        codec.decode(msg, "x")
+    assert err.value.field == "x.shape"
+
+
+def test_declared_numel_reads_the_shape_only():
+    assert codec.declared_numel(common_pb2.Tensor(dtype="int64", shape=[3, 4], data=b""), "x") == 12
+    with pytest.raises(InvalidArgument, match="at most 8"):
+        codec.declared_numel(common_pb2.Tensor(dtype="int64", shape=[1] * 9), "x")

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from rolefleet.common.config import ConfigError, apply_override, load_config, parse_config
@@ -92,8 +94,6 @@ def test_load_config_reports_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_shipped_demo_config_validates():
-    from pathlib import Path
-
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
     assert cfg.algorithm == "ppo" and "critic" in cfg.roles()
 
@@ -126,3 +126,50 @@ def test_a_role_on_port_0_needs_an_address_to_be_dialled():
         cfg.actor.dial_address("actor")
     assert parse_config(BASE, ["actor.port=5000"]).actor.dial_address("actor") == "127.0.0.1:5000"
     assert parse_config(BASE, ["actor.address=actor:7"]).actor.dial_address("actor") == "actor:7"
+
+
+def test_load_config_names_the_file_it_cannot_read(tmp_path, monkeypatch):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("run:\n  name: café\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"config file .*latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 16\)"):
+        load_config(latin1)
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        load_config(tmp_path)
+    good = tmp_path / "good.yaml"
+    good.write_text("model: {model_name_or_path: m}\n")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # root reads through file modes, so simulate it
+    with pytest.raises(ConfigError, match="config file .*good.yaml cannot be read: Permission denied"):
+        load_config(good)
+
+
+def test_load_config_accepts_a_utf8_byte_order_mark(tmp_path):
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(b"\xef\xbb\xbfmodel: {model_name_or_path: m}\nrun: {name: bom}\n")
+    assert load_config(bom).run.name == "bom"
+
+
+@pytest.mark.parametrize("override", ["actor.lr=[1,", "run.name={", "run.name='x", "devices.actor=[0, 1"])
+def test_an_override_value_that_is_not_yaml_names_the_override(override):
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE, [override])
+    assert str(err.value).startswith(f"override {override!r}: the value ")
+    assert "is not valid YAML (" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["actor.lr=.inf", "actor.lr=.nan", "train.kl_coef=.inf",
+                                      "critic.max_grad_norm=.inf", "actor.clip_ratio=.nan"])
+def test_inf_and_nan_are_refused(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}: Input should be a finite number"):
+        parse_config(BASE, [override])
+
+
+def test_per_request_limits_are_positive_integers():
+    cfg = parse_config(BASE, ["actor.max_tokens_per_request=4096", "reward.max_items_per_request=8"])
+    assert (cfg.actor.max_tokens_per_request, cfg.reward.max_items_per_request) == (4096, 8)
+    with pytest.raises(ConfigError, match="critic.max_sequences_per_request: Input should be greater than or equal to 1"):
+        parse_config(BASE, ["critic.max_sequences_per_request=0"])

@@ -23,38 +23,130 @@ from rolefleet.reward.core import RewardCore
 REQUIRED_KEYS = {"step", "policy_version", "reward/mean", "kl", "timing/step_s", "throughput/tokens_per_s"}
 
 
+class RecordingReward:
+    """The real reward core in-process, keeping every score it returned (or a planted one)."""
+
+    def __init__(self, core: RewardCore, plant: dict[int, float] | None = None):
+        self.inner = InProcessRewardClient(core)
+        self.plant = plant or {}  # call number (1-based) -> value put in the first score
+        self.returned: list[torch.Tensor] = []
+
+    async def score(self, items):
+        scores = await self.inner.score(items)
+        if len(self.returned) + 1 in self.plant:
+            scores[0] = self.plant[len(self.returned) + 1]
+        self.returned.append(scores)
+        return scores
+
+    async def status(self):
+        return await self.inner.status()
+
+    async def close(self):
+        pass
+
+
+class StopAfterUpdate(InProcessActorClient):
+    """Asks the run to stop while step `after` is in flight (a Stop RPC mid-step)."""
+
+    def __init__(self, core: ActorCore, status: RunStatus, after: int):
+        super().__init__(core)
+        self.run_status, self.after = status, after
+
+    async def update(self, step, *args):
+        result = await super().update(step, *args)
+        if step == self.after:
+            self.run_status.request_stop()
+        return result
+
+
+def run(cfg, roles, status=None) -> tuple[RunStatus, list[dict]]:
+    status = status or RunStatus(cfg.run.name, cfg.train.total_steps)
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    try:
+        asyncio.run(train(cfg, roles, logger, status))
+    finally:
+        logger.close()
+    return status, read_records(cfg)
+
+
+def read_records(cfg) -> list[dict]:
+    return [json.loads(line) for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_two_ppo_steps_in_process(make_config):
     cfg = make_config()
     actor, critic = ActorCore(cfg.actor), CriticCore(cfg.critic)
     actor_digest, critic_digest = actor.digest(), critic.digest()
-    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
-                  InProcessCriticClient(critic))
-    status = RunStatus(cfg.run.name, cfg.train.total_steps)
-    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
-    asyncio.run(train(cfg, roles, logger, status))
-    logger.close()
+    reward = RecordingReward(RewardCore(cfg.reward))
+    roles = Roles(InProcessActorClient(actor), reward, InProcessCriticClient(critic))
+    status, records = run(cfg, roles)
     assert status.state == RunState.FINISHED and status.step == 2
     assert actor.policy_version == 2 and actor.digest() != actor_digest
     assert critic.model_version == 2 and critic.digest() != critic_digest
-    records = [json.loads(line) for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and [r["policy_version"] for r in records] == [1, 2]
     assert all(REQUIRED_KEYS <= set(r) for r in records)
-    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records)
+    # The logged reward is what the reward role returned for that step's samples.
+    assert [r["reward/mean"] for r in records] == pytest.approx([s.mean().item() for s in reward.returned])
+    assert all(len(s) == cfg.train.prompts_per_step for s in reward.returned)
     assert (cfg.run.out / "reward_curve.png").stat().st_size > 0
     assert any((cfg.run.out / "tensorboard").iterdir())
 
 
-def test_stop_request_ends_the_run_between_steps(make_config):
+def test_stop_request_mid_run_ends_it_after_the_step_in_flight(make_config):
+    cfg = make_config("train.total_steps=5")
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    actor = ActorCore(cfg.actor)
+    roles = Roles(StopAfterUpdate(actor, status, after=2), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(CriticCore(cfg.critic)))
+    status, records = run(cfg, roles, status)
+    # Step 2 was in flight when the stop came: it completed and was logged in full; step 3 never began.
+    assert status.state == RunState.STOPPED and status.step == 2 and actor.policy_version == 2
+    assert [r["step"] for r in records] == [1, 2] and all(REQUIRED_KEYS <= set(r) for r in records)
+
+
+def test_stop_before_the_first_step_runs_nothing(make_config):
     cfg = make_config("train.total_steps=5")
     roles = Roles(InProcessActorClient(ActorCore(cfg.actor)), InProcessRewardClient(RewardCore(cfg.reward)),
                   InProcessCriticClient(CriticCore(cfg.critic)))
     status = RunStatus(cfg.run.name, cfg.train.total_steps)
     status.request_stop()
-    logger = RunLogger(cfg.run.out, 5, progress=False)
-    asyncio.run(train(cfg, roles, logger, status))
-    logger.close()
-    assert status.step == 0 and roles.actor.core.policy_version == 0
+    status, records = run(cfg, roles, status)
+    assert status.step == 0 and roles.actor.core.policy_version == 0 and records == []
     assert status.state == RunState.STOPPED
+
+
+@pytest.mark.parametrize("planted", [float("nan"), float("inf")])
+def test_a_step_with_a_non_finite_reward_is_refused_before_any_update(make_config, planted):
+    from rolefleet.coordinator.checks import StepRefused
+
+    cfg = make_config("train.total_steps=3")
+    actor, critic = ActorCore(cfg.actor), CriticCore(cfg.critic)
+    reward = RecordingReward(RewardCore(cfg.reward), plant={2: planted})
+    roles = Roles(InProcessActorClient(actor), reward, InProcessCriticClient(critic))
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    with pytest.raises(StepRefused, match="reward function 'exact_match' gave non-finite scores for prompt "):
+        run(cfg, roles, status)
+    # Step 1 stands; nothing of step 2 reached a role or the record.
+    assert status.step == 1 and actor.policy_version == 1 and critic.model_version == 1
+    assert actor.ledger.last_step == critic.ledger.last_step == 1
+    assert [r["step"] for r in read_records(cfg)] == [1]
+
+
+def test_a_reward_function_returning_nan_fails_the_step_naming_the_sample(make_config, monkeypatch):
+    from rolefleet.common.errors import InvalidArgument
+    from rolefleet.reward.functions import REWARD_FUNCTIONS
+
+    monkeypatch.setitem(REWARD_FUNCTIONS._items, "exact_match", lambda p, r, t: float("nan"))
+    cfg = make_config()
+    actor = ActorCore(cfg.actor)
+    digest = actor.digest()
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(CriticCore(cfg.critic)))
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    with pytest.raises(InvalidArgument, match=r"items\[0\]: reward function 'exact_match' returned nan"):
+        run(cfg, roles, status)
+    assert status.step == 0 and actor.policy_version == 0 and actor.digest() == digest
+    assert read_records(cfg) == []
 
 
 def test_ppo_targets_put_the_score_on_the_last_token_and_penalise_kl():

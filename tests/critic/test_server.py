@@ -88,3 +88,41 @@ def test_old_values_reach_the_clipped_value_loss(core):
     old = torch.tensor([0.5, -0.5, 1.0, 2.0, 3.0])
     core.update(1, BATCH, torch.ones(5), old)
     assert seen and all(torch.equal(o.cpu().sort().values, old.sort().values) and c == 0.2 for o, c in seen)
+
+
+def test_oversized_and_out_of_order_requests_are_refused_and_change_nothing(tiny_model_dir):
+    import grpc
+
+    from tests.helpers import expect_code
+
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                       ["critic.max_sequences_per_request=4", "critic.max_tokens_per_request=64"])
+    core = CriticCore(cfg.critic)
+    five = SequenceBatch.from_lists([torch.tensor([4])] * 5, [torch.tensor([5])] * 5)
+    fat = SequenceBatch.from_lists([torch.full((40,), 4)], [torch.full((30,), 5)])
+
+    def update(step, batch=BATCH):
+        n = batch.num_response_tokens
+        return critic_pb2.CriticUpdateRequest(step=step, batch=batch.to_proto(), returns=codec.encode(torch.ones(n)),
+                                              old_values=codec.encode(torch.zeros(n)))
+
+    async def scenario():
+        async with serving("critic", lambda s: critic_server.add_to_server(core, s)) as address:
+            async with open_channel(address) as channel:
+                stub = critic_pb2_grpc.CriticServiceStub(channel)
+                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+                await expect_code(stub.ComputeValues(critic_pb2.ComputeValuesRequest(batch=five.to_proto())),
+                                  exhausted, "critic.max_sequences_per_request=4")
+                await expect_code(stub.ComputeValues(critic_pb2.ComputeValuesRequest(batch=fat.to_proto())),
+                                  exhausted, "70 prompt + response tokens exceed critic.max_tokens_per_request=64")
+                await expect_code(stub.Update(update(1, fat)), exhausted, "critic.max_tokens_per_request")
+                await expect_code(stub.Update(update(2**63 - 1)), grpc.StatusCode.FAILED_PRECONDITION,
+                                  "expects step 1 next")
+                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                assert (after.weights_digest, after.model_version, after.last_step) == \
+                    (before.weights_digest, 0, 0)
+                reply = await stub.Update(update(1))  # the next step is still accepted
+                assert reply.model_version == 1
+
+    asyncio.run(scenario())

@@ -8,11 +8,13 @@ import urllib.request
 import pytest
 
 from rolefleet.actor.client import GrpcActorClient
+from rolefleet.common.roles import fetch_status
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
 from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, terminate, wait_ready, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+REQUIRED_KEYS = {"step", "policy_version", "reward/mean", "kl", "timing/step_s", "throughput/tokens_per_s"}
 
 
 async def statuses(addresses):
@@ -103,8 +105,15 @@ def test_status_of_a_running_run_then_sigterm_stops_every_role(make_config, tmp_
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     rest = proc.stdout.read()
-    # The coordinator was stopped first and finished its step while the roles still answered.
+    # The coordinator was stopped first and finished its step while the roles still answered: the
+    # run ended STOPPED, and metrics.jsonl ends with that step's complete record.
     assert "run failed" not in rest, rest
+    ended = [line for line in rest.splitlines() if "rolefleet: run test ended " in line]
+    assert len(ended) == 1 and "ended STOPPED after step " in ended[0], rest
+    last_step = int(ended[0].split("after step ")[1].split("/")[0])
+    records = read_metrics(metrics)
+    assert last_step >= 1 and [r["step"] for r in records] == list(range(1, last_step + 1))
+    assert REQUIRED_KEYS <= set(records[-1])
     deadline = time.monotonic() + 30
     while processes_mentioning(resolved) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -157,10 +166,49 @@ def test_train_without_role_addresses_is_a_config_error(make_config, tmp_path):
     assert proc.returncode == 2 and "set actor.address" in output
 
 
-def test_up_with_a_missing_model_says_why(make_config, tmp_path):
+def test_up_with_a_missing_model_says_why_before_starting_anything(make_config, tmp_path):
     cfg = make_config(f"model.model_name_or_path={tmp_path / 'no-such-model'}")
     proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
     output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in output, output
+    assert "actor.model_name_or_path" in output and "no-such-model does not exist" in output
+    assert not (cfg.run.out / "logs").exists()  # nothing was started
+
+
+def test_up_shows_the_log_of_a_role_that_dies_before_it_is_ready(make_config, tmp_path, tiny_model_dir):
+    import shutil
+
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()  # passes the config check (config.json is there); fails when the actor loads it
+    cfg = make_config(f"model.model_name_or_path={broken}")
+    proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
+    output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert "exited with code 1 before it was ready" in output and "no-such-model" in output
+    assert "exited with code 1 before it was ready" in output and "no-weights" in output
     assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
+
+
+def test_up_refuses_to_train_a_stale_server_on_its_port(make_config, tmp_path):
+    """A role server left from another run holds the configured actor port: `up` must not start a
+    run against it (it used to train that stale actor and exit 0)."""
+    stale_cfg = make_config("run.name=stale", f"run.output_dir={tmp_path / 'stale'}")
+    stale_config = write_config(stale_cfg, tmp_path / "stale.yaml")
+    stale = rolefleet("serve", "actor", "--config", str(stale_config), "--ready-file", str(tmp_path / "stale.json"))
+    try:
+        port = wait_ready(stale, tmp_path / "stale.json")["grpc_port"]
+        address = f"127.0.0.1:{port}"
+        before = asyncio.run(fetch_status("actor", address, 30))
+        cfg = make_config(f"actor.port={port}")
+        proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 1, output
+        assert f"cannot listen for gRPC on 127.0.0.1:{port}" in output and "Traceback" not in output
+        assert not (cfg.run.out / "metrics.jsonl").exists()  # no run started
+        after = asyncio.run(fetch_status("actor", address, 30))  # the stale server: untouched, still up
+        assert (after.instance_id, after.last_step, after.weights_digest) == \
+            (before.instance_id, 0, before.weights_digest)
+        assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
+    finally:
+        terminate(stale)

@@ -29,20 +29,22 @@ class SequenceBatch(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RoleStatus(_message.Message):
-    __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken")
+    __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken", "instance_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     BROKEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_version: int
     last_step: int
     weights_digest: str
     requests_served: int
     broken: str
-    def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

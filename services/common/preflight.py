@@ -1,0 +1,264 @@
+"""Checks a validated config against this machine before any role starts.
+
+`parse_config` checks what a config says; `preflight` checks whether this machine can run it: model
+directories exist (or name a hub model), responses fit the model's positions, a step fits the
+per-request limits, the output directory is writable and the device groups name GPUs that exist.
+Each finding is found in seconds instead of minutes into a run (a model load, a traceback at step
+1), and all of them are reported at once as one ConfigError, a line per problem naming its key.
+Nothing here loads a model or reaches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
+
+COMMANDS = ("up", "serve", "train")
+MODEL_KEYS = {"actor": ("actor.model_name_or_path", "actor.ref_model_name_or_path"),
+              "critic": ("critic.model_name_or_path",)}
+GPU_ROLES = ("actor", "reward", "critic")
+
+
+def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
+    """Raise ConfigError listing every problem that would stop `roles` of `cfg` on this machine.
+
+    `command` is the CLI command: `up` runs every role here, so its device groups must name local
+    GPUs; `serve` runs one role whose GPUs were chosen by CUDA_VISIBLE_DEVICES (compose, Helm).
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; valid: {', '.join(COMMANDS)}")
+    problems = [*check_models(cfg, roles), *check_request_limits(cfg)]
+    if "coordinator" in roles:  # the coordinator writes the run's outputs and dials the roles
+        problems += check_output_dir(cfg)
+        if command != "up":  # `up` fills the addresses in once the roles have bound their ports
+            problems += check_role_addresses(cfg)
+    problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
+    if problems:
+        raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
+
+
+# --- models -------------------------------------------------------------------------------------
+
+def check_models(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """Every model the roles load exists, and `sampling.max_new_tokens` fits its positions."""
+    problems = []
+    for path, keys in _models_of(cfg, roles).items():
+        where = ", ".join(keys)
+        if path == cfg.model.model_name_or_path:
+            where += " (from model.model_name_or_path)"
+        if (problem := model_problem(path)) is not None:
+            problems.append(f"{where}: {problem}")
+        elif (problem := positions_problem(cfg.sampling.max_new_tokens, path)) is not None:
+            problems.append(f"sampling.max_new_tokens: {problem} ({where})")
+    return problems
+
+
+def _models_of(cfg: RoleFleetConfig, roles: list[str]) -> dict[str, list[str]]:
+    """Model path -> the keys that name it, so a path shared by several keys is checked once."""
+    models: dict[str, list[str]] = {}
+    for role in roles:
+        for key in MODEL_KEYS.get(role, ()):
+            section, field = key.split(".")
+            models.setdefault(getattr(getattr(cfg, section), field), []).append(key)
+    return models
+
+
+def model_problem(path: str) -> Optional[str]:
+    """Why `path` is neither a local model directory nor a hub id that can be loaded, or None."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return _model_dir_problem(path, local)
+    if local.exists():
+        return f"{path} is a file, not a model directory"
+    if _meant_as_local(path) or not _is_repo_id(path):
+        return f"model directory {path} does not exist"
+    if hub_offline() and not _in_hub_cache(path):
+        return (f"{path} is not a local directory, and as a hub id it is not in the local hub "
+                "cache while HF_HUB_OFFLINE is set")
+    return None
+
+
+def _model_dir_problem(path: str, directory: Path) -> Optional[str]:
+    config = directory / "config.json"
+    if not config.is_file():
+        return f"model directory {path} has no config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{config} cannot be read as JSON: {e}"
+    return None
+
+
+def _meant_as_local(path: str) -> bool:
+    """A path that does not exist but was clearly typed as one: `./x`, `/x`, `~/x`, or `runs/x`
+    when `runs` is a local directory (a typo, not a hub organisation)."""
+    if path.startswith((".", "/", "~")):
+        return True
+    first = path.split("/", 1)[0]
+    return "/" in path and Path(first).is_dir()
+
+
+def _is_repo_id(path: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_offline() -> bool:
+    # Read at call time (huggingface_hub reads it once at import), with the hub's own spelling rules.
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def positions_problem(max_new_tokens: int, path: str) -> Optional[str]:
+    """A response of max_new_tokens after a prompt of at least one token must fit the positions."""
+    limit = max_positions(path)
+    if limit is None or max_new_tokens + 1 <= limit:
+        return None
+    return (f"{max_new_tokens} plus at least one prompt token exceeds the {limit} positions "
+            f"(max_position_embeddings) of model {path}; set it <= {limit - 1}")
+
+
+def max_positions(path: str) -> Optional[int]:
+    """The model's context length from its config, or None when it cannot be read offline or the
+    architecture has no such limit (the loader then reports or tolerates it)."""
+    from transformers import AutoConfig
+
+    local = Path(path).expanduser()
+    try:
+        config = AutoConfig.from_pretrained(str(local) if local.is_dir() else path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any unreadable config only skips this check
+        return None
+    # Composite configs (vision-language) keep the language model's limit in their text config.
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+# --- request limits -----------------------------------------------------------------------------
+
+def check_request_limits(cfg: RoleFleetConfig) -> list[str]:
+    """One step's batch must fit one request of every role it is sent to; otherwise step 1 fails
+    with RESOURCE_EXHAUSTED after the models have loaded."""
+    t = cfg.train
+    sequences = t.prompts_per_step * t.samples_per_prompt
+    # A lower bound of a step's tokens once responses reach their cap (prompts of one token).
+    tokens = sequences * (cfg.sampling.max_new_tokens + 1)
+    seq_step = (f"train.prompts_per_step x train.samples_per_prompt = {t.prompts_per_step} x "
+                f"{t.samples_per_prompt} = {sequences}")
+    token_step = (f"train.prompts_per_step x train.samples_per_prompt x (sampling.max_new_tokens + 1) = "
+                  f"{t.prompts_per_step} x {t.samples_per_prompt} x {cfg.sampling.max_new_tokens + 1} = "
+                  f"{tokens} tokens once responses reach their cap")
+    problems = []
+    trainers = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.preset.uses_critic else [])
+    for role, section in trainers:
+        if sequences > section.max_sequences_per_request:
+            problems.append(f"{role}.max_sequences_per_request={section.max_sequences_per_request} is below "
+                            f"one step's {seq_step} sequences")
+        if tokens > section.max_tokens_per_request:
+            problems.append(f"{role}.max_tokens_per_request={section.max_tokens_per_request} is below "
+                            f"one step's {token_step}")
+    if sequences > cfg.reward.max_items_per_request:
+        problems.append(f"reward.max_items_per_request={cfg.reward.max_items_per_request} is below "
+                        f"one step's {seq_step} samples")
+    return problems
+
+
+# --- output directory and addresses -------------------------------------------------------------
+
+def check_output_dir(cfg: RoleFleetConfig) -> list[str]:
+    """Create run.output_dir and prove it writable now, not when the first metrics line is written."""
+    out = cfg.run.out
+    if out.exists() and not out.is_dir():
+        return [f"run.output_dir: {out} exists and is not a directory"]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".rolefleet-write-probe-", dir=out)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        return [f"run.output_dir: {out} is not writable ({e.strerror or e})"]
+    return []
+
+
+def check_role_addresses(cfg: RoleFleetConfig) -> list[str]:
+    """The coordinator dials every role from the config; port 0 without an address cannot work."""
+    problems = []
+    for role in cfg.roles():
+        if role == "coordinator":
+            continue
+        try:
+            getattr(cfg, role).dial_address(role)
+        except ConfigError as e:
+            problems.append(str(e))  # it names the key already
+    return problems
+
+
+# --- devices ------------------------------------------------------------------------------------
+
+def gpu_count() -> int:
+    """GPUs this process can use (CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_local_devices(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """`rolefleet up`: every GPU of every device group it starts must exist on this machine."""
+    groups = [g for g in GPU_ROLES if g in roles] + (["rollout"] if "actor" in roles else [])
+    entries = {g: [split_device(e) for e in getattr(cfg.devices, g)] for g in groups}
+    count = gpu_count() if any(entries.values()) else 0
+    problems = []
+    for group, devices in entries.items():
+        remote = [f"{node}:{gpu}" for node, gpu in devices if node is not None]
+        missing = [gpu for node, gpu in devices if node is None and gpu >= count]
+        if remote:
+            problems.append(f"devices.{group}: {', '.join(remote)}: `rolefleet up` runs on one machine; "
+                            "node-qualified entries are for the Helm chart")
+        if missing:
+            problems.append(f"devices.{group}: {_gpus(missing)} on this machine (it has {count} GPUs)"
+                            + _visible_note())
+    return problems
+
+
+def _gpus(missing: list[int]) -> str:
+    if len(missing) == 1:
+        return f"GPU {missing[0]} does not exist"
+    return f"GPUs {', '.join(map(str, missing))} do not exist"
+
+
+def _visible_note() -> str:
+    # up gives each role its own CUDA_VISIBLE_DEVICES, but the count is of what `up` itself sees.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if visible is None else f"; this process sees only CUDA_VISIBLE_DEVICES={visible!r}"
+
+
+def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """`rolefleet serve ROLE` (compose, Helm): the process must see as many GPUs as its group lists;
+    otherwise the role would silently run on fewer GPUs, or on the CPU."""
+    problems = []
+    for role in roles:
+        wanted = len(getattr(cfg.devices, role)) if role in GPU_ROLES else 0  # coordinator: no GPU
+        if wanted and (seen := gpu_count()) < wanted:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            how = "is not set" if visible is None else f"is {visible!r}"
+            problems.append(f"devices.{role}: lists {wanted} GPUs but this process sees {seen} "
+                            f"(CUDA_VISIBLE_DEVICES {how}; compose and Helm set it to the role's GPUs)")
+    return problems

@@ -1,0 +1,78 @@
+"""The server bootstrap refuses busy ports (no silent port sharing) and says so plainly."""
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rolefleet.common.config import Endpoint, RewardSection
+from rolefleet.common.roles import fetch_status
+from rolefleet.common.server import INSTANCE_ID, StartupError, check_ports_free, start_server
+from rolefleet.reward import server as reward_server
+from rolefleet.reward.core import RewardCore
+
+
+def add_reward(server):
+    return reward_server.add_to_server(RewardCore(RewardSection()), server)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_second_server_on_a_busy_grpc_port_is_refused_and_the_first_keeps_answering():
+    async def scenario():
+        first = await start_server("reward", Endpoint(port=0), add_reward)
+        try:
+            metrics_port = free_port()
+            busy = Endpoint(port=first.grpc_port, metrics_port=metrics_port)
+            with pytest.raises(StartupError, match=f"reward: cannot listen for gRPC on 127.0.0.1:{first.grpc_port}"):
+                check_ports_free("reward", busy)  # the fast check before models load
+            with pytest.raises(StartupError, match="pick another reward.port"):
+                await start_server("reward", busy, add_reward)  # the real bind: no SO_REUSEPORT sharing
+            status = await fetch_status("reward", f"127.0.0.1:{first.grpc_port}", 10)
+            assert status.instance_id == INSTANCE_ID
+            # The refused server left nothing bound: its metrics port is free again.
+            second = await start_server("reward", Endpoint(port=0, metrics_port=metrics_port), add_reward)
+            await second.stop()
+        finally:
+            await first.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_busy_metrics_port_is_a_clear_error_and_frees_the_grpc_port():
+    async def scenario():
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            taken = holder.getsockname()[1]
+            grpc_port = free_port()
+            endpoint = Endpoint(port=grpc_port, metrics_port=taken)
+            with pytest.raises(StartupError, match=f"cannot listen for metrics on 127.0.0.1:{taken}.*metrics_port"):
+                check_ports_free("reward", endpoint)
+            with pytest.raises(StartupError, match="metrics_port"):
+                await start_server("reward", Endpoint(port=grpc_port, metrics_port=taken), add_reward)
+        handle = await start_server("reward", Endpoint(port=grpc_port), add_reward)  # nothing was left bound
+        await handle.stop()
+
+    asyncio.run(scenario())
+
+
+def test_serve_on_a_busy_port_exits_with_a_message_not_a_traceback(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = tmp_path / "c.yaml"
+        config.write_text(f"model: {{model_name_or_path: some/model}}\nreward: {{port: {port}}}\n")
+        proc = subprocess.run([sys.executable, "-m", "rolefleet.cli", "serve", "reward", "--config", str(config)],
+                              capture_output=True, text=True, timeout=60, env={"CUDA_VISIBLE_DEVICES": "",
+                                                                               "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1, proc.stderr
+    assert f"reward: cannot listen for gRPC on 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -1,0 +1,198 @@
+"""The `rolefleet` command: every config and CLI error exits 2 at once, naming the key, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rolefleet import cli
+
+# Far below a model load: a config error must be found before any role starts.
+FAST_S = 20.0
+
+
+def rolefleet(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, "-m", "rolefleet.cli", *args], env=env, cwd=cwd,
+                                capture_output=True, text=True, timeout=3 * FAST_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rolefleet {' '.join(args)} was still running after {3 * FAST_S:.0f}s: it started")
+    result.elapsed = time.monotonic() - start
+    return result
+
+
+def assert_config_error(result: subprocess.CompletedProcess, *expected: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    for text in expected:
+        assert text in result.stderr, output
+    assert result.elapsed < FAST_S, f"took {result.elapsed:.1f}s: something started"
+
+
+@pytest.fixture
+def config_file(tiny_model_dir, tmp_path) -> Path:
+    """A valid run config: the tiny model, a small step, outputs under tmp_path."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "run": {"name": "cli", "output_dir": str(tmp_path / "out")},
+        "model": {"model_name_or_path": tiny_model_dir},
+        "sampling": {"max_new_tokens": 4},
+        "train": {"total_steps": 1, "prompts_per_step": 4},
+    }))
+    return path
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """In-process commands fail the test at once if they get past the config instead of starting
+    a cluster."""
+    def started(*args, **kwargs):
+        pytest.fail("a role or cluster was started")
+    monkeypatch.setattr("rolefleet.serve.run", started)
+    monkeypatch.setattr("rolefleet.up.up", started)
+
+
+def test_a_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run:\n  name: café\n".encode("latin-1"))
+    assert_config_error(rolefleet("up", str(path)), f"config file {path} is not UTF-8 text")
+
+
+def test_a_config_path_that_is_a_directory_or_missing(tmp_path):
+    assert_config_error(rolefleet("train", str(tmp_path)), f"config file {tmp_path} is a directory")
+    assert_config_error(rolefleet("up", str(tmp_path / "nope.yaml")), "nope.yaml does not exist")
+
+
+@pytest.mark.parametrize("override", ["actor.lr=[1,", "run.name={"])
+def test_an_override_that_is_not_yaml(config_file, override):
+    assert_config_error(rolefleet("up", str(config_file), override),
+                        f"override {override!r}: the value", "is not valid YAML")
+
+
+def test_an_unwritable_output_dir(config_file, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "run"
+    assert_config_error(rolefleet("up", str(config_file), f"run.output_dir={out}"),
+                        f"run.output_dir: {out} is not writable (Not a directory)")
+
+
+def test_a_missing_model_directory_is_found_before_serve_loads_anything(config_file, tmp_path):
+    (tmp_path / "runs").mkdir()  # so `runs/demo-modle` is a typo of a local path, not a hub id
+    result = rolefleet("serve", "actor", "--config", str(config_file), "model.model_name_or_path=runs/demo-modle",
+                       cwd=tmp_path)
+    assert_config_error(result, "actor.model_name_or_path, actor.ref_model_name_or_path",
+                        "model directory runs/demo-modle does not exist")
+
+
+def test_up_refuses_a_gpu_this_machine_does_not_have(config_file):
+    assert_config_error(rolefleet("up", str(config_file), "devices.actor=[7]"),
+                        "devices.actor: GPU 7 does not exist on this machine (it has 0 GPUs)")
+
+
+def test_serve_refuses_a_group_larger_than_the_gpus_it_sees(config_file):
+    assert_config_error(rolefleet("serve", "actor", "--config", str(config_file), "devices.actor=[0, 1]"),
+                        "devices.actor: lists 2 GPUs but this process sees 0 (CUDA_VISIBLE_DEVICES is '';")
+
+
+def test_an_infinite_learning_rate(config_file):
+    assert_config_error(rolefleet("up", str(config_file), "actor.lr=.inf"),
+                        "actor.lr: Input should be a finite number")
+
+
+def test_responses_longer_than_the_models_positions(config_file):
+    assert_config_error(rolefleet("up", str(config_file), "sampling.max_new_tokens=500"),
+                        "sampling.max_new_tokens: 500 plus at least one prompt token exceeds the 128 positions")
+
+
+def test_a_step_larger_than_a_request_may_carry(config_file):
+    result = rolefleet("train", str(config_file), "train.samples_per_prompt=4", "actor.max_sequences_per_request=8",
+                       "reward.max_items_per_request=8", "actor.address=a:1", "reward.address=r:1",
+                       "critic.address=c:1")
+    assert_config_error(result, "actor.max_sequences_per_request=8 is below one step's train.prompts_per_step x "
+                        "train.samples_per_prompt = 4 x 4 = 16 sequences", "reward.max_items_per_request=8")
+
+
+def test_serve_applies_the_overrides_after_config(config_file):
+    # The override reaches the config: its unknown key is what fails, not the command line.
+    assert_config_error(rolefleet("serve", "reward", "--config", str(config_file), "reward.bogus=1"),
+                        "reward.bogus: unknown key")
+
+
+@pytest.mark.parametrize("form", [
+    ["serve", "reward", "reward.bogus=1", "--config", "{config}"],
+    ["serve", "reward", "--config", "{config}", "--ready-file", "{ready}", "reward.bogus=1"],
+    ["serve", "reward", "x.y=1", "--config", "{config}", "reward.bogus=1"],
+    ["up", "{config}", "reward.bogus=1"],
+    ["train", "{config}", "--", "reward.bogus=1"],
+    ["train", "{config}", "reward.bogus=1"],
+])
+def test_every_command_applies_the_overrides_wherever_they_stand(config_file, tmp_path, capsys, nothing_starts,
+                                                                form):
+    args = [a.format(config=config_file, ready=tmp_path / "ready.json") for a in form]
+    assert cli.main(args) == 2
+    assert "reward.bogus: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "reward", "--config", "{config}", "--bogus"],
+    ["serve", "reward", "--config", "{config}", "not-an-override"],
+    ["status", "--address", "127.0.0.1:1", "actor.lr=1"],
+    ["tiny-model", "out", "actor.lr=1"],
+])
+def test_anything_else_left_over_is_still_an_error(config_file, capsys, nothing_starts, args):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([a.format(config=config_file) for a in args])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["--log-level", "loud", "up", "{config}"],
+    ["tiny-model", "out", "--task", "sums"],
+])
+def test_a_bad_option_value_is_a_usage_error(config_file, capsys, nothing_starts, args):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([a.format(config=config_file) for a in args])
+    assert exit_.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_starts_the_role_with_the_overrides_after_config(config_file, monkeypatch):
+    started = {}
+
+    def fake_run(role, cfg, ready_file=None):
+        started.update(role=role, cfg=cfg, ready_file=ready_file)
+        return 0
+
+    monkeypatch.setattr("rolefleet.serve.run", fake_run)
+    argv = ["serve", "reward", "--config", str(config_file), "--ready-file", "r.json",
+            "reward.function=numeric_match", "reward.num_threads=1"]
+    assert cli.main(argv) == 0
+    assert started["role"] == "reward" and started["ready_file"] == "r.json"
+    assert (started["cfg"].reward.function, started["cfg"].reward.num_threads) == ("numeric_match", 1)
+
+
+def test_train_preflights_before_the_coordinator_starts(config_file, capsys, nothing_starts):
+    assert cli.main(["train", str(config_file)]) == 2  # no role addresses in the config
+    assert "set actor.address (or a fixed actor.port)" in capsys.readouterr().err
+
+
+def test_tiny_model_into_an_unwritable_place(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    assert cli.main(["tiny-model", str(tmp_path / "a-file" / "model"), "--task", "addition",
+                     "--warm-start-steps", "100000"]) == 2  # found before the warm start, or this never ends
+    assert f"tiny-model: cannot write {tmp_path / 'a-file' / 'model'}: Not a directory" in capsys.readouterr().err
+
+
+def test_status_without_a_coordinator_says_so(capsys):
+    assert cli.main(["status", "--address", "127.0.0.1:1"]) == 1  # port 1: nothing listens
+    assert "rolefleet: no run status from 127.0.0.1:1: " in capsys.readouterr().err
