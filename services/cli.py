@@ -84,6 +84,22 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def _at_least(low: int, multiple_of: int = 1):
+    """An argparse type: an int >= low (and a multiple of `multiple_of`), else a usage error (exit 2)
+    instead of a traceback from the model builder later."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or value % multiple_of:
+            extra = f" and a multiple of {multiple_of}" if multiple_of > 1 else ""
+            raise argparse.ArgumentTypeError(f"must be >= {low}{extra}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolefleet", description="RL post-training on role servers.")
     parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
@@ -114,9 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")
     p.add_argument("out")
     p.add_argument("--task", default=None, choices=sorted(TASKS), help="built-in task for a supervised warm start")
-    p.add_argument("--warm-start-steps", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--warm-start-steps", type=_at_least(0), default=0)
+    p.add_argument("--hidden", type=_at_least(8, multiple_of=4), default=64,
+                   help="hidden size: >= 8 and a multiple of the 4 attention heads")
+    p.add_argument("--layers", type=_at_least(1), default=2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
     return parser

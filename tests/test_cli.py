@@ -196,3 +196,30 @@ def test_tiny_model_into_an_unwritable_place(tmp_path, capsys):
 def test_status_without_a_coordinator_says_so(capsys):
     assert cli.main(["status", "--address", "127.0.0.1:1"]) == 1  # port 1: nothing listens
     assert "rolefleet: no run status from 127.0.0.1:1: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hidden", "-1"], "--hidden: must be >= 8 and a multiple of 4, got -1"),
+    (["--hidden", "10"], "--hidden: must be >= 8 and a multiple of 4, got 10"),
+    (["--layers", "0"], "--layers: must be >= 1, got 0"),
+    (["--warm-start-steps", "x"], "--warm-start-steps: 'x' is not an integer"),
+])
+def test_tiny_model_sizes_are_checked_before_building(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["tiny-model", str(tmp_path / "m"), *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no records"),
+    ("not json\n", ":1: not JSON"),
+    ('{"prompt": "1+1=", "ground_truth": "2"}\n[1, 2]\n', ":2: expected a JSON object"),
+    ('{"prompt": 1}\n', "'prompt' must be a non-empty string, got 1"),
+    ('{"prompt": "q", "ground_truth": null}\n', "'ground_truth' must be a string or a number"),
+    (b"\xff\xfe{}\n", "is not UTF-8"),
+])
+def test_a_bad_data_file_is_found_before_any_role_starts(config_file, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert_config_error(rolefleet("up", str(config_file), f"data.path={data}"), "data.path: ", message)

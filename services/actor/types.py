@@ -8,7 +8,7 @@ from enum import IntEnum
 
 import torch
 
-from rolefleet.common.config import MIN_TEMPERATURE
+from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 
 
@@ -28,7 +28,7 @@ class SamplingParams:
 
     def validate(self, field_prefix: str = "sampling") -> None:
         checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE,
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= MIN_WIRE_TEMPERATURE,
              f"must be finite and >= {MIN_TEMPERATURE}"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),  # NaN fails the comparison too
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),

@@ -218,8 +218,9 @@ class SequenceBatch:
 # overflows the loss in a later mini-batch would leave the weights half-updated (the role then
 # refuses updates until restarted), so absurd values are refused before the first step instead.
 VALUE_RANGES: dict[str, tuple[float, float, str]] = {
-    # log p <= 0; a little slack for engines whose log-softmax rounds above 0.
-    "logprob": (-float("inf"), 1e-3, "log-probabilities are <= 0"),
+    # log p <= 0, with a little slack for engines whose log-softmax rounds above 0. A sampled token
+    # below e^-1e5 is not a probability any engine produces; lower values only overflow the stats.
+    "logprob": (-1e5, 1e-3, "log-probabilities are <= 0 and above -1e5"),
     # Advantages, returns and values: whitened or group-normalised targets are O(1-100); 1e6 leaves
     # room for raw reward scales while keeping A x ratio (at most e^20) far from float32 overflow.
     "target": (-1e6, 1e6, "|advantage|, |return| and |value| <= 1e6"),

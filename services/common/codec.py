@@ -34,9 +34,10 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 # Nothing RoleFleet sends has more than 2 dimensions; numpy refuses more than 64 and torch
 # overflows its strides on huge dimensions of zero-size tensors, so both are bounded up front.
 MAX_RANK = 8
-# No dimension can exceed the elements a message can carry (512 MiB of 1-byte items), even when
-# another dimension is 0 and the tensor holds no bytes.
-MAX_DIM = 1 << 31
+# No tensor can hold more elements than a message can carry (512 MiB of 1-byte items). A zero-size
+# tensor holds no bytes, so its other dimensions are bounded the same way: their product, not each
+# one (numpy refuses [0, 2^31, 2^31, 2^31] as "too big" although it has no element).
+MAX_ELEMENTS = 1 << 31
 _LITTLE = sys.byteorder == "little"
 
 
@@ -69,8 +70,9 @@ def decode(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{field}.shape", f"negative dimension in {list(shape)}")
-    if any(d > MAX_DIM for d in shape):
-        raise InvalidArgument(f"{field}.shape", f"dimension over {MAX_DIM} in {list(shape)}")
+    if prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise InvalidArgument(f"{field}.shape", f"{list(shape)} spans over {MAX_ELEMENTS} elements "
+                              "(counting zero dimensions as 1)")
     dtype = DTYPES[msg.dtype]
     wire = torch.int16 if dtype == torch.bfloat16 else dtype
     itemsize = torch.empty((), dtype=wire).element_size()

@@ -8,6 +8,7 @@ with its default; docs/config.md mirrors this file.
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -22,6 +23,8 @@ ROLES = ("actor", "reward", "critic", "coordinator")
 # Logits are divided by the temperature: below this the sampling distribution is one-hot in bf16 and
 # fp32 alike, logprob ratios blow up, and a subnormal value would divide by ~0 (NaN logprobs).
 MIN_TEMPERATURE = 1e-2
+# The same floor as requests carry it (a float32 field): 0.01 arrives as 0.0099999998 and must pass.
+MIN_WIRE_TEMPERATURE = struct.unpack("<f", struct.pack("<f", MIN_TEMPERATURE))[0]
 _DEVICE = re.compile(r"^(?:(?P<node>[A-Za-z0-9_.-]+):)?(?P<gpu>\d+)$")
 
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.config import MIN_TEMPERATURE
+from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 def require_temperature(temperature: float, field: str = "temperature") -> float:
     """Logits are divided by it: finite and at least MIN_TEMPERATURE (docs/config.md says why)."""
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+    if not (math.isfinite(temperature) and temperature >= MIN_WIRE_TEMPERATURE):
         raise InvalidArgument(field, f"must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
     return float(temperature)
 

@@ -33,13 +33,29 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}; valid: {', '.join(COMMANDS)}")
     problems = [*check_models(cfg, roles), *check_request_limits(cfg)]
-    if "coordinator" in roles:  # the coordinator writes the run's outputs and dials the roles
-        problems += check_output_dir(cfg)
+    if "coordinator" in roles:  # the coordinator reads the data, writes the outputs, dials the roles
+        problems += check_data(cfg) + check_output_dir(cfg)
         if command != "up":  # `up` fills the addresses in once the roles have bound their ports
             problems += check_role_addresses(cfg)
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def check_data(cfg: RoleFleetConfig) -> list[str]:
+    """A `data.path` file must parse (the coordinator would otherwise fail at step 1, after every
+    role has loaded its models)."""
+    if not cfg.data.path:
+        return []
+    from rolefleet.tasks import load_jsonl
+
+    try:
+        load_jsonl(cfg.data.path)
+    except (OSError, ValueError) as e:
+        return [f"data.path: {e}"]
+    return []
 
 
 # --- models -------------------------------------------------------------------------------------

@@ -35,17 +35,31 @@ def make_task(name: str, size: int, seed: int) -> list[PromptRecord]:
 
 
 def load_jsonl(path: str | Path) -> list[PromptRecord]:
-    """Records from a JSONL file of {"prompt": str, "ground_truth": str} objects."""
+    """Records from a JSONL file of {"prompt": str, "ground_truth": str} objects (ground_truth
+    optional). A malformed line is a ValueError naming the file and the line."""
     records = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                records.append(PromptRecord(str(obj["prompt"]), str(obj.get("ground_truth", ""))))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'prompt' ({e})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    records.append(_record(line, f"{path}:{lineno}"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not records:
         raise ValueError(f"{path} holds no records")
     return records
+
+
+def _record(line: str, where: str) -> PromptRecord:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object with a 'prompt', got {type(obj).__name__}")
+    prompt, truth = obj.get("prompt"), obj.get("ground_truth", "")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+    if truth is None or isinstance(truth, (dict, list)):
+        raise ValueError(f"{where}: 'ground_truth' must be a string or a number, got {truth!r}")
+    return PromptRecord(prompt, str(truth))

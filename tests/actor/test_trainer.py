@@ -92,6 +92,7 @@ def test_absurd_targets_are_refused_before_the_first_optimizer_step(tiny_model_d
     n = batch.num_response_tokens
     for targets, field in ((PolicyTargets(torch.full((n,), 3e38), lp.logprobs), "advantages"),
                            (PolicyTargets(torch.ones(n), lp.logprobs + 5.0), "old_logprobs"),
+                           (PolicyTargets(torch.ones(n), torch.full((n,), -3e38)), "old_logprobs"),
                            (PolicyTargets(torch.ones(n), lp.logprobs, rollout_logprobs=-lp.logprobs),
                             "rollout_logprobs")):
         with pytest.raises(InvalidArgument, match="values must lie in") as err:

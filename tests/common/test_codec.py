@@ -79,8 +79,9 @@ def test_unsupported_dtype_cannot_be_encoded():
     [
         ([0] * 65, "at most 8 are allowed"),        # numpy refuses > 64 dims: was INTERNAL
         ([1] * 9, "at most 8 are allowed"),
-        ([0, 2**62], "dimension over"),            # zero-size, no bytes, absurd dimension
-        ([2**40, 0, 2**40], "dimension over"),
+        ([0, 2**62], "spans over"),                # zero-size, no bytes, absurd dimension
+        ([2**40, 0, 2**40], "spans over"),
+        ([0, 2**31, 2**31, 2**31], "spans over"),  # each dimension small enough, their product not
     ],
 )
 def test_ranks_and_dimensions_past_the_wire_limits_are_refused_before_allocating(shape, text):

@@ -173,3 +173,19 @@ def test_per_request_limits_are_positive_integers():
     assert (cfg.actor.max_tokens_per_request, cfg.reward.max_items_per_request) == (4096, 8)
     with pytest.raises(ConfigError, match="critic.max_sequences_per_request: Input should be greater than or equal to 1"):
         parse_config(BASE, ["critic.max_sequences_per_request=0"])
+
+
+def test_the_config_floor_of_the_temperature_passes_the_wire_check():
+    """0.01 travels as float32 (0.0099999998): what the config accepts, every role must accept."""
+    import struct
+
+    from rolefleet.actor.types import SamplingParams
+    from rolefleet.common.modeling import require_temperature
+
+    cfg = parse_config(BASE, ["sampling.temperature=0.01"])
+    on_the_wire = struct.unpack("<f", struct.pack("<f", cfg.sampling.temperature))[0]
+    assert on_the_wire < 0.01
+    SamplingParams(temperature=on_the_wire).validate()
+    assert require_temperature(on_the_wire) == on_the_wire
+    with pytest.raises(ConfigError, match="sampling.temperature"):
+        parse_config(BASE, ["sampling.temperature=0.0099"])
