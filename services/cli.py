@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rolefleet.common.config import ROLES, ConfigError, RoleFleetConfig, load_config
 from rolefleet.common.preflight import preflight
+from rolefleet.common.shapes import SHAPES
 from rolefleet.tasks import TASKS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -76,7 +77,7 @@ def cmd_tiny_model(args) -> int:
 
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)  # before the warm start, not after it
-        path = make_tiny_model(args.out, task=args.task, warm_start_steps=args.warm_start_steps,
+        path = make_tiny_model(args.out, task=args.task, warm_start_steps=args.warm_start_steps, shape=args.shape,
                                hidden=args.hidden, layers=args.layers, seed=args.seed)
     except OSError as e:  # an unwritable OUT is the user's argument, not a crash
         raise ConfigError(f"tiny-model: cannot write {args.out}: {e.strerror or e}") from None
@@ -131,9 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--task", default=None, choices=sorted(TASKS), help="built-in task for a supervised warm start")
     p.add_argument("--warm-start-steps", type=_at_least(0), default=0)
-    p.add_argument("--hidden", type=_at_least(8, multiple_of=4), default=64,
-                   help="hidden size: >= 8 and a multiple of the 4 attention heads")
-    p.add_argument("--layers", type=_at_least(1), default=2)
+    p.add_argument("--shape", choices=list(SHAPES), default="tiny",
+                   help="model dimensions: tiny (default) or a real model's, with random weights")
+    p.add_argument("--hidden", type=_at_least(8, multiple_of=4), default=None,
+                   help="tiny shape's hidden size (default 64): >= 8 and a multiple of the 4 attention heads")
+    p.add_argument("--layers", type=_at_least(1), default=None, help="layers (default: the shape's)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
     return parser

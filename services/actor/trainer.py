@@ -1,24 +1,29 @@
 """Policy trainer: recomputes logprobs and applies policy-gradient updates.
 
-Sequences are grouped into mini-batches (one optimizer step each) for `ppo_epochs` passes. Each
-mini-batch's packed per-token tensors are padded to [b, T] only around the pure loss functions,
-which take a mask. The loss: the configured policy loss (optionally importance-weighted against the
-rollout engine) - entropy_coef * entropy + kl_loss_coef * KL(policy || reference), all aggregated
-the same way.
+Sequences are grouped into mini-batches (one optimizer step each) for `ppo_epochs` passes; each
+mini-batch runs as micro-batches of at most `max_tokens_per_micro_batch` padded tokens whose
+gradients accumulate, weighted so the step equals one over the whole mini-batch (see
+`aggregation_weight`). Logprobs and entropy come from the LM head a chunk of tokens at a time, so
+no [tokens, vocab] fp32 tensor exists for a batch. On CUDA, forwards and backwards run under bf16
+autocast over fp32 master weights. The loss: the configured policy loss (optionally importance-
+weighted against the rollout engine) - entropy_coef * entropy + kl_loss_coef * KL(policy || reference),
+all aggregated the same way.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from transformers import PreTrainedModel
 
 from rolefleet.actor.types import LogProbs, PolicyTargets
-from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, entropy_from_logits
+from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, aggregation_weight
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import response_logits, token_logprobs
-from rolefleet.common.training import optimizer_step, run_epochs
+from rolefleet.common.modeling import autocast, compute_dtype, head_logprobs, response_hidden, split_lm
+from rolefleet.common.training import apply_gradients, run_epochs
 
 
 class PolicyTrainer:
@@ -28,28 +33,36 @@ class PolicyTrainer:
         self.ref_model = ref_model
         self.device = device
         self.cfg = cfg
+        self.dtype = compute_dtype(device, cfg.compute_dtype)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
         self.generator = torch.Generator().manual_seed(seed)
 
+    def forward(self, model: PreTrainedModel, batch: SequenceBatch, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `model`."""
+        backbone, head = split_lm(model)
+        with autocast(self.device, self.dtype):
+            hidden = response_hidden(backbone, batch, self.device)
+            return head_logprobs(hidden, head, batch.response_ids.to(self.device), temperature,
+                                 self.cfg.logprob_chunk_tokens, with_entropy)
+
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
                          policy_version: int) -> LogProbs:
         self.model.eval()
-        logits = response_logits(self.model, batch, self.device) / temperature
-        targets = batch.response_ids.to(self.device)
-        ref = None
-        if include_reference:
-            ref_logits = response_logits(self.ref_model, batch, self.device) / temperature
-            ref = token_logprobs(ref_logits, targets, 1.0).cpu()
-        return LogProbs(
-            logprobs=token_logprobs(logits, targets, 1.0).cpu(),
-            ref_logprobs=ref,
-            entropy=entropy_from_logits(logits).cpu(),
-            policy_version=policy_version,
-        )
+        n = batch.num_response_tokens
+        logprobs, entropy = torch.empty(n), torch.empty(n)
+        ref = torch.empty(n) if include_reference else None
+        for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch):
+            mb, tokens = batch.select(rows), batch.token_index(rows)
+            lp, ent = self.forward(self.model, mb, temperature, with_entropy=True)
+            logprobs[tokens], entropy[tokens] = lp.cpu(), ent.cpu()
+            if ref is not None:
+                ref[tokens] = self.forward(self.ref_model, mb, temperature, with_entropy=False)[0].cpu()
+        return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
 
     def update(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
         """Policy-loss epochs over mini-batches; returns each statistic averaged over optimizer steps."""
@@ -69,30 +82,58 @@ class PolicyTrainer:
     def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
               ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
               temperature: float) -> dict[str, float]:
+        """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch."""
         cfg, mask = self.cfg, mb.response_mask().to(self.device)
-        logits = response_logits(self.model, mb, self.device) / temperature
-        logprobs = mb.pad_responses(token_logprobs(logits, mb.response_ids.to(self.device), 1.0))
-        weights, stats = None, {}
+        weights, stats = None, defaultdict(float)
         if rollout_logprobs is not None:
+            # Before the micro-batches: the correction may drop tokens, which changes the divisor.
             weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
             stats["is_weight_mean"] = masked_mean(weights, mask).item()
             stats["is_masked_frac"] = 1.0 - (mask.sum() / mb.response_lengths.sum().clamp(min=1)).item()
+        total = aggregation_weight(mask, cfg.loss_agg_mode).clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch):
+            sub = mb.select(rows)
+            part = _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max()))
+            share = aggregation_weight(part(mask), cfg.loss_agg_mode) / total
+            loss, micro = self._micro_loss(sub, part(advantages), part(old_logprobs), part(ref_logprobs),
+                                           part(weights), part(mask), temperature)
+            (loss * share).backward()
+            loss_sum += loss.item() * share.item()
+            for name, value in micro.items():
+                stats[name] += value * share.item()
+        stats["loss"] = loss_sum
+        stats["grad_norm"] = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, loss_sum)
+        return dict(stats)
+
+    def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
+                    ref_logprobs: torch.Tensor | None, weights: torch.Tensor | None, mask: torch.Tensor,
+                    temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.cfg
+        # Entropy over the vocabulary is costly to differentiate: its graph exists only as a loss term.
+        logprobs, entropy = self.forward(self.model, mb, temperature, with_entropy=True)
+        logprobs = mb.pad_responses(logprobs)
         loss, pg_stats = self.policy_loss(
             logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,
             dual_clip=cfg.dual_clip, agg=cfg.loss_agg_mode, weights=weights, norm_length=cfg.loss_norm_length,
         )
-        stats["pg_loss"] = loss.item()
-        # Entropy over the vocabulary is costly to differentiate: keep its graph only when it is a loss term.
-        with torch.set_grad_enabled(cfg.entropy_coef > 0):
-            entropy = mb.pad_responses(entropy_from_logits(logits))
-            entropy_term = aggregate(entropy, mask, cfg.loss_agg_mode, cfg.loss_norm_length)
+        stats = {"pg_loss": loss.item(), **{k: v.item() for k, v in pg_stats.items()}}
+        entropy_term = aggregate(mb.pad_responses(entropy if cfg.entropy_coef > 0 else entropy.detach()), mask,
+                                 cfg.loss_agg_mode, cfg.loss_norm_length)
+        stats["entropy"] = entropy_term.item()
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * entropy_term
         if cfg.kl_loss_coef > 0:
             kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
             loss = loss + cfg.kl_loss_coef * kl
             stats["kl_loss"] = kl.item()
-        stats["loss"] = loss.item()
-        stats["grad_norm"] = optimizer_step(self.model, self.optimizer, loss, cfg.max_grad_norm)
-        stats["entropy"] = entropy_term.item()
-        return {**stats, **{k: v.item() for k, v in pg_stats.items()}}
+        return loss, stats
+
+
+def _rows_of(rows: torch.Tensor, width: int):
+    """Slice a mini-batch's padded [b, R] tensor to a micro-batch's rows and response width."""
+    def part(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[rows, :width]
+
+    return part

@@ -29,25 +29,37 @@ def _rows(loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return upcast(loss).reshape(-1, loss.shape[-1]), mask.bool().reshape(-1, loss.shape[-1])
 
 
+def _divides_by(unit: str):
+    """Record what a mode divides by ("tokens" or "responses"), read by aggregation_weight."""
+    def mark(fn):
+        fn.divides_by = unit
+        return fn
+    return mark
+
+
 @LOSS_AGGREGATIONS.register("token-mean")
+@_divides_by("tokens")
 def token_mean(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
     loss, m = _rows(loss, mask)
     return masked_mean(loss, m)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+@_divides_by("responses")
 def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
     loss, m = _rows(loss, mask)
     return masked_mean(masked_mean(loss, m, dim=-1), m.any(-1))
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+@_divides_by("responses")
 def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
     loss, m = _rows(loss, mask)
     return masked_sum(loss, m) / m.any(-1).sum().clamp(min=1)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+@_divides_by("responses")
 def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm_length: int | None = None) -> torch.Tensor:
     """norm_length: the constant divisor per sequence (e.g. max_new_tokens); default: padded width T."""
     if norm_length is not None and norm_length < 1:
@@ -55,6 +67,16 @@ def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm_length:
     loss, m = _rows(loss, mask)
     length = norm_length if norm_length is not None else loss.shape[-1]
     return masked_sum(loss, m) / (m.any(-1).sum().clamp(min=1) * length)
+
+
+def aggregation_weight(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What `mode` divides by, up to its constant factor: tokens for token-mean, responses with at
+    least one token for the seq-* modes. Every mode is additive over rows given its divisor, so a
+    batch split into micro-batches gets the whole batch's loss as
+    sum(aggregate(micro) x weight(micro) / weight(batch)). mask [B, T] -> 0-dim float32."""
+    m = mask.bool().reshape(-1, mask.shape[-1])
+    counted = m if LOSS_AGGREGATIONS.get(mode).divides_by == "tokens" else m.any(-1)
+    return counted.sum().to(torch.float32)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None) -> torch.Tensor:

@@ -80,6 +80,21 @@ class SequenceBatch:
         prompts, responses = self.prompts(), self.responses()
         return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx])
 
+    def micro_batches(self, max_tokens: int) -> list[torch.Tensor]:
+        """Row groups whose padded size (rows x longest prompt+response) stays within `max_tokens`;
+        a sequence longer than the budget goes alone. Rows are sorted by length first, so the
+        sequences padded together are of similar length and little compute goes to padding."""
+        lengths = (self.prompt_lengths + self.response_lengths).tolist()
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        groups: list[list[int]] = []
+        for i in order:
+            # Descending order: the group's first row is its longest.
+            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
+
     def token_index(self, rows: torch.Tensor) -> torch.Tensor:
         """Packed-token indices of the responses of `rows`, in row order (for slicing [N] tensors)."""
         starts = torch.cumsum(self.response_lengths, 0) - self.response_lengths

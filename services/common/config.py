@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import struct
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -152,6 +152,12 @@ class _TrainerSection(Endpoint):
                                            "(actor Generate: prompts x n)")
     max_tokens_per_request: int = Field(1 << 20, ge=1, description="prompt + response tokens one "
                                         "ComputeLogProbs / ComputeValues / Update may carry")
+    max_tokens_per_micro_batch: int = Field(16384, ge=1, description="padded tokens (rows x longest "
+                                            "sequence) per forward; gradients accumulate over a "
+                                            "mini-batch's micro-batches")
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="autocast dtype of forwards and backwards (auto: bfloat16 on CUDA, float32 on "
+        "CPU); master weights and optimizer state stay float32")
 
 
 CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
@@ -162,6 +168,8 @@ class ActorSection(_TrainerSection):
     rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
     max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
                                   "checked before tokenization")
+    logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
+                                      "logprobs and entropy (bounds the [tokens, vocab] logits)")
     policy_loss: str = "ppo_clip"
     clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
                                         "default: the policy loss's")

@@ -12,6 +12,7 @@ import math
 import os
 
 import torch
+import torch.utils.checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.common.batch import SequenceBatch
@@ -69,14 +70,6 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def response_logits(model: torch.nn.Module, batch: SequenceBatch, device: torch.device) -> torch.Tensor:
-    """Logits [N, V] predicting each packed response token (N = total response tokens)."""
-    input_ids, attention_mask = batch.model_inputs()
-    out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-    rows, cols = batch.response_positions()
-    return out.logits[rows.to(device), cols.to(device)]
-
-
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature). logits [N, V], tokens [N] -> [N]."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -105,3 +98,62 @@ def release_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     log.debug("released model memory in pid %d", os.getpid())
+
+
+# --- training-engine forwards ----------------------------------------------------------------------
+
+def compute_dtype(device: torch.device, setting: str) -> torch.dtype | None:
+    """The autocast dtype of forwards and backwards: bf16 on CUDA for `auto` (the fp32 master
+    weights and optimizer state stay fp32); None (plain fp32) on the CPU, where bf16 is slow."""
+    if setting == "float32" or (setting == "auto" and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def split_lm(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone returning hidden states, LM head) of a causal LM, so logits can be computed a chunk
+    of tokens at a time. Models that post-process logits (soft-capping, scaling) are refused rather
+    than given different logprobs than their own forward."""
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, key, None) not in (None, 1.0):
+            raise NotImplementedError(f"{model.config.model_type}: {key} is not supported by the chunked LM head")
+    return model.base_model, model.get_output_embeddings()
+
+
+def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: torch.device) -> torch.Tensor:
+    """Hidden states [N, H] at the positions that predict each packed response token."""
+    input_ids, attention_mask = batch.model_inputs()
+    out = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    rows, cols = batch.response_positions()
+    return out.last_hidden_state[rows.to(device), cols.to(device)]
+
+
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
+                  chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and (optionally) the entropy of softmax(head(hidden) / temperature), fp32 [N].
+
+    The head runs `chunk_tokens` rows at a time, so no [N, V] fp32 logits tensor ever exists for a
+    whole batch (151k-vocabulary models: 0.6 MB per token). With gradients on, each chunk is
+    checkpointed: its logits are freed after the forward and recomputed in the backward.
+    """
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(head(h).float() / temperature, dim=-1)
+        token = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+        if not with_entropy:
+            return token, token.new_zeros(())
+        return token, -(logp.exp() * logp).sum(-1)
+
+    tokens, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            token, entropy = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False)
+        else:
+            token, entropy = chunk(h, t)
+        tokens.append(token)
+        entropies.append(entropy)
+    return torch.cat(tokens), torch.cat(entropies) if with_entropy else None

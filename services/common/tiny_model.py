@@ -9,6 +9,7 @@ already solves some prompts, so the reward curve of a few minutes of CPU trainin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import string
@@ -18,6 +19,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rolefleet.common.shapes import SHAPES, ModelShape
 from rolefleet.tasks import make_task
 
 log = logging.getLogger(__name__)
@@ -26,8 +28,13 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALPHABET = string.digits + string.ascii_lowercase + " +-*/=()?.,:"
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *ALPHABET])}
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """One token per character; `vocab_size` pads the vocabulary with `<extra_i>` tokens to a real
+    model's size, so embedding and LM-head shapes (and their cost) are those of that model."""
+    tokens = [*SPECIAL_TOKENS, *ALPHABET]
+    if vocab_size is not None:
+        tokens += [f"<extra_{i}>" for i in range(max(0, vocab_size - len(tokens)))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
     tok.decoder = decoders.Fuse()  # join characters without spaces
@@ -36,17 +43,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(vocab_size: int, tokenizer: PreTrainedTokenizerFast, hidden: int = 64, layers: int = 2,
-                seed: int = 0) -> LlamaForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.positions,
+        attention_bias=shape.attention_bias,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -85,11 +92,17 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
 
 
 def make_tiny_model(out_dir: str | Path, task: str | None = None, warm_start_steps: int = 0,
-                    hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """Build, optionally warm-start, and save a tiny model + tokenizer directory; returns its path."""
+                    hidden: int | None = None, layers: int | None = None, seed: int = 0,
+                    shape: str = "tiny") -> Path:
+    """Build, optionally warm-start, and save a model + tokenizer directory of the named shape
+    (hidden / layers override it); returns its path."""
     out = Path(out_dir)
-    tokenizer = build_tokenizer()
-    model = build_model(len(tokenizer), tokenizer, hidden=hidden, layers=layers, seed=seed)
+    dims = SHAPES[shape]
+    dims = dataclasses.replace(dims, hidden=hidden or dims.hidden, layers=layers or dims.layers)
+    if hidden and shape == "tiny":
+        dims = dataclasses.replace(dims, intermediate=4 * hidden)
+    tokenizer = build_tokenizer(dims.vocab)
+    model = build_model(tokenizer, dims, seed=seed)
     if task and warm_start_steps > 0:
         warm_start(model, tokenizer, task, warm_start_steps, seed)
     out.mkdir(parents=True, exist_ok=True)

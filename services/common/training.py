@@ -1,4 +1,4 @@
-"""The epoch/mini-batch loop shared by the policy and value trainers."""
+"""The epoch/mini-batch loop and the optimizer step shared by the policy and value trainers."""
 
 from __future__ import annotations
 
@@ -45,19 +45,18 @@ class NonFiniteGradient(FailedPrecondition):
     """The loss or its gradient overflowed; the optimizer step was not taken."""
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
-                   max_grad_norm: float) -> float:
-    """Backward, clip, step; returns the pre-clip gradient norm.
+def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                    loss: float) -> float:
+    """Clip the accumulated gradients and step; returns the pre-clip gradient norm. `loss` (the
+    step's loss value) only names the failure.
 
-    A non-finite gradient (huge targets, overflowing ratios) is never applied: the gradients are
+    A non-finite gradient (overflowing ratios, a diverged model) is never applied: the gradients are
     dropped and NonFiniteGradient raised, so the weights and optimizer state stay as they were.
     """
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteGradient(f"non-finite gradient (loss {loss.item():.4g}); the optimizer step was skipped")
+        raise NonFiniteGradient(f"non-finite gradient (loss {loss:.4g}); the optimizer step was skipped")
     try:
         optimizer.step()
     except Exception as exc:  # e.g. out of memory inside Adam: some parameters already moved

@@ -10,10 +10,10 @@ from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
-from rolefleet.common.modeling import pick_device, release_memory, weights_digest
+from rolefleet.common.modeling import autocast, compute_dtype, pick_device, release_memory, weights_digest
 from rolefleet.common.roles import UpdateResult
 from rolefleet.common.steps import StepLedger
-from rolefleet.common.training import optimizer_step, run_epochs
+from rolefleet.common.training import apply_gradients, run_epochs
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -27,6 +27,7 @@ class CriticCore:
         self.model = ValueModel(cfg.model_name_or_path).to(self.device)
         self.model.eval()
         self.limits = BatchLimits.of(ROLE, cfg, self.model.max_positions)
+        self.dtype = compute_dtype(self.device, cfg.compute_dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
@@ -35,10 +36,13 @@ class CriticCore:
         self._lock = threading.Lock()
 
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
-        """float32 [N]."""
+        """float32 [N], micro-batch by micro-batch."""
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
-        with self._lock, torch.no_grad():
-            return self.model.response_values(batch, self.device).cpu()
+        values = torch.empty(batch.num_response_tokens)
+        with self._lock, torch.no_grad(), autocast(self.device, self.dtype):
+            for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch):
+                values[batch.token_index(rows)] = self.model.response_values(batch.select(rows), self.device).cpu()
+        return values
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
         """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result."""
@@ -51,13 +55,7 @@ class CriticCore:
                 return done
 
             def train_step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
-                values = self.model.response_values(mb, self.device)
-                loss, stats = self.value_loss(values, old_values[tokens].to(self.device),
-                                              returns[tokens].to(self.device), torch.ones_like(values),
-                                              self.cfg.value_clip)
-                grad_norm = optimizer_step(self.model, self.optimizer, loss, self.cfg.max_grad_norm)
-                return {"vf_loss": loss.item(), "vf_grad_norm": grad_norm,
-                        **{k: v.item() for k, v in stats.items()}}
+                return self._step(mb, returns[tokens], old_values[tokens])
 
             self.model.train()
             try:
@@ -72,6 +70,25 @@ class CriticCore:
         metrics.MODEL_VERSION.labels(ROLE).set(self.model_version)
         metrics.TRAIN_STEPS.labels(ROLE).inc()
         return result
+
+    def _step(self, mb: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """One optimizer step over a mini-batch (packed [n] targets), micro-batch by micro-batch; the
+        value loss is a token mean, so each micro-batch weighs by its share of the tokens."""
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        for rows in mb.micro_batches(self.cfg.max_tokens_per_micro_batch):
+            sub, tokens = mb.select(rows), mb.token_index(rows)
+            with autocast(self.device, self.dtype):
+                values = self.model.response_values(sub, self.device)
+            loss, micro = self.value_loss(values, old_values[tokens].to(self.device),
+                                          returns[tokens].to(self.device), torch.ones_like(values, dtype=torch.bool),
+                                          self.cfg.value_clip)
+            share = len(tokens) / mb.num_response_tokens
+            (loss * share).backward()
+            stats["vf_loss"] += loss.item() * share
+            stats["vf_clipfrac"] += micro["vf_clipfrac"].item() * share
+        stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"])
+        return stats
 
     def digest(self) -> str:
         with self._lock:

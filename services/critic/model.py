@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModel
 
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.modeling import check_model_path, disable_dropout
+from rolefleet.common.modeling import check_model_path, disable_dropout, response_hidden
 
 
 class ValueModel(torch.nn.Module):
@@ -28,9 +28,5 @@ class ValueModel(torch.nn.Module):
         return self.backbone.get_input_embeddings().num_embeddings
 
     def response_values(self, batch: SequenceBatch, device: torch.device) -> torch.Tensor:
-        """V(state before each response token), packed [N]: read at the position that predicts it."""
-        input_ids, attention_mask = batch.model_inputs()
-        hidden = self.backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                               use_cache=False).last_hidden_state
-        rows, cols = batch.response_positions()
-        return self.head(hidden[rows.to(device), cols.to(device)]).squeeze(-1)
+        """V(state before each response token), packed [N] fp32: read at the position that predicts it."""
+        return self.head(response_hidden(self.backbone, batch, device)).squeeze(-1).float()

@@ -1,0 +1,79 @@
+"""The training engine: token-budget micro-batches with gradient accumulation and the chunked LM
+head give the same numbers as one forward over the whole batch."""
+
+import pytest
+import torch
+
+from rolefleet.actor.types import PolicyTargets
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.modeling import head_logprobs, token_logprobs
+from tests.actor.test_trainer import make_core, rollout
+
+
+def params(core) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in core.model.named_parameters()}
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg):
+    """Each sequence its own micro-batch (a 1-token budget) against all in one: same weights after
+    the step, with the IS correction dropping tokens and the entropy and KL terms on."""
+    common = ["actor.compute_dtype=float32", "actor.lr=1e-2", f"actor.loss_agg_mode={agg}", "actor.is_correction=token_mask",
+              "actor.is_threshold=1.5", "actor.entropy_coef=0.01", "actor.kl_loss_coef=0.1"]
+    whole = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=100000")
+    split = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=1")
+    for core in (whole, split):  # plain SGD: the weight change is the gradient (Adam would amplify noise)
+        core.trainer.optimizer = torch.optim.SGD(core.model.parameters(), lr=1.0)
+    _, batch, lp = rollout(whole)
+    n = batch.num_response_tokens
+    rollout_lp = (lp.logprobs + torch.linspace(-0.6, 0.6, n)).clamp(max=0)  # some leave [1/1.5, 1.5]
+    targets = PolicyTargets(torch.linspace(-1, 1, n), lp.logprobs, lp.ref_logprobs, rollout_lp)
+    a = whole.update(1, 0, batch, targets, 1.0)
+    b = split.update(1, 0, batch, targets, 1.0)
+    assert len(batch.micro_batches(1)) == len(batch) > 1
+    for name, p in params(whole).items():
+        assert torch.allclose(p, params(split)[name], atol=1e-5), name
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "kl_loss", "is_masked_frac"):
+        assert a.stats[key] == pytest.approx(b.stats[key], rel=1e-4, abs=1e-6), key
+    assert 0 < a.stats["is_masked_frac"] < 1
+
+
+def test_micro_batched_logprobs_match_one_forward(tiny_model_dir):
+    whole = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.max_tokens_per_micro_batch=100000",
+                      "actor.logprob_chunk_tokens=100000")
+    split = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.max_tokens_per_micro_batch=9",
+                      "actor.logprob_chunk_tokens=3")
+    _, batch, _ = rollout(whole)
+    a = whole.compute_logprobs(batch, 0.7, include_reference=True)
+    b = split.compute_logprobs(batch, 0.7, include_reference=True)
+    for x, y in ((a.logprobs, b.logprobs), (a.ref_logprobs, b.ref_logprobs), (a.entropy, b.entropy)):
+        assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_chunked_head_matches_full_logits_with_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(11, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (11,))
+    logp, entropy = head_logprobs(hidden, head, targets, 0.8, chunk_tokens=4, with_entropy=True)
+    (logp.sum() + entropy.sum()).backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    logits = head(hidden) / 0.8
+    full = token_logprobs(logits, targets, 1.0)
+    full_entropy = -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)
+    (full.sum() + full_entropy.sum()).backward()
+    assert torch.allclose(logp, full, atol=1e-6) and torch.allclose(entropy, full_entropy, atol=1e-5)
+    assert torch.allclose(grad, hidden.grad, atol=1e-5)
+
+
+def test_micro_batches_cover_every_row_once_within_the_budget():
+    lengths = [3, 9, 4, 4, 12, 1, 7]
+    batch = SequenceBatch.from_lists([torch.ones(n, dtype=torch.int64) for n in lengths],
+                                     [torch.ones(1, dtype=torch.int64)] * len(lengths))
+    groups = batch.micro_batches(20)
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] + 1 for i in g.tolist())
+        assert len(g) == 1 or len(g) * longest <= 20
+    assert [g.tolist() for g in batch.micro_batches(5)][0] == [4]  # 13 tokens > budget: alone

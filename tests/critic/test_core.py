@@ -1,0 +1,30 @@
+"""The critic core's micro-batches: the same values and the same update as one forward."""
+
+import torch
+
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+from rolefleet.critic.core import CriticCore
+
+BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45]), torch.tensor([7])],
+                                 [torch.tensor([9, 2]), torch.tensor([10, 4, 2]), torch.tensor([3])])
+
+
+def core(model_dir, budget: int) -> CriticCore:
+    cfg = parse_config({"model": {"model_name_or_path": model_dir}},
+                       [f"critic.max_tokens_per_micro_batch={budget}"])
+    c = CriticCore(cfg.critic)
+    c.optimizer = torch.optim.SGD(c.model.parameters(), lr=1.0)  # the weight change is the gradient
+    return c
+
+
+def test_micro_batched_values_and_updates_match_one_batch(tiny_model_dir):
+    whole, split = core(tiny_model_dir, 100_000), core(tiny_model_dir, 1)
+    assert len(BATCH.micro_batches(1)) == 3
+    returns, old = torch.tensor([1.0, 0.5, -1.0, 2.0, 0.0, 3.0]), torch.zeros(6)
+    assert torch.allclose(whole.compute_values(BATCH), split.compute_values(BATCH), atol=1e-6)
+    a, b = whole.update(1, BATCH, returns, old), split.update(1, BATCH, returns, old)
+    assert abs(a.stats["vf_loss"] - b.stats["vf_loss"]) < 1e-6 and abs(a.stats["vf_grad_norm"] - b.stats["vf_grad_norm"]) < 1e-5
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+    assert torch.allclose(whole.compute_values(BATCH), split.compute_values(BATCH), atol=1e-5)
