@@ -1,5 +1,6 @@
-"""The actor's training engine on one GPU at real model dimensions: ComputeLogProbs (policy +
-reference) and Update, with peak memory, tokens/s and MFU, plus a torch.profiler table of one update.
+"""The actor's engines on one GPU at real model dimensions: Generate (the hf rollout engine, 256
+prompts x 256 new tokens, per KV-cache kind), ComputeLogProbs (policy + reference) and Update, with
+peak memory, tokens/s and MFU, plus a torch.profiler table of one update.
 
     python benchmarks/gpu_engine.py --shape qwen2-0.5b --out OUT_DIR
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
+import string
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rolefleet.actor.core import ActorCore
-from rolefleet.actor.types import PolicyTargets
+from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.tiny_model import make_tiny_model
@@ -59,6 +62,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--budgets", default="8192,16384,32768", help="max_tokens_per_micro_batch values")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--caches", default="dynamic,static", help="actor.rollout_cache kinds to time Generate with")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--response-tokens", type=int, default=256)
     args = p.parse_args()
@@ -71,6 +75,24 @@ def main() -> None:
     vocab = core.vocab_size
     results: dict = {"shape": args.shape, "params": n_params, "device": torch.cuda.get_device_name(),
                      "torch": torch.__version__}
+
+    # Generate: 256 prompts x 256 new tokens (random weights rarely stop early: every token is made).
+    rng = random.Random(0)
+    prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]
+    sampling = SamplingParams(max_new_tokens=args.response_tokens, seed=0)
+    results["generate"] = []
+    for cache in args.caches.split(","):
+        core.cfg.rollout_cache = cache
+        start = time.perf_counter()
+        core.generate(prompts[:8], sampling)  # warm-up (and, for a static cache, compilation)
+        warmup = time.perf_counter() - start
+        seconds, samples = timed(lambda: core.generate(prompts, sampling), 1)
+        made = sum(len(s.response_ids) for s in samples)
+        results["generate"].append({"rollout_cache": cache, "sequences": len(samples), "tokens": made,
+                                    "seconds": seconds, "tokens_per_s": made / seconds, "warmup_s": warmup,
+                                    "peak_gb": torch.cuda.max_memory_allocated() / 2**30})
+        print(json.dumps(results["generate"][-1]), flush=True)
+    core.cfg.rollout_cache = "dynamic"
 
     # ComputeLogProbs, policy + reference, 256 x (128 + 256) tokens.
     length = args.prompt_tokens + args.response_tokens

@@ -111,18 +111,18 @@ class PolicyTrainer:
                     ref_logprobs: torch.Tensor | None, weights: torch.Tensor | None, mask: torch.Tensor,
                     temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.cfg
-        # Entropy over the vocabulary is costly to differentiate: its graph exists only as a loss term.
-        logprobs, entropy = self.forward(self.model, mb, temperature, with_entropy=True)
+        # Entropy costs two more passes over [tokens, vocab] (and their backward): computed here only
+        # as a loss term; the `entropy` metric of every step comes from ComputeLogProbs.
+        logprobs, entropy = self.forward(self.model, mb, temperature, with_entropy=cfg.entropy_coef > 0)
         logprobs = mb.pad_responses(logprobs)
         loss, pg_stats = self.policy_loss(
             logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,
             dual_clip=cfg.dual_clip, agg=cfg.loss_agg_mode, weights=weights, norm_length=cfg.loss_norm_length,
         )
         stats = {"pg_loss": loss.item(), **{k: v.item() for k, v in pg_stats.items()}}
-        entropy_term = aggregate(mb.pad_responses(entropy if cfg.entropy_coef > 0 else entropy.detach()), mask,
-                                 cfg.loss_agg_mode, cfg.loss_norm_length)
-        stats["entropy"] = entropy_term.item()
         if cfg.entropy_coef > 0:
+            entropy_term = aggregate(mb.pad_responses(entropy), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
+            stats["entropy"] = entropy_term.item()
             loss = loss - cfg.entropy_coef * entropy_term
         if cfg.kl_loss_coef > 0:
             kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)

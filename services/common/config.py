@@ -166,6 +166,9 @@ CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) pe
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
     rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
+    rollout_cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="KV cache of the hf rollout engine: dynamic, or static (preallocated; "
+        "transformers compiles the decode step for it)")
     max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
                                   "checked before tokenization")
     logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "

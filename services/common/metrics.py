@@ -25,6 +25,12 @@ ROLLOUT_SECONDS = Histogram(
     ["role"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
+WEIGHT_SYNC_SECONDS = Histogram(
+    "rolefleet_weight_sync_seconds",
+    "Time to move the trainer's new weights into the rollout engine after an update",
+    ["role"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 SAMPLES_SCORED = Counter("rolefleet_samples_scored", "Samples scored by the reward role", ["role"])
 REWARD_ERRORS = Counter("rolefleet_reward_errors", "Samples a reward function could not score (an "
                         "exception, a non-number, NaN or inf)", ["role", "function"])

@@ -141,10 +141,15 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     checkpointed: its logits are freed after the forward and recomputed in the backward.
     """
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(head(h).float() / temperature, dim=-1)
-        token = logp.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+        logits = head(h).float()
+        if temperature != 1.0:  # a full [chunk, V] pass: skipped at the usual training temperature
+            logits = logits / temperature
+        # Fused log-softmax + gather: its backward writes softmax - onehot in one pass, where
+        # log_softmax(...).gather(...) would allocate and scatter a dense [chunk, V] gradient.
+        token = -torch.nn.functional.cross_entropy(logits, t, reduction="none")
         if not with_entropy:
             return token, token.new_zeros(())
+        logp = torch.log_softmax(logits, dim=-1)
         return token, -(logp.exp() * logp).sum(-1)
 
     tokens, entropies = [], []

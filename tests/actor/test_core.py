@@ -74,7 +74,8 @@ def test_update_changes_weights_bumps_version_and_is_idempotent(core):
     result = core.update(step, version, batch, targets, 1.0)
     assert result.model_version == version + 1 == core.policy_version
     assert core.digest() != digest
-    assert {"pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"} <= set(result.stats)
+    assert {"pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm"} <= set(result.stats)
+    assert "entropy" not in result.stats  # a loss term only with actor.entropy_coef > 0
     # The rollout engine shares the module: its next samples carry the new version.
     assert rollout(core)[0][0].policy_version == version + 1
     # A repeat of the applied step replays the result and changes nothing.

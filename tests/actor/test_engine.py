@@ -4,7 +4,7 @@ head give the same numbers as one forward over the whole batch."""
 import pytest
 import torch
 
-from rolefleet.actor.types import PolicyTargets
+from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.modeling import head_logprobs, token_logprobs
 from tests.actor.test_trainer import make_core, rollout
@@ -77,3 +77,37 @@ def test_micro_batches_cover_every_row_once_within_the_budget():
         longest = max(lengths[i] + 1 for i in g.tolist())
         assert len(g) == 1 or len(g) * longest <= 20
     assert [g.tolist() for g in batch.micro_batches(5)][0] == [4]  # 13 tokens > budget: alone
+
+
+def test_the_rollout_engine_owns_its_weights_and_samples_from_the_new_ones_after_an_update(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.lr=1e-2")
+    assert core.engine.model is not core.model  # its own copy, not the trainer's module
+    _, batch, lp = rollout(core)
+    engine_before = core.engine._logprobs(batch, 1.0)
+    assert torch.allclose(engine_before, lp.logprobs, atol=1e-5)  # same weights, same convention
+    result = core.update(1, 0, batch, PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens),
+                                                    lp.logprobs), 1.0)
+    assert result.stats["weight_sync_s"] >= 0
+    trained = core.compute_logprobs(batch, 1.0, include_reference=False).logprobs
+    assert not torch.allclose(trained, lp.logprobs, atol=1e-3)  # the update moved the policy
+    assert torch.allclose(core.engine._logprobs(batch, 1.0), trained, atol=1e-5)  # and the engine with it
+    samples = core.generate(["1+2="], SamplingParams(max_new_tokens=3, seed=1))
+    assert samples[0].policy_version == 1
+
+
+def test_a_failed_weight_sync_blocks_the_role_instead_of_reapplying_the_step(tiny_model_dir):
+    from rolefleet.common.errors import FailedPrecondition
+
+    core = make_core(tiny_model_dir)
+    _, batch, lp = rollout(core)
+
+    def broken(named):
+        raise RuntimeError("CUDA out of memory")
+
+    core.engine.load_weights = broken
+    targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+    with pytest.raises(FailedPrecondition, match="moving the new weights into the rollout engine failed"):
+        core.update(1, 0, batch, targets, 1.0)
+    with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
+        core.update(1, 0, batch, targets, 1.0)
+    assert "rollout engine" in core.ledger.broken
