@@ -23,7 +23,7 @@ class ActorClient(Protocol):
                                include_reference: bool) -> LogProbs: ...
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                      temperature: float) -> UpdateResult: ...
-    async def status(self) -> RoleStatus: ...
+    async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def close(self) -> None: ...
 
 
@@ -40,9 +40,8 @@ class InProcessActorClient:
     async def update(self, step, policy_version, batch, targets, temperature):
         return await asyncio.to_thread(self.core.update, step, policy_version, batch, targets, temperature)
 
-    async def status(self):
-        return RoleStatus("actor", self.core.policy_version, self.core.ledger.last_step,
-                          await asyncio.to_thread(self.core.digest), broken=self.core.ledger.broken or "")
+    async def status(self, include_digest=False):
+        return await asyncio.to_thread(self.core.status, include_digest)
 
     async def close(self):
         pass

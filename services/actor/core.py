@@ -27,7 +27,7 @@ from rolefleet.common.modeling import (
     require_temperature,
     weights_digest,
 )
-from rolefleet.common.roles import UpdateResult
+from rolefleet.common.roles import RoleStatus, UpdateResult
 from rolefleet.common.steps import PartialUpdate, StepLedger
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,12 @@ class ActorCore:
                 batch.check_per_token(getattr(targets, name), name, "logprob")
 
     # --- status / lifecycle -----------------------------------------------------------------------
+
+    def status(self, include_digest: bool = False) -> RoleStatus:
+        """A snapshot read without the model lock (a rollout or update may be in flight); hashing
+        the weights waits for the lock and is done only when asked."""
+        return RoleStatus(ROLE, self.policy_version, self.ledger.last_step,
+                          self.digest() if include_digest else "", broken=self.ledger.broken or "")
 
     def digest(self) -> str:
         with self._lock:

@@ -9,8 +9,7 @@ import grpc
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
-from rolefleet.common.roles import RoleStatus
+from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.common.server import RoleServicer, iterate_in_thread, rpc, rpc_stream
 
 
@@ -46,12 +45,6 @@ class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
             self.core.update, request.step, request.policy_version, batch, targets, request.temperature
         )
         return wire.update_result_to_proto(result)
-
-    @rpc
-    async def GetStatus(self, request: common_pb2.GetStatusRequest, context):
-        digest = await asyncio.to_thread(self.core.digest)
-        return RoleStatus(self.role, self.core.policy_version, self.core.ledger.last_step, digest,
-                          self.requests_served, self.core.ledger.broken or "").to_proto()
 
 
 def add_to_server(core: ActorCore, server: grpc.aio.Server) -> list[str]:

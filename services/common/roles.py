@@ -64,8 +64,9 @@ class GrpcRoleClient:
         self.stub = self.stub_class(self.channel)
         self.timeout_s = timeout_s
 
-    async def status(self) -> RoleStatus:
-        msg = await call(self.stub.GetStatus(common_pb2.GetStatusRequest(), timeout=self.timeout_s))
+    async def status(self, include_digest: bool = False) -> RoleStatus:
+        request = common_pb2.GetStatusRequest(include_weights_digest=include_digest)
+        msg = await call(self.stub.GetStatus(request, timeout=self.timeout_s))
         return RoleStatus.from_proto(msg)
 
     async def close(self) -> None:
@@ -79,11 +80,12 @@ def _status_stubs() -> dict[str, type]:
             "reward": reward_pb2_grpc.RewardServiceStub}
 
 
-async def fetch_status(role: str, address: str, timeout_s: float) -> RoleStatus:
+async def fetch_status(role: str, address: str, timeout_s: float, include_digest: bool = False) -> RoleStatus:
     """GetStatus of the `role` server at `address`, with nothing but the stubs (no role client)."""
     async with open_channel(address) as channel:
         stub = _status_stubs()[role](channel)
-        return RoleStatus.from_proto(await call(stub.GetStatus(common_pb2.GetStatusRequest(), timeout=timeout_s)))
+        request = common_pb2.GetStatusRequest(include_weights_digest=include_digest)
+        return RoleStatus.from_proto(await call(stub.GetStatus(request, timeout=timeout_s)))
 
 
 async def call(awaitable: Awaitable[T]) -> T:

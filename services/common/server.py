@@ -61,13 +61,6 @@ def _fail(role: str, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]
     return code, message
 
 
-class RoleServicer:
-    """Base of every servicer: names the role for metrics and counts the requests it served."""
-
-    role = "role"
-    requests_served = 0
-
-
 def _received(servicer: RoleServicer, method: Callable, request) -> tuple[str, float, grpc.StatusCode]:
     servicer.requests_served += 1
     metrics.RPC_RECEIVED_BYTES.labels(servicer.role, method.__name__).inc(request.ByteSize())
@@ -116,6 +109,27 @@ def rpc_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
             metrics.RPC_SECONDS.labels(self.role, name, code.name).observe(time.perf_counter() - start)
 
     return wrapper
+
+
+class RoleServicer:
+    """Base of every servicer: names the role for metrics, counts the requests it served, and
+    answers GetStatus from its core's `status(include_digest)`."""
+
+    role = "role"
+    requests_served = 0
+    core: Any
+
+    @rpc
+    async def GetStatus(self, request, context):
+        # Cheap by default: no weight hashing, so it never waits behind the model lock (a rollout or
+        # an update can hold it for minutes); the digest only on request, off the event loop.
+        if request.include_weights_digest:
+            status = await asyncio.to_thread(self.core.status, True)
+        else:
+            status = self.core.status(False)
+        message = status.to_proto()
+        message.requests_served = self.requests_served
+        return message
 
 
 _DONE = object()

@@ -18,7 +18,7 @@ class CriticClient(Protocol):
     async def compute_values(self, batch: SequenceBatch) -> torch.Tensor: ...
     async def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor,
                      old_values: torch.Tensor) -> UpdateResult: ...
-    async def status(self) -> RoleStatus: ...
+    async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def close(self) -> None: ...
 
 
@@ -32,9 +32,8 @@ class InProcessCriticClient:
     async def update(self, step, batch, returns, old_values):
         return await asyncio.to_thread(self.core.update, step, batch, returns, old_values)
 
-    async def status(self):
-        return RoleStatus("critic", self.core.model_version, self.core.ledger.last_step,
-                          await asyncio.to_thread(self.core.digest), broken=self.core.ledger.broken or "")
+    async def status(self, include_digest=False):
+        return await asyncio.to_thread(self.core.status, include_digest)
 
     async def close(self):
         pass

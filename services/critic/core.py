@@ -11,7 +11,7 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import autocast, compute_dtype, pick_device, release_memory, weights_digest
-from rolefleet.common.roles import UpdateResult
+from rolefleet.common.roles import RoleStatus, UpdateResult
 from rolefleet.common.steps import StepLedger
 from rolefleet.common.training import apply_gradients, run_epochs
 from rolefleet.critic.model import ValueModel
@@ -89,6 +89,11 @@ class CriticCore:
             stats["vf_clipfrac"] += micro["vf_clipfrac"].item() * share
         stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"])
         return stats
+
+    def status(self, include_digest: bool = False) -> RoleStatus:
+        """A snapshot read without the model lock; the weight digest waits for it, only when asked."""
+        return RoleStatus(ROLE, self.model_version, self.ledger.last_step,
+                          self.digest() if include_digest else "", broken=self.ledger.broken or "")
 
     def digest(self) -> str:
         with self._lock:

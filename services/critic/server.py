@@ -9,7 +9,6 @@ import grpc
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
-from rolefleet.common.roles import RoleStatus
 from rolefleet.common.server import RoleServicer, rpc
 from rolefleet.critic.core import CriticCore
 
@@ -34,12 +33,6 @@ class CriticServicer(RoleServicer, critic_pb2_grpc.CriticServiceServicer):
         result = await asyncio.to_thread(self.core.update, request.step, batch, returns, old_values)
         return critic_pb2.CriticUpdateResponse(step=result.step, model_version=result.model_version,
                                                stats=common_pb2.TrainStats(values=result.stats))
-
-    @rpc
-    async def GetStatus(self, request: common_pb2.GetStatusRequest, context):
-        digest = await asyncio.to_thread(self.core.digest)
-        return RoleStatus(self.role, self.core.model_version, self.core.ledger.last_step, digest,
-                          self.requests_served, self.core.ledger.broken or "").to_proto()
 
 
 def add_to_server(core: CriticCore, server: grpc.aio.Server) -> list[str]:

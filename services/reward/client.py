@@ -16,7 +16,7 @@ from rolefleet.reward.core import RewardCore, ScoreItem
 
 class RewardClient(Protocol):
     async def score(self, items: list[ScoreItem]) -> torch.Tensor: ...
-    async def status(self) -> RoleStatus: ...
+    async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def close(self) -> None: ...
 
 
@@ -27,8 +27,8 @@ class InProcessRewardClient:
     async def score(self, items):
         return await asyncio.to_thread(self.core.score, items)
 
-    async def status(self):
-        return RoleStatus("reward")
+    async def status(self, include_digest=False):
+        return self.core.status(include_digest)
 
     async def close(self):
         pass

@@ -11,6 +11,7 @@ import torch
 from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
+from rolefleet.common.roles import RoleStatus
 from rolefleet.reward.functions import REWARD_FUNCTIONS
 
 ROLE = "reward"
@@ -70,6 +71,9 @@ class RewardCore:
             raise InvalidArgument(f"items[{index}]", f"reward function {name!r} returned {value!r}, "
                                   "not a finite number")
         return float(value)
+
+    def status(self, include_digest: bool = False) -> RoleStatus:
+        return RoleStatus(ROLE)  # stateless: nothing to version or hash
 
     def close(self) -> None:
         pass

@@ -7,8 +7,7 @@ import asyncio
 import grpc
 
 from rolefleet.common import codec
-from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
-from rolefleet.common.roles import RoleStatus
+from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
 from rolefleet.common.server import RoleServicer, rpc
 from rolefleet.reward.core import RewardCore, ScoreItem
 
@@ -24,10 +23,6 @@ class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):
         items = [ScoreItem(i.prompt, i.response, i.ground_truth) for i in request.items]
         scores = await asyncio.to_thread(self.core.score, items)
         return reward_pb2.ScoreResponse(scores=codec.encode(scores))
-
-    @rpc
-    async def GetStatus(self, request: common_pb2.GetStatusRequest, context):
-        return RoleStatus(self.role, requests_served=self.requests_served).to_proto()
 
 
 def add_to_server(core: RewardCore, server: grpc.aio.Server) -> list[str]:

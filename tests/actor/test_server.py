@@ -35,10 +35,10 @@ def test_generate_logprobs_update_status_over_grpc(core):
             batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
             lp = await client.compute_logprobs(batch, 1.0, include_reference=True)
             assert torch.allclose(lp.logprobs, torch.cat([s.logprobs for s in samples]), atol=1e-4)
-            before = await client.status()
+            before = await client.status(include_digest=True)
             targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
             result = await client.update(before.last_step + 1, before.model_version, batch, targets, 1.0)
-            after = await client.status()
+            after = await client.status(include_digest=True)
             assert after.model_version == result.model_version == before.model_version + 1
             assert after.weights_digest != before.weights_digest and after.last_step == before.last_step + 1
             with pytest.raises(FailedPrecondition):  # gRPC status maps back to the domain error
@@ -56,7 +56,7 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
         async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
             async with open_channel(address) as channel:
                 stub = actor_pb2_grpc.ActorServiceStub(channel)
-                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
                 good = dict(step=before.last_step + 1, policy_version=before.model_version,
                             batch=batch.to_proto(), temperature=1.0,
@@ -79,7 +79,7 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                                      "batch.prompt_ids.dtype")
                 stream = stub.Generate(actor_pb2.GenerateRequest(prompts=["1+1="]))  # sampling unset
                 await expect_invalid(stream.read(), "sampling.temperature")
-                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 assert (after.model_version, after.last_step, after.weights_digest) == \
                     (before.model_version, before.last_step, before.weights_digest)
                 # Still serving, and the same request with good fields is applied.
@@ -127,7 +127,7 @@ def test_hostile_requests_are_refused_and_change_nothing(core):
         async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
             async with open_channel(address) as channel:
                 stub = actor_pb2_grpc.ActorServiceStub(channel)
-                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
                 good = dict(step=before.last_step + 1, policy_version=before.model_version,
                             batch=batch.to_proto(), temperature=1.0,
@@ -169,10 +169,33 @@ def test_hostile_requests_are_refused_and_change_nothing(core):
                     started = time.perf_counter()
                     await expect_code(call(), expected, *texts)
                     assert time.perf_counter() - started < 5, texts  # refused up front, not after the work
-                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 assert (after.model_version, after.last_step, after.weights_digest) == \
                     (before.model_version, before.last_step, before.weights_digest)
                 reply = await stub.Update(actor_pb2.ActorUpdateRequest(**good))
                 assert reply.policy_version == before.model_version + 1
+
+    asyncio.run(scenario())
+
+
+def test_status_answers_at_once_while_the_model_is_busy(core):
+    """GetStatus never waits behind the model lock (a rollout or update may hold it for minutes);
+    only a digest request does."""
+    import grpc
+
+    async def scenario():
+        async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
+            async with open_channel(address) as channel:
+                stub = actor_pb2_grpc.ActorServiceStub(channel)
+                digest = (await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))).weights_digest
+                assert len(digest) == 64
+                with core._lock:  # as during a long rollout
+                    started = time.perf_counter()
+                    status = await stub.GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+                    assert time.perf_counter() - started < 1.0
+                    assert status.role == "actor" and status.weights_digest == "" and status.requests_served >= 2
+                    with pytest.raises(grpc.aio.AioRpcError) as err:  # the digest does wait for the model
+                        await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True), timeout=0.5)
+                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     asyncio.run(scenario())

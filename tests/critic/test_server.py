@@ -37,14 +37,14 @@ def test_update_over_grpc_changes_weights_and_replays_repeats(core):
     async def scenario():
         async with serving("critic", lambda s: critic_server.add_to_server(core, s)) as address:
             client = GrpcCriticClient(address, timeout_s=30)
-            before = await client.status()
+            before = await client.status(include_digest=True)
             values = await client.compute_values(BATCH)
             result = await client.update(1, BATCH, torch.ones(5), values)
-            after = await client.status()
+            after = await client.status(include_digest=True)
             assert after.weights_digest != before.weights_digest and after.model_version == 1
             assert {"vf_loss", "vf_clipfrac"} <= set(result.stats)
             assert await client.update(1, BATCH, torch.ones(5), values) == result
-            assert (await client.status()).weights_digest == after.weights_digest
+            assert (await client.status(include_digest=True)).weights_digest == after.weights_digest
             await client.close()
 
     asyncio.run(scenario())
@@ -55,7 +55,7 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
         async with serving("critic", lambda s: critic_server.add_to_server(core, s)) as address:
             async with open_channel(address) as channel:
                 stub = critic_pb2_grpc.CriticServiceStub(channel)
-                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 await expect_invalid(stub.ComputeValues(critic_pb2.ComputeValuesRequest(
                     batch=common_pb2.SequenceBatch(prompt_ids=common_pb2.Tensor(dtype="int128")))),
                     "batch.prompt_ids.dtype")
@@ -68,7 +68,7 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                 await expect_invalid(stub.Update(critic_pb2.CriticUpdateRequest(
                     step=-3, batch=BATCH.to_proto(), returns=codec.encode(torch.ones(5)),
                     old_values=codec.encode(torch.zeros(5)))), "step")
-                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 assert after.weights_digest == before.weights_digest and after.model_version == 0
                 values = await stub.ComputeValues(critic_pb2.ComputeValuesRequest(batch=BATCH.to_proto()))
                 assert list(values.values.shape) == [5]
@@ -110,7 +110,7 @@ def test_oversized_and_out_of_order_requests_are_refused_and_change_nothing(tiny
         async with serving("critic", lambda s: critic_server.add_to_server(core, s)) as address:
             async with open_channel(address) as channel:
                 stub = critic_pb2_grpc.CriticServiceStub(channel)
-                before = await stub.GetStatus(common_pb2.GetStatusRequest())
+                before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
                 await expect_code(stub.ComputeValues(critic_pb2.ComputeValuesRequest(batch=five.to_proto())),
                                   exhausted, "critic.max_sequences_per_request=4")
@@ -119,7 +119,7 @@ def test_oversized_and_out_of_order_requests_are_refused_and_change_nothing(tiny
                 await expect_code(stub.Update(update(1, fat)), exhausted, "critic.max_tokens_per_request")
                 await expect_code(stub.Update(update(2**63 - 1)), grpc.StatusCode.FAILED_PRECONDITION,
                                   "expects step 1 next")
-                after = await stub.GetStatus(common_pb2.GetStatusRequest())
+                after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
                 assert (after.weights_digest, after.model_version, after.last_step) == \
                     (before.weights_digest, 0, 0)
                 reply = await stub.Update(update(1))  # the next step is still accepted

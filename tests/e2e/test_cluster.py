@@ -21,7 +21,7 @@ async def statuses(addresses):
     clients = [GrpcActorClient(addresses["actor"], 30), GrpcCriticClient(addresses["critic"], 30),
                GrpcRewardClient(addresses["reward"], 30)]
     try:
-        return [await c.status() for c in clients]
+        return [await c.status(include_digest=True) for c in clients]
     finally:
         for c in clients:
             await c.close()
@@ -199,14 +199,14 @@ def test_up_refuses_to_train_a_stale_server_on_its_port(make_config, tmp_path):
     try:
         port = wait_ready(stale, tmp_path / "stale.json")["grpc_port"]
         address = f"127.0.0.1:{port}"
-        before = asyncio.run(fetch_status("actor", address, 30))
+        before = asyncio.run(fetch_status("actor", address, 30, include_digest=True))
         cfg = make_config(f"actor.port={port}")
         proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 1, output
         assert f"cannot listen for gRPC on 127.0.0.1:{port}" in output and "Traceback" not in output
         assert not (cfg.run.out / "metrics.jsonl").exists()  # no run started
-        after = asyncio.run(fetch_status("actor", address, 30))  # the stale server: untouched, still up
+        after = asyncio.run(fetch_status("actor", address, 30, include_digest=True))  # untouched, still up
         assert (after.instance_id, after.last_step, after.weights_digest) == \
             (before.instance_id, 0, before.weights_digest)
         assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []

@@ -47,8 +47,10 @@ class RoleStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_weights_digest",)
+    INCLUDE_WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    include_weights_digest: bool
+    def __init__(self, include_weights_digest: _Optional[bool] = ...) -> None: ...
 
 class TrainStats(_message.Message):
     __slots__ = ("values",)
