@@ -1,0 +1,93 @@
+"""End to end on one GPU: `rolefleet up configs/gpu_1x.yaml` (every role on GPU 0, real processes)
+for a few GRPO steps and a few PPO steps with the critic, on a random-weight model of real
+dimensions; prints per-phase seconds, generated tokens/s, weight-sync time and the GPU busy
+fraction (NVML sampled every 0.2 s while the run trains).
+
+    python benchmarks/gpu_e2e.py --shape qwen2-0.5b --out OUT_DIR
+
+The first step of a run includes the static KV cache's compilation; medians are over the later steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from rolefleet.common.tiny_model import make_tiny_model
+
+
+class BusySampler(threading.Thread):
+    """Mean GPU utilization (NVML, percent of time a kernel ran) over the samples taken."""
+
+    def __init__(self, period_s: float = 0.2):
+        super().__init__(daemon=True)
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.period_s, self.samples, self.done = period_s, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period_s):
+            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+
+    def busy(self) -> float:
+        return statistics.mean(self.samples) / 100 if self.samples else 0.0
+
+
+def run(algorithm: str, model: Path, out: Path, steps: int) -> dict:
+    run_dir = out / algorithm
+    cmd = [sys.executable, "-m", "rolefleet.cli", "up", "configs/gpu_1x.yaml", f"algorithm={algorithm}",
+           f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}"]
+    sampler = BusySampler()
+    sampler.start()
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    sampler.done.set()
+    if proc.returncode != 0:
+        raise SystemExit(f"{algorithm}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    later = records[1:] or records
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in later)
+
+    sequences = 64 * 4
+    generated = [r["response_length/mean"] * sequences / r["timing/generate_s"] for r in later]
+    return {
+        "algorithm": algorithm, "steps": len(records), "wall_s": wall, "gpu_busy": sampler.busy(),
+        "step_s": median("timing/step_s"), "generate_s": median("timing/generate_s"),
+        "score_s": median("timing/score_s"), "update_s": median("timing/update_s"),
+        "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),
+        "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
+        "step_tokens_per_s": median("throughput/tokens_per_s"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen2-0.5b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--algorithms", default="grpo,ppo")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
+    runs = Path(tempfile.mkdtemp())  # run outputs (logs, events) stay there; OUT gets the summary
+    results = [run(a, model, runs, args.steps) for a in args.algorithms.split(",")]
+    for r in results:
+        print(json.dumps(r), flush=True)
+    (out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
