@@ -46,6 +46,8 @@ class ActorCore:
         else:
             self.ref_model = load_causal_lm(cfg.ref_model_name_or_path, self.device)
         self.ref_model.requires_grad_(False).eval()
+        if cfg.ref_offload:
+            self.ref_model.to("cpu")  # the trainer brings it to the GPU for each ComputeLogProbs
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)

@@ -12,6 +12,7 @@ all aggregated the same way.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -22,8 +23,15 @@ from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggreg
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import autocast, compute_dtype, head_logprobs, response_hidden, split_lm
-from rolefleet.common.training import apply_gradients, run_epochs
+from rolefleet.common.modeling import (
+    autocast,
+    compute_dtype,
+    enable_activation_checkpointing,
+    head_logprobs,
+    response_hidden,
+    split_lm,
+)
+from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
 
 
 class PolicyTrainer:
@@ -34,7 +42,9 @@ class PolicyTrainer:
         self.device = device
         self.cfg = cfg
         self.dtype = compute_dtype(device, cfg.compute_dtype)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer, self.scheduler = make_optimizer(model, cfg)
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(model)
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
@@ -61,8 +71,21 @@ class PolicyTrainer:
             lp, ent = self.forward(self.model, mb, temperature, with_entropy=True)
             logprobs[tokens], entropy[tokens] = lp.cpu(), ent.cpu()
             if ref is not None:
-                ref[tokens] = self.forward(self.ref_model, mb, temperature, with_entropy=False)[0].cpu()
+                with self._reference_on_device():
+                    ref[tokens] = self.forward(self.ref_model, mb, temperature, with_entropy=False)[0].cpu()
         return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
+
+    @contextlib.contextmanager
+    def _reference_on_device(self):
+        """With `ref_offload`, the reference model lives in CPU memory and visits the GPU per use."""
+        if self.cfg.ref_offload and self.device.type == "cuda":
+            self.ref_model.to(self.device)
+            try:
+                yield
+            finally:
+                self.ref_model.to("cpu")
+        else:
+            yield
 
     def update(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
         """Policy-loss epochs over mini-batches; returns each statistic averaged over optimizer steps."""
@@ -104,7 +127,8 @@ class PolicyTrainer:
             for name, value in micro.items():
                 stats[name] += value * share.item()
         stats["loss"] = loss_sum
-        stats["grad_norm"] = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, loss_sum)
+        stats["lr"] = self.optimizer.param_groups[0]["lr"]
+        stats["grad_norm"] = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, loss_sum, self.scheduler)
         return dict(stats)
 
     def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,

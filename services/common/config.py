@@ -155,6 +155,14 @@ class _TrainerSection(Endpoint):
     max_tokens_per_micro_batch: int = Field(16384, ge=1, description="padded tokens (rows x longest "
                                             "sequence) per forward; gradients accumulate over a "
                                             "mini-batch's micro-batches")
+    lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="after warm-up")
+    lr_decay_steps: Optional[int] = Field(None, ge=1, description="optimizer steps over which linear/cosine "
+                                          "decay to min_lr_ratio x lr; default: the run's (total_steps x "
+                                          "ppo_epochs x num_mini_batches)")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate, as a fraction of lr")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the "
+                                         "backward: less memory, about a third more compute")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="autocast dtype of forwards and backwards (auto: bfloat16 on CUDA, float32 on "
         "CPU); master weights and optimizer state stay float32")
@@ -171,6 +179,8 @@ class ActorSection(_TrainerSection):
         "transformers compiles the decode step for it)")
     max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
                                   "checked before tokenization")
+    ref_offload: bool = Field(False, description="keep the reference model in CPU memory between "
+                              "ComputeLogProbs calls (frees its GPU memory for training)")
     logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
                                       "logprobs and entropy (bounds the [tokens, vocab] logits)")
     policy_loss: str = "ppo_clip"
@@ -305,6 +315,9 @@ class RoleFleetConfig(_Section):
             self.train.norm_adv_by_std = preset.norm_adv_by_std
         if self.actor.loss_agg_mode is None:
             self.actor.loss_agg_mode = preset.loss_agg_mode
+        for section in (self.actor, self.critic):
+            if section.lr_decay_steps is None:
+                section.lr_decay_steps = self.train.total_steps * section.ppo_epochs * section.num_mini_batches
         if self.actor.loss_norm_length is None:
             self.actor.loss_norm_length = self.sampling.max_new_tokens
         if preset.grouped and self.train.samples_per_prompt < 2:

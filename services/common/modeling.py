@@ -162,3 +162,11 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
         tokens.append(token)
         entropies.append(entropy)
     return torch.cat(tokens), torch.cat(entropies) if with_entropy else None
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in the backward (transformers renamed the switch in v5.2x)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

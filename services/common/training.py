@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -45,8 +46,28 @@ class NonFiniteGradient(FailedPrecondition):
     """The loss or its gradient overflowed; the optimizer step was not taken."""
 
 
+def lr_factor(step: int, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
+    """The learning-rate multiplier after `step` optimizer steps: linear warm-up over `warmup`
+    steps, then constant, or linear / cosine decay to `min_ratio` at `decay_steps` (and after)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def make_optimizer(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the fp32 master weights and its schedule, from a trainer section of the config."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, cfg.lr_warmup_steps, cfg.lr_decay_steps or 1, cfg.lr_schedule, cfg.min_lr_ratio))
+    return optimizer, schedule
+
+
 def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-                    loss: float) -> float:
+                    loss: float, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> float:
     """Clip the accumulated gradients and step; returns the pre-clip gradient norm. `loss` (the
     step's loss value) only names the failure.
 
@@ -61,4 +82,6 @@ def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
         optimizer.step()
     except Exception as exc:  # e.g. out of memory inside Adam: some parameters already moved
         raise PartialUpdate(f"the optimizer step failed midway ({exc})") from exc
+    if scheduler is not None:
+        scheduler.step()
     return grad_norm.item()

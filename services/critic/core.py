@@ -10,10 +10,17 @@ from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
-from rolefleet.common.modeling import autocast, compute_dtype, pick_device, release_memory, weights_digest
+from rolefleet.common.modeling import (
+    autocast,
+    compute_dtype,
+    enable_activation_checkpointing,
+    pick_device,
+    release_memory,
+    weights_digest,
+)
 from rolefleet.common.roles import RoleStatus, UpdateResult
 from rolefleet.common.steps import StepLedger
-from rolefleet.common.training import apply_gradients, run_epochs
+from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -28,7 +35,9 @@ class CriticCore:
         self.model.eval()
         self.limits = BatchLimits.of(ROLE, cfg, self.model.max_positions)
         self.dtype = compute_dtype(self.device, cfg.compute_dtype)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(self.model.backbone)
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
         self.model_version = 0
@@ -87,7 +96,9 @@ class CriticCore:
             (loss * share).backward()
             stats["vf_loss"] += loss.item() * share
             stats["vf_clipfrac"] += micro["vf_clipfrac"].item() * share
-        stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"])
+        stats["vf_lr"] = self.optimizer.param_groups[0]["lr"]
+        stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"],
+                                                self.scheduler)
         return stats
 
     def status(self, include_digest: bool = False) -> RoleStatus:

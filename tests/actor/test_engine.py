@@ -23,7 +23,7 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg):
     whole = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=100000")
     split = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=1")
     for core in (whole, split):  # plain SGD: the weight change is the gradient (Adam would amplify noise)
-        core.trainer.optimizer = torch.optim.SGD(core.model.parameters(), lr=1.0)
+        core.trainer.optimizer, core.trainer.scheduler = torch.optim.SGD(core.model.parameters(), lr=1.0), None
     _, batch, lp = rollout(whole)
     n = batch.num_response_tokens
     rollout_lp = (lp.logprobs + torch.linspace(-0.6, 0.6, n)).clamp(max=0)  # some leave [1/1.5, 1.5]
@@ -111,3 +111,33 @@ def test_a_failed_weight_sync_blocks_the_role_instead_of_reapplying_the_step(tin
     with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
         core.update(1, 0, batch, targets, 1.0)
     assert "rollout engine" in core.ledger.broken
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [0.5, 1.0, 1.0, 0.55, 0.1]),                 # warm-up 2, decay to 0.1 by step 4
+    ("cosine", [0.5, 1.0, 1.0, 0.55, 0.1]),
+])
+def test_lr_schedule(schedule, expected):
+    from rolefleet.common.training import lr_factor
+
+    got = [lr_factor(step, warmup=2, decay_steps=4, schedule=schedule, min_ratio=0.1) for step in range(5)]
+    assert got == pytest.approx(expected)
+
+
+def test_the_schedule_and_gradient_checkpointing_reach_the_trainer(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.lr=1e-2", "actor.lr_warmup_steps=4", "actor.gradient_checkpointing=true",
+                     "actor.ref_offload=true")
+    assert any(getattr(m, "gradient_checkpointing", False) for m in core.model.modules())
+    _, batch, lp = rollout(core)
+    targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs)
+    lrs = [core.update(step, step - 1, batch, targets, 1.0).stats["lr"] for step in (1, 2)]
+    assert lrs == pytest.approx([1e-2 / 4, 2e-2 / 4])  # linear warm-up, one optimizer step per update
+
+
+def test_lr_decay_defaults_to_the_run_length():
+    from rolefleet.common.config import parse_config
+
+    cfg = parse_config({"model": {"model_name_or_path": "m"}}, ["train.total_steps=50", "actor.ppo_epochs=2",
+                                                                 "actor.num_mini_batches=4"])
+    assert cfg.actor.lr_decay_steps == 400 and cfg.critic.lr_decay_steps == 50

@@ -14,7 +14,7 @@ def core(model_dir, budget: int) -> CriticCore:
     cfg = parse_config({"model": {"model_name_or_path": model_dir}},
                        [f"critic.max_tokens_per_micro_batch={budget}", "critic.compute_dtype=float32"])
     c = CriticCore(cfg.critic)
-    c.optimizer = torch.optim.SGD(c.model.parameters(), lr=1.0)  # the weight change is the gradient
+    c.optimizer, c.scheduler = torch.optim.SGD(c.model.parameters(), lr=1.0), None  # change = gradient
     return c
 
 
