@@ -140,9 +140,9 @@ class ActorCore:
             with self.ledger.applying(step):
                 stats = self.trainer.update(batch, targets, temperature)
                 stats["weight_sync_s"] = self._sync_weights()
-            self.policy_version += 1
-            result = UpdateResult(step=step, model_version=self.policy_version, stats=stats)
+            result = UpdateResult(step=step, model_version=self.policy_version + 1, stats=stats)
             self.ledger.record(step, result)
+            self.policy_version += 1  # after the record: a lock-free status never shows it ahead of last_step
         metrics.MODEL_VERSION.labels(ROLE).set(self.policy_version)
         metrics.TRAIN_STEPS.labels(ROLE).inc()
         return result

@@ -14,7 +14,7 @@ import copy
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
@@ -22,10 +22,22 @@ from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import head_logprobs, release_memory, response_hidden, split_lm
 
 
+def _engine_copy(policy: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A copy of the policy whose parameters are `dtype`, made without a transient full-precision
+    copy: each parameter's cast copy is placed in deepcopy's memo first (tied weights share one).
+    Buffers keep their dtype: RoPE frequencies in bf16 would be off by radians at long positions."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+            for p in policy.parameters()}
+    return copy.deepcopy(policy, memo).eval()
+
+
 class HFRolloutEngine:
     def __init__(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                  cfg: ActorSection, dtype: torch.dtype | None):
-        self.model = copy.deepcopy(policy).to(dtype=dtype or torch.float32).requires_grad_(False).eval()
+        self.model = _engine_copy(policy, dtype or torch.float32)
+        # The checkpoint's generation defaults (a repetition penalty, say) would reshape the sampling
+        # distribution behind the recorded logprobs: only the request's sampling parameters apply.
+        self.model.generation_config = GenerationConfig()
         self.tokenizer = tokenizer
         self.device = device
         self.cfg = cfg

@@ -66,12 +66,14 @@ class PolicyTrainer:
         n = batch.num_response_tokens
         logprobs, entropy = torch.empty(n), torch.empty(n)
         ref = torch.empty(n) if include_reference else None
-        for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch):
-            mb, tokens = batch.select(rows), batch.token_index(rows)
+        micro = [(batch.select(rows), batch.token_index(rows))
+                 for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch)]
+        for mb, tokens in micro:
             lp, ent = self.forward(self.model, mb, temperature, with_entropy=True)
             logprobs[tokens], entropy[tokens] = lp.cpu(), ent.cpu()
-            if ref is not None:
-                with self._reference_on_device():
+        if ref is not None:
+            with self._reference_on_device():  # one visit of an offloaded reference per call
+                for mb, tokens in micro:
                     ref[tokens] = self.forward(self.ref_model, mb, temperature, with_entropy=False)[0].cpu()
         return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
 
@@ -107,6 +109,8 @@ class PolicyTrainer:
               temperature: float) -> dict[str, float]:
         """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch."""
         cfg, mask = self.cfg, mb.response_mask().to(self.device)
+        if cfg.loss_norm_length is None:  # the config fills it in; a bare section must not divide per micro-batch
+            raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
         weights, stats = None, defaultdict(float)
         if rollout_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.

@@ -118,7 +118,8 @@ def split_lm(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(backbone returning hidden states, LM head) of a causal LM, so logits can be computed a chunk
     of tokens at a time. Models that post-process logits (soft-capping, scaling) are refused rather
     than given different logprobs than their own forward."""
-    for key in ("final_logit_softcapping", "logit_scale"):
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap",
+                "lm_head_multiplier", "output_multiplier"):
         if getattr(model.config, key, None) not in (None, 1.0):
             raise NotImplementedError(f"{model.config.model_type}: {key} is not supported by the chunked LM head")
     return model.base_model, model.get_output_embeddings()

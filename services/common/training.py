@@ -60,9 +60,11 @@ def lr_factor(step: int, warmup: int, decay_steps: int, schedule: str, min_ratio
 
 def make_optimizer(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the fp32 master weights and its schedule, from a trainer section of the config."""
+    if cfg.lr_decay_steps is None:  # the config fills it in from the run's length
+        raise ValueError("lr_decay_steps must be set (the config defaults it to the run's optimizer steps)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
-        step, cfg.lr_warmup_steps, cfg.lr_decay_steps or 1, cfg.lr_schedule, cfg.min_lr_ratio))
+        step, cfg.lr_warmup_steps, cfg.lr_decay_steps, cfg.lr_schedule, cfg.min_lr_ratio))
     return optimizer, schedule
 
 

@@ -73,9 +73,9 @@ class CriticCore:
                                        train_step)
             finally:
                 self.model.eval()
-            self.model_version += 1
-            result = UpdateResult(step=step, model_version=self.model_version, stats=stats)
+            result = UpdateResult(step=step, model_version=self.model_version + 1, stats=stats)
             self.ledger.record(step, result)
+            self.model_version += 1  # after the record: a lock-free status never shows it ahead of last_step
         metrics.MODEL_VERSION.labels(ROLE).set(self.model_version)
         metrics.TRAIN_STEPS.labels(ROLE).inc()
         return result

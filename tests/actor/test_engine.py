@@ -141,3 +141,30 @@ def test_lr_decay_defaults_to_the_run_length():
     cfg = parse_config({"model": {"model_name_or_path": "m"}}, ["train.total_steps=50", "actor.ppo_epochs=2",
                                                                  "actor.num_mini_batches=4"])
     assert cfg.actor.lr_decay_steps == 400 and cfg.critic.lr_decay_steps == 50
+
+
+def test_the_engine_copy_casts_parameters_only_and_keeps_ties(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rolefleet.actor.rollout_hf import _engine_copy
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    copy = _engine_copy(policy, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    # RoPE frequencies and other buffers keep their precision (bf16 would be radians off at long positions).
+    assert {n: b.dtype for n, b in copy.named_buffers()} == {n: b.dtype for n, b in policy.named_buffers()}
+    assert copy.get_output_embeddings().weight is copy.get_input_embeddings().weight  # tied, as the policy
+    assert all(p.dtype == torch.float32 for p in policy.parameters())  # the policy is untouched
+
+
+def test_checkpoint_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
+    """A checkpoint may ship sampling defaults (Qwen2.5-Instruct: repetition_penalty 1.05); they
+    would change the distribution the recorded logprobs claim to describe."""
+    from rolefleet.actor.rollout_hf import HFRolloutEngine
+
+    core = make_core(tiny_model_dir)
+    core.model.generation_config.repetition_penalty = 1.5
+    core.model.generation_config.top_k = 3
+    engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, None)
+    assert engine.model.generation_config.repetition_penalty in (None, 1.0)
+    assert engine.model.generation_config.top_k in (None, 50)  # transformers' own default, overridden per call
