@@ -40,8 +40,10 @@ def make_config(tiny_model_dir, tmp_path):
             "data": {"task": "addition", "size": 64},
             "sampling": {"max_new_tokens": 4},
             "train": {"total_steps": 2, "prompts_per_step": 8},
-            "actor": {"lr": 1e-3, "num_threads": 1},
-            "critic": {"lr": 1e-3, "num_threads": 1},
+            # float32 compute on any device: these tests compare engines and runs number for number
+            # (bf16 on CUDA is tests/actor/test_gpu.py's and the benchmarks').
+            "actor": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
+            "critic": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
         }
         return parse_config(raw, list(overrides))
 

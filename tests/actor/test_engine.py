@@ -80,7 +80,7 @@ def test_micro_batches_cover_every_row_once_within_the_budget():
 
 
 def test_the_rollout_engine_owns_its_weights_and_samples_from_the_new_ones_after_an_update(tiny_model_dir):
-    core = make_core(tiny_model_dir, "actor.lr=1e-2")
+    core = make_core(tiny_model_dir, "actor.lr=1e-2", "actor.compute_dtype=float32")
     assert core.engine.model is not core.model  # its own copy, not the trainer's module
     _, batch, lp = rollout(core)
     engine_before = core.engine._logprobs(batch, 1.0)

@@ -23,7 +23,7 @@ from tests.helpers import expect_invalid, serving
 def core(tiny_model_dir):
     from rolefleet.common.config import parse_config
 
-    return ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}).actor)
+    return ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}, ["actor.compute_dtype=float32"]).actor)
 
 
 def test_generate_logprobs_update_status_over_grpc(core):
