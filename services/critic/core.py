@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from rolefleet.algos import VALUE_LOSSES
-from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import (
@@ -19,7 +16,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.common.roles import RoleStatus, UpdateResult
-from rolefleet.common.steps import StepLedger
+from rolefleet.common.steps import StepLedger, TrainerState
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
 from rolefleet.critic.model import ValueModel
 
@@ -40,9 +37,8 @@ class CriticCore:
             enable_activation_checkpointing(self.model.backbone)
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
-        self.model_version = 0
-        self.ledger: StepLedger[UpdateResult] = StepLedger(ROLE)
-        self._lock = threading.Lock()
+        self.state = TrainerState(ROLE)  # model lock, step ledger, model version
+        self._lock = self.state.lock
 
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N], micro-batch by micro-batch."""
@@ -58,27 +54,27 @@ class CriticCore:
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
         batch.check_per_token(returns, "returns", "target")
         batch.check_per_token(old_values, "old_values", "target")
-        with self._lock:
-            done = self.ledger.check(step)
-            if done is not None:
-                return done
 
-            def train_step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
-                return self._step(mb, returns[tokens], old_values[tokens])
+        def train_step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
+            return self._step(mb, returns[tokens], old_values[tokens])
 
+        def train() -> dict[str, float]:
             self.model.train()
             try:
-                with self.ledger.applying(step):
-                    stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator,
-                                       train_step)
+                return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
             finally:
                 self.model.eval()
-            result = UpdateResult(step=step, model_version=self.model_version + 1, stats=stats)
-            self.ledger.record(step, result)
-            self.model_version += 1  # after the record: a lock-free status never shows it ahead of last_step
-        metrics.MODEL_VERSION.labels(ROLE).set(self.model_version)
-        metrics.TRAIN_STEPS.labels(ROLE).inc()
-        return result
+
+        # No version fence: the critic's Update does not say which policy version made the batch.
+        return self.state.update(step, None, train)
+
+    @property
+    def model_version(self) -> int:
+        return self.state.version
+
+    @property
+    def ledger(self) -> StepLedger:
+        return self.state.ledger
 
     def _step(self, mb: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """One optimizer step over a mini-batch (packed [n] targets), micro-batch by micro-batch; the
