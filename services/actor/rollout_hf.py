@@ -19,7 +19,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import head_logprobs, release_memory, response_hidden, split_lm
+from rolefleet.common.modeling import lm_logprobs, release_memory
 
 
 def _engine_copy(policy: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -107,15 +107,9 @@ class HFRolloutEngine:
 
     def _logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         """Packed logprobs [N] of the sampled tokens under the engine's own weights."""
-        backbone, head = split_lm(self.model)
-        out = torch.empty(batch.num_response_tokens)
-        for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch):
-            mb = batch.select(rows)
-            hidden = response_hidden(backbone, mb, self.device)
-            lp, _ = head_logprobs(hidden, head, mb.response_ids.to(self.device), temperature,
-                                  self.cfg.logprob_chunk_tokens, with_entropy=False)
-            out[batch.token_index(rows)] = lp.cpu()
-        return out
+        (logprobs,) = batch.map_micro_batches(self.cfg.max_tokens_per_micro_batch, lambda mb: lm_logprobs(
+            self.model, mb, self.device, temperature, self.cfg.logprob_chunk_tokens, with_entropy=False)[:1])
+        return logprobs
 
     def _response(self, tokens: torch.Tensor) -> tuple[torch.Tensor, FinishReason]:
         """Tokens up to and including the first EOS (the policy is trained to stop)."""

@@ -23,14 +23,7 @@ from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggreg
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import (
-    autocast,
-    compute_dtype,
-    enable_activation_checkpointing,
-    head_logprobs,
-    response_hidden,
-    split_lm,
-)
+from rolefleet.common.modeling import autocast, compute_dtype, enable_activation_checkpointing, lm_logprobs
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
 
 
@@ -53,28 +46,21 @@ class PolicyTrainer:
     def forward(self, model: PreTrainedModel, batch: SequenceBatch, temperature: float,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `model`."""
-        backbone, head = split_lm(model)
         with autocast(self.device, self.dtype):
-            hidden = response_hidden(backbone, batch, self.device)
-            return head_logprobs(hidden, head, batch.response_ids.to(self.device), temperature,
-                                 self.cfg.logprob_chunk_tokens, with_entropy)
+            return lm_logprobs(model, batch, self.device, temperature, self.cfg.logprob_chunk_tokens, with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
                          policy_version: int) -> LogProbs:
         self.model.eval()
-        n = batch.num_response_tokens
-        logprobs, entropy = torch.empty(n), torch.empty(n)
-        ref = torch.empty(n) if include_reference else None
-        micro = [(batch.select(rows), batch.token_index(rows))
-                 for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch)]
-        for mb, tokens in micro:
-            lp, ent = self.forward(self.model, mb, temperature, with_entropy=True)
-            logprobs[tokens], entropy[tokens] = lp.cpu(), ent.cpu()
-        if ref is not None:
+        budget = self.cfg.max_tokens_per_micro_batch
+        logprobs, entropy = batch.map_micro_batches(
+            budget, lambda mb: self.forward(self.model, mb, temperature, with_entropy=True))
+        ref = None
+        if include_reference:
             with self._reference_on_device():  # one visit of an offloaded reference per call
-                for mb, tokens in micro:
-                    ref[tokens] = self.forward(self.ref_model, mb, temperature, with_entropy=False)[0].cpu()
+                (ref,) = batch.map_micro_batches(
+                    budget, lambda mb: self.forward(self.ref_model, mb, temperature, with_entropy=False)[:1])
         return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
 
     @contextlib.contextmanager

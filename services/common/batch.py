@@ -8,6 +8,7 @@ right-padded [B, L] inputs, `response_positions()` says where each response toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -94,6 +95,20 @@ class SequenceBatch:
             else:
                 groups.append([i])
         return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
+
+    def map_micro_batches(self, max_tokens: int,
+                          fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """Run `fn` on each micro-batch (see `micro_batches`) and put the packed per-token tensors it
+        returns back in this batch's token order: fp32 [N] on the CPU, one per output of `fn`."""
+        outputs: tuple[torch.Tensor, ...] = ()
+        for rows in self.micro_batches(max_tokens):
+            parts = fn(self.select(rows))
+            if not outputs:
+                outputs = tuple(torch.empty(self.num_response_tokens) for _ in parts)
+            tokens = self.token_index(rows)
+            for out, part in zip(outputs, parts):
+                out[tokens] = part.float().cpu()
+        return outputs
 
     def token_index(self, rows: torch.Tensor) -> torch.Tensor:
         """Packed-token indices of the responses of `rows`, in row order (for slicing [N] tensors)."""

@@ -150,6 +150,8 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
         token = -torch.nn.functional.cross_entropy(logits, t, reduction="none")
         if not with_entropy:
             return token, token.new_zeros(())
+        # Not algos.entropy_from_logits: its guards for -inf logits cost more passes over [chunk, V],
+        # and a linear head's logits are finite.
         logp = torch.log_softmax(logits, dim=-1)
         return token, -(logp.exp() * logp).sum(-1)
 
@@ -163,6 +165,15 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
         tokens.append(token)
         entropies.append(entropy)
     return torch.cat(tokens), torch.cat(entropies) if with_entropy else None
+
+
+def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
+                chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
+    backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
+    backbone, head = split_lm(model)
+    hidden = response_hidden(backbone, batch, device)
+    return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -43,10 +43,9 @@ class CriticCore:
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N], micro-batch by micro-batch."""
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
-        values = torch.empty(batch.num_response_tokens)
         with self._lock, torch.no_grad(), autocast(self.device, self.dtype):
-            for rows in batch.micro_batches(self.cfg.max_tokens_per_micro_batch):
-                values[batch.token_index(rows)] = self.model.response_values(batch.select(rows), self.device).cpu()
+            (values,) = batch.map_micro_batches(self.cfg.max_tokens_per_micro_batch,
+                                                lambda mb: (self.model.response_values(mb, self.device),))
         return values
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:

@@ -53,8 +53,8 @@ class RewardCore:
             raise LimitExceeded("items", f"{len(items)} items exceed reward.max_items_per_request="
                                 f"{self.cfg.max_items_per_request}")
         for i, item in enumerate(items):
-            if item.size() > self.cfg.max_item_bytes:
-                raise LimitExceeded(f"items[{i}]", f"{item.size()} bytes exceed reward.max_item_bytes="
+            if (size := item.size()) > self.cfg.max_item_bytes:
+                raise LimitExceeded(f"items[{i}]", f"{size} bytes exceed reward.max_item_bytes="
                                     f"{self.cfg.max_item_bytes}")
 
     def _score_one(self, index: int, item: ScoreItem) -> float:
