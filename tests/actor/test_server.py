@@ -26,6 +26,24 @@ def core(tiny_model_dir):
     return ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}, ["actor.compute_dtype=float32"]).actor)
 
 
+async def status_and_good_update(stub):
+    """The actor's status (with digest), a valid one-sequence batch and a valid Update for it."""
+    before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
+    batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
+    good = dict(step=before.last_step + 1, policy_version=before.model_version, batch=batch.to_proto(),
+                temperature=1.0, advantages=codec.encode(torch.ones(2)), old_logprobs=codec.encode(torch.zeros(2)))
+    return before, batch, good
+
+
+async def assert_unchanged_and_serving(stub, before, good):
+    """Nothing changed (version, step, weights), and the valid request is still applied."""
+    after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
+    assert (after.model_version, after.last_step, after.weights_digest) == \
+        (before.model_version, before.last_step, before.weights_digest)
+    reply = await stub.Update(actor_pb2.ActorUpdateRequest(**good))
+    assert reply.policy_version == before.model_version + 1
+
+
 def test_generate_logprobs_update_status_over_grpc(core):
     async def scenario():
         async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
@@ -56,11 +74,7 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
         async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
             async with open_channel(address) as channel:
                 stub = actor_pb2_grpc.ActorServiceStub(channel)
-                before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
-                batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
-                good = dict(step=before.last_step + 1, policy_version=before.model_version,
-                            batch=batch.to_proto(), temperature=1.0,
-                            advantages=codec.encode(torch.ones(2)), old_logprobs=codec.encode(torch.zeros(2)))
+                before, batch, good = await status_and_good_update(stub)
                 bad_updates = {
                     "advantages.shape": dict(good, advantages=codec.encode(torch.ones(3))),
                     "old_logprobs.data": dict(good, old_logprobs=common_pb2.Tensor(dtype="float32", shape=[2], data=b"x")),
@@ -79,12 +93,7 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                                      "batch.prompt_ids.dtype")
                 stream = stub.Generate(actor_pb2.GenerateRequest(prompts=["1+1="]))  # sampling unset
                 await expect_invalid(stream.read(), "sampling.temperature")
-                after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
-                assert (after.model_version, after.last_step, after.weights_digest) == \
-                    (before.model_version, before.last_step, before.weights_digest)
-                # Still serving, and the same request with good fields is applied.
-                reply = await stub.Update(actor_pb2.ActorUpdateRequest(**good))
-                assert reply.policy_version == before.model_version + 1
+                await assert_unchanged_and_serving(stub, before, good)
 
     asyncio.run(scenario())
 
@@ -127,11 +136,7 @@ def test_hostile_requests_are_refused_and_change_nothing(core):
         async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:
             async with open_channel(address) as channel:
                 stub = actor_pb2_grpc.ActorServiceStub(channel)
-                before = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
-                batch = SequenceBatch.from_lists([torch.tensor([4, 41])], [torch.tensor([5, 2])])
-                good = dict(step=before.last_step + 1, policy_version=before.model_version,
-                            batch=batch.to_proto(), temperature=1.0,
-                            advantages=codec.encode(torch.ones(2)), old_logprobs=codec.encode(torch.zeros(2)))
+                before, batch, good = await status_and_good_update(stub)
                 many = SequenceBatch.from_lists([torch.tensor([4])] * 70_000, [torch.tensor([5])] * 70_000)
                 deep = common_pb2.Tensor(dtype="int64", shape=[0] * 65)
                 wide_batch = batch.to_proto()
@@ -169,11 +174,7 @@ def test_hostile_requests_are_refused_and_change_nothing(core):
                     started = time.perf_counter()
                     await expect_code(call(), expected, *texts)
                     assert time.perf_counter() - started < 5, texts  # refused up front, not after the work
-                after = await stub.GetStatus(common_pb2.GetStatusRequest(include_weights_digest=True))
-                assert (after.model_version, after.last_step, after.weights_digest) == \
-                    (before.model_version, before.last_step, before.weights_digest)
-                reply = await stub.Update(actor_pb2.ActorUpdateRequest(**good))
-                assert reply.policy_version == before.model_version + 1
+                await assert_unchanged_and_serving(stub, before, good)
 
     asyncio.run(scenario())
 
