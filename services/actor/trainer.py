@@ -35,6 +35,8 @@ class PolicyTrainer:
         self.device = device
         self.cfg = cfg
         self.dtype = compute_dtype(device, cfg.compute_dtype)
+        if cfg.loss_norm_length is None:  # the config fills it in; a default per micro-batch width would be wrong
+            raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
@@ -95,30 +97,25 @@ class PolicyTrainer:
               temperature: float) -> dict[str, float]:
         """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch."""
         cfg, mask = self.cfg, mb.response_mask().to(self.device)
-        if cfg.loss_norm_length is None:  # the config fills it in; a bare section must not divide per micro-batch
-            raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
         weights, stats = None, defaultdict(float)
         if rollout_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.
             weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
             stats["is_weight_mean"] = masked_mean(weights, mask).item()
             stats["is_masked_frac"] = 1.0 - (mask.sum() / mb.response_lengths.sum().clamp(min=1)).item()
-        total = aggregation_weight(mask, cfg.loss_agg_mode).clamp(min=1)
+        total = max(aggregation_weight(mask, cfg.loss_agg_mode).item(), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
         for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch):
             sub = mb.select(rows)
             part = _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max()))
-            share = aggregation_weight(part(mask), cfg.loss_agg_mode) / total
+            share = aggregation_weight(part(mask), cfg.loss_agg_mode).item() / total  # one sync per micro-batch
             loss, micro = self._micro_loss(sub, part(advantages), part(old_logprobs), part(ref_logprobs),
                                            part(weights), part(mask), temperature)
             (loss * share).backward()
-            loss_sum += loss.item() * share.item()
             for name, value in micro.items():
-                stats[name] += value * share.item()
-        stats["loss"] = loss_sum
+                stats[name] += value * share
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
-        stats["grad_norm"] = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, loss_sum, self.scheduler)
+        stats["grad_norm"] = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
         return dict(stats)
 
     def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
@@ -142,6 +139,7 @@ class PolicyTrainer:
             kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
             loss = loss + cfg.kl_loss_coef * kl
             stats["kl_loss"] = kl.item()
+        stats["loss"] = loss.item()
         return loss, stats
 
 
