@@ -1,12 +1,13 @@
 """The actor's engines on one GPU at real model dimensions: Generate (the hf rollout engine, 256
-prompts x 256 new tokens, per KV-cache kind), ComputeLogProbs (policy + reference) and Update, with
-peak memory, tokens/s and MFU, plus a torch.profiler table of one update.
+prompts x 256 new tokens, per `actor.rollout_decode`, with the recorded logprobs checked against
+recomputes), ComputeLogProbs (policy + reference) and Update (with and without
+`actor.compile_layers`), with peak memory, tokens/s and MFU, plus a torch.profiler table of one update.
 
     python benchmarks/gpu_engine.py --shape qwen2-0.5b --out OUT_DIR
 
 Random weights (`rolefleet tiny-model --shape`), random token ids: the cost of a step depends on the
 shapes, not on the values. MFU = 6 x parameters x tokens / time / peak (790 TFLOP/s bf16 on an H200),
-the usual estimate that leaves attention out. Results: OUT_DIR/gpu_engine.json and profile_update.txt.
+the usual estimate that leaves attention out. Results: OUT_DIR/gpu_engine.json and profile_update_*.txt.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from pathlib import Path
 import torch
 
 from rolefleet.actor.core import ActorCore
+from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
+from rolefleet.common.modeling import lm_logprobs
 from rolefleet.common.tiny_model import make_tiny_model
 
 PEAK_FLOPS = 790e12
@@ -56,84 +59,101 @@ def peak_gb(fn) -> float:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
+def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams, decode: str) -> dict:
+    core.cfg.rollout_decode = decode
+    core.engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, core.engine.model.dtype)
+    start = time.perf_counter()
+    core.generate(prompts, sampling)  # warm-up: graph capture, allocator
+    warmup = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    seconds, samples = timed(lambda: core.generate(prompts, sampling), 2)
+    made = sum(len(s.response_ids) for s in samples)
+    # The recorded logprobs against two recomputes of the same tokens: the engine's own copy (one
+    # plain forward: the decode path's own error) and the trainer (bf16 autocast over fp32 weights).
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    recorded = torch.cat([s.logprobs for s in samples])
+    with torch.no_grad():
+        (engine,) = batch.map_micro_batches(16384, lambda mb: lm_logprobs(
+            core.engine.model, mb, core.device, sampling.temperature, 2048, with_entropy=False)[:1])
+    trainer = core.compute_logprobs(batch, sampling.temperature, include_reference=False).logprobs
+    return {"rollout_decode": decode, "sequences": len(samples), "tokens": made, "seconds": seconds,
+            "tokens_per_s": made / seconds, "warmup_s": warmup, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "logprob_vs_engine_forward": {"max": float((recorded - engine.cpu()).abs().max()),
+                                          "mean": float((recorded - engine.cpu()).abs().mean())},
+            "logprob_vs_trainer": {"max": float((recorded - trainer).abs().max()),
+                                   "mean": float((recorded - trainer).abs().mean())}}
+
+
+def bench_training(core: ActorCore, args, n_params: int, label: str) -> dict:
+    """ComputeLogProbs (policy + reference, 256 x (128 + 256) tokens) and Update (64 sequences, one
+    optimizer step) at each micro-batch budget."""
+    vocab, length = core.vocab_size, args.prompt_tokens + args.response_tokens
+    big = random_batch(256, args.prompt_tokens, args.response_tokens, vocab, seed=1)
+    seconds, _ = timed(lambda: core.compute_logprobs(big, 1.0, include_reference=True), args.repeats)
+    result = {"label": label, "compute_logprobs": {
+        "sequences": 256, "tokens": 256 * length, "seconds": seconds, "tokens_per_s": 256 * length / seconds,
+        "peak_gb": peak_gb(lambda: core.compute_logprobs(big, 1.0, include_reference=True))}}
+    small = random_batch(64, args.prompt_tokens, args.response_tokens, vocab, seed=2)
+    old = core.compute_logprobs(small, 1.0, include_reference=False).logprobs
+    targets = PolicyTargets(torch.randn(small.num_response_tokens).clamp(-3, 3), old)
+
+    def update():
+        return core.update(core.policy_version + 1, core.policy_version, small, targets, 1.0)
+
+    result["update"] = []
+    tokens = 64 * length
+    for budget in map(int, args.budgets.split(",")):
+        core.cfg.max_tokens_per_micro_batch = budget
+        seconds, _ = timed(update, args.repeats)
+        result["update"].append({
+            "max_tokens_per_micro_batch": budget, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "mfu": 6 * n_params * tokens / seconds / PEAK_FLOPS,
+            "peak_gb": peak_gb(update)})
+        print(label, json.dumps(result["update"][-1]), flush=True)
+    best = min(result["update"], key=lambda u: u["seconds"])
+    result["update_over_compute_logprobs"] = best["seconds"] / result["compute_logprobs"]["seconds"]
+    core.cfg.max_tokens_per_micro_batch = best["max_tokens_per_micro_batch"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        update()
+        torch.cuda.synchronize()
+    Path(args.out, f"profile_update_{label}.txt").write_text(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n"
+        + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--out", required=True)
-    p.add_argument("--budgets", default="8192,16384,32768", help="max_tokens_per_micro_batch values")
+    p.add_argument("--budgets", default="16384,32768", help="max_tokens_per_micro_batch values")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--caches", default="dynamic,static", help="actor.rollout_cache kinds to time Generate with")
+    p.add_argument("--decodes", default="loop,generate", help="actor.rollout_decode kinds to time Generate with")
+    p.add_argument("--compile", default="false,true", help="actor.compile_layers settings to time training with")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--response-tokens", type=int, default=256)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
-    cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}}, ["actor.max_tokens_per_request=4194304"])
-    core = ActorCore(cfg.actor)
-    n_params = sum(p.numel() for p in core.model.parameters())
-    vocab = core.vocab_size
-    results: dict = {"shape": args.shape, "params": n_params, "device": torch.cuda.get_device_name(),
-                     "torch": torch.__version__}
-
-    # Generate: 256 prompts x 256 new tokens (random weights rarely stop early: every token is made).
-    rng = random.Random(0)
-    prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]
-    sampling = SamplingParams(max_new_tokens=args.response_tokens, seed=0)
-    results["generate"] = []
-    for cache in args.caches.split(","):
-        core.cfg.rollout_cache = cache
-        start = time.perf_counter()
-        core.generate(prompts[:8], sampling)  # warm-up (and, for a static cache, compilation)
-        warmup = time.perf_counter() - start
-        seconds, samples = timed(lambda: core.generate(prompts, sampling), 1)
-        made = sum(len(s.response_ids) for s in samples)
-        results["generate"].append({"rollout_cache": cache, "sequences": len(samples), "tokens": made,
-                                    "seconds": seconds, "tokens_per_s": made / seconds, "warmup_s": warmup,
-                                    "peak_gb": torch.cuda.max_memory_allocated() / 2**30})
-        print(json.dumps(results["generate"][-1]), flush=True)
-    core.cfg.rollout_cache = "dynamic"
-
-    # ComputeLogProbs, policy + reference, 256 x (128 + 256) tokens.
-    length = args.prompt_tokens + args.response_tokens
-    big = random_batch(256, args.prompt_tokens, args.response_tokens, vocab, seed=1)
-    seconds, _ = timed(lambda: core.compute_logprobs(big, 1.0, include_reference=True), args.repeats)
-    results["compute_logprobs"] = {
-        "sequences": 256, "tokens": 256 * length, "seconds": seconds, "tokens_per_s": 256 * length / seconds,
-        "peak_gb": peak_gb(lambda: core.compute_logprobs(big, 1.0, include_reference=True)),
-    }
-
-    # Update on 64 x (128 + 256) tokens, one optimizer step, at several micro-batch budgets.
-    small = random_batch(64, args.prompt_tokens, args.response_tokens, vocab, seed=2)
-    old = core.compute_logprobs(small, 1.0, include_reference=False).logprobs
-    targets = PolicyTargets(torch.randn(small.num_response_tokens).clamp(-3, 3), old)
-    step = [0]
-
-    def update():
-        step[0] += 1
-        return core.update(step[0], core.policy_version, small, targets, 1.0)
-
-    results["update"] = []
-    tokens = 64 * length
-    for budget in map(int, args.budgets.split(",")):
-        core.cfg.max_tokens_per_micro_batch = budget
-        seconds, _ = timed(update, args.repeats)
-        results["update"].append({
-            "max_tokens_per_micro_batch": budget, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "mfu": 6 * n_params * tokens / seconds / PEAK_FLOPS,
-            "peak_gb": peak_gb(update),
-        })
-        print(json.dumps(results["update"][-1]), flush=True)
-    results["update_over_compute_logprobs"] = (min(u["seconds"] for u in results["update"])
-                                               / results["compute_logprobs"]["seconds"])
-
-    best = min(results["update"], key=lambda u: u["seconds"])
-    core.cfg.max_tokens_per_micro_batch = best["max_tokens_per_micro_batch"]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        update()
-        torch.cuda.synchronize()
-    (out / "profile_update.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for compile_layers in args.compile.split(","):
+        cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
+                           ["actor.max_tokens_per_request=4194304", f"actor.compile_layers={compile_layers}"])
+        core = ActorCore(cfg.actor)
+        n_params = results["params"] = sum(p.numel() for p in core.model.parameters())
+        # Generate: 256 prompts x 256 new tokens (random weights rarely stop early: every token is made).
+        rng = random.Random(0)
+        prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]
+        sampling = SamplingParams(max_new_tokens=args.response_tokens, seed=0)
+        for decode in args.decodes.split(",") if compile_layers == "false" else ["loop"]:
+            results.setdefault("generate", []).append(
+                {"compile_layers": compile_layers, **bench_generate(core, prompts, sampling, decode)})
+            print(json.dumps(results["generate"][-1]), flush=True)
+        results.setdefault("training", []).append(bench_training(core, args, n_params, f"compile_{compile_layers}"))
+        del core
+        torch.cuda.empty_cache()
     (out / "gpu_engine.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
 

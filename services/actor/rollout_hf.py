@@ -1,25 +1,32 @@
-"""Rollout engine on transformers' `generate`, over the engine's own copy of the policy.
+"""The `hf` rollout engine: transformers models over the engine's own copy of the policy.
 
-The copy is bf16 on CUDA (the decode loop is bound by reading weights: half the bytes of fp32) and
-fp32 on the CPU; `load_weights` refreshes it from the trainer after every update. Sampling keeps no
-per-step logits (transformers' `output_logits` holds [steps, batch, vocab] fp32: 40 GB for 256 x 256
-tokens of a 151k vocabulary); the logprob of each sampled token is computed afterwards by one forward
-of the same copy over prompt + response, chunk by chunk through the LM head, under the project's
-convention: log softmax(logits / temperature), before top-k / top-p truncation.
+The copy is bf16 on CUDA (decoding is bound by reading weights: half the bytes of fp32) and fp32 on
+the CPU; `load_weights` refreshes it from the trainer after every update. Decoding runs in the
+engine's own loop (`decode.py`: its KV cache, sampling and logprobs on the device, a CUDA graph per
+step). Models whose attention the loop cannot serve fall back to transformers' `generate`, which
+keeps no per-step logits (its `output_logits` holds [steps, batch, vocab] fp32: 40 GB for 256 x 256
+tokens of a 151k vocabulary); their logprobs come from one more forward of the same copy, chunk by
+chunk through the LM head. Either way the recorded logprob follows the project's convention:
+log softmax(logits / temperature), before top-k / top-p truncation.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from rolefleet.actor.decode import DecodeLoop, UnsupportedModel
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import lm_logprobs, release_memory
+from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs, release_memory
+
+log = logging.getLogger(__name__)
 
 
 def _engine_copy(policy: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -28,7 +35,13 @@ def _engine_copy(policy: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel
     Buffers keep their dtype: RoPE frequencies in bf16 would be off by radians at long positions."""
     memo = {id(p): torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
             for p in policy.parameters()}
-    return copy.deepcopy(policy, memo).eval()
+    engine = copy.deepcopy(policy, memo).eval()
+    for module in engine.modules():
+        # A compiled module's compiled call is a closure over the *original* module: copied as is,
+        # the copy would run the policy's own weights.
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    return engine
 
 
 class HFRolloutEngine:
@@ -38,9 +51,13 @@ class HFRolloutEngine:
         # The checkpoint's generation defaults (a repetition penalty, say) would reshape the sampling
         # distribution behind the recorded logprobs: only the request's sampling parameters apply.
         self.model.generation_config = GenerationConfig()
+        if cfg.compile_layers:
+            compile_decoder_layers(self.model)
         self.tokenizer = tokenizer
         self.device = device
         self.cfg = cfg
+        self._loop = None if cfg.rollout_decode == "generate" else DecodeLoop(
+            self.model, device, tokenizer.pad_token_id, [tokenizer.eos_token_id], cfg.max_tokens_per_micro_batch)
 
     # --- weights and memory -------------------------------------------------------------------------
 
@@ -51,7 +68,9 @@ class HFRolloutEngine:
             params[name].copy_(tensor)  # casts fp32 master weights to the engine's dtype
 
     def sleep(self) -> None:
-        release_memory()  # transformers' caches live per call: only the allocator's cache is left
+        if self._loop is not None:
+            self._loop.release()  # the KV cache and the captured decode graph
+        release_memory()
 
     def wake(self) -> None:
         pass
@@ -65,31 +84,49 @@ class HFRolloutEngine:
                  policy_version: int) -> Iterator[list[Sample]]:
         """n samples for each prompt, prompt-major, yielded one forward batch (`rollout_batch_size`
         sequences) at a time so callers can stream finished samples. prompt_ids: list of int64 [P_i]."""
-        if sampling.seed >= 0:
-            torch.manual_seed(sampling.seed)
         jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(sampling.n)]
         batch_size = self.cfg.rollout_batch_size
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
+            # Each forward batch its own seed: the decode loop seeds after capturing its graph.
+            seed = -1 if sampling.seed < 0 else (sampling.seed * 1_000_003 + start) % 2**63
             with torch.no_grad():
-                yield self._generate_chunk(chunk, prompt_ids, sampling, policy_version)
+                yield self._generate_chunk(chunk, prompt_ids, replace(sampling, seed=seed), policy_version)
 
     def _generate_chunk(self, chunk, prompt_ids, sampling: SamplingParams, policy_version: int) -> list[Sample]:
         prompts = [prompt_ids[p] for p, _ in chunk]
-        generated = self._sample(prompts, sampling)
-        responses, reasons = zip(*(self._response(row) for row in generated))
-        batch = SequenceBatch.from_lists(prompts, list(responses))
-        logprobs = self._logprobs(batch, sampling.temperature).split(batch.response_lengths.tolist())
-        return [
-            Sample(prompt_index=p, sample_index=s, prompt_ids=prompt, response_ids=response,
-                   logprobs=lp, finish_reason=reason, policy_version=policy_version,
-                   response_text=self.tokenizer.decode(response, skip_special_tokens=True))
-            for (p, s), prompt, response, lp, reason in zip(chunk, prompts, responses, logprobs, reasons)
-        ]
+        generated, logprobs = self._sample(prompts, sampling)
+        samples = []
+        for (p, s), prompt, row, row_logprobs in zip(chunk, prompts, generated, logprobs):
+            response, reason = self._response(row)
+            samples.append(Sample(
+                prompt_index=p, sample_index=s, prompt_ids=prompt, response_ids=response,
+                logprobs=row_logprobs[: len(response)].clone(), finish_reason=reason,
+                policy_version=policy_version, response_text=self.tokenizer.decode(response, skip_special_tokens=True)))
+        return samples
 
-    def _sample(self, prompts: list[torch.Tensor], sampling: SamplingParams) -> torch.Tensor:
-        """Generated tokens [b, T] (cpu) after left-padded prompts: every row's next token is
-        generated at the same position."""
+    def _sample(self, prompts: list[torch.Tensor], sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generated tokens [b, T] and their logprobs [b, T] (cpu)."""
+        if self._loop is not None:
+            try:
+                out = self._loop.run(prompts, sampling.temperature, sampling.top_k, sampling.top_p,
+                                     sampling.max_new_tokens, sampling.seed)
+                return out.tokens, out.logprobs
+            except UnsupportedModel as exc:
+                if self.cfg.rollout_decode == "loop":
+                    raise
+                log.warning("actor.rollout_decode=auto: %s; falling back to transformers' generate", exc)
+                self._loop = None
+        if sampling.seed >= 0:
+            torch.manual_seed(sampling.seed)
+        generated = self._generate(prompts, sampling)
+        batch = SequenceBatch.from_lists(prompts, [row for row in generated])
+        logprobs = self._logprobs(batch, sampling.temperature).view(len(prompts), -1)
+        return generated, logprobs
+
+    def _generate(self, prompts: list[torch.Tensor], sampling: SamplingParams) -> torch.Tensor:
+        """transformers' `generate` (models the decode loop cannot serve): tokens [b, T] (cpu) after
+        left-padded prompts; every row's next token is generated at the same position."""
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.int64)
@@ -101,7 +138,6 @@ class HFRolloutEngine:
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
-            cache_implementation=self.cfg.rollout_cache if self.cfg.rollout_cache != "dynamic" else None,
         )
         return out[:, width:].cpu()
 

@@ -23,7 +23,13 @@ from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggreg
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import autocast, compute_dtype, enable_activation_checkpointing, lm_logprobs
+from rolefleet.common.modeling import (
+    autocast,
+    compile_decoder_layers,
+    compute_dtype,
+    enable_activation_checkpointing,
+    lm_logprobs,
+)
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
 
 
@@ -40,6 +46,9 @@ class PolicyTrainer:
         self.optimizer, self.scheduler = make_optimizer(model, cfg)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
+        if cfg.compile_layers:
+            compile_decoder_layers(model)
+            compile_decoder_layers(ref_model)
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)

@@ -182,3 +182,19 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_decoder_layers(model: PreTrainedModel) -> int:
+    """torch.compile every decoder layer in place (regional compilation: the layers share one
+    compiled graph, so the compile costs one layer's time, not the model's). The layer class is the
+    one transformers names as never split (`_no_split_modules`). Returns how many were compiled."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise NotImplementedError(f"{type(model).__name__} names no decoder layer class to compile")
+    # Variants per layer: grad on/off, train/eval, policy/reference/critic weights. Past the limit
+    # dynamo would quietly run the layer eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for layer in layers:
+        layer.compile(dynamic=True)  # micro-batch widths change every step: one shape-generic graph
+    return len(layers)

@@ -9,6 +9,7 @@ from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import (
     autocast,
+    compile_decoder_layers,
     compute_dtype,
     enable_activation_checkpointing,
     pick_device,
@@ -35,6 +36,8 @@ class CriticCore:
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
+        if cfg.compile_layers:
+            compile_decoder_layers(self.model.backbone)
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
         self.state = TrainerState(ROLE)  # model lock, step ledger, model version

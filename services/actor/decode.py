@@ -1,0 +1,301 @@
+"""The hf engine's decode loop: a KV cache the engine owns, sampling on the device, one CUDA graph
+per decode step.
+
+transformers' `generate` reads the whole cache with grouped KV heads expanded, keeps per-step
+Python bookkeeping and syncs with the host every token. Here the model's projections, RoPE, norms
+and MLPs stay transformers' own code; only its attention is swapped (transformers' attention
+interface) for one that writes each layer's keys and values into a preallocated cache and attends
+over it with the query heads folded onto their KV head, so no KV head is ever copied. Every row
+decodes at the same cache slot (prompts are left-padded, RoPE positions are per row), so the whole
+step (forward, sampling, logprob, stop check, state advance) has static shapes and runs as one CUDA
+graph replay with no host sync; the host looks at the finished flags every `CHECK_EVERY` steps.
+
+Recorded logprobs follow the project's convention (docs/algorithms.md): log softmax(logits /
+temperature) of this forward, before top-k / top-p truncation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "rolefleet_cache"
+CHECK_EVERY = 16     # decode steps between looks at the finished flags (each look is a host sync)
+SLOT_ROUNDING = 128  # cache lengths are rounded up to this, so calls of similar widths share a graph
+
+
+class UnsupportedModel(NotImplementedError):
+    """The model's attention cannot run on the engine's cache (use `actor.rollout_decode=generate`)."""
+
+
+@dataclass
+class KVCache:
+    """Keys and values [B, Hkv, L, D] per layer. Row b's prompt starts at slot `first[b]` (left
+    padding before it); the tokens of the current forward are written from slot `slot` on."""
+
+    batch: int
+    length: int
+    first: torch.Tensor                      # int64 [B]
+    slot: torch.Tensor                       # int64 [1]
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    rows: slice = field(default_factory=lambda: slice(None))  # the rows the current forward covers (chunked prefill)
+    _masks: dict = field(default_factory=dict)
+
+    def start(self, rows: slice = slice(None)) -> None:
+        """Before each forward: masks are built once per forward (and window), shared by its layers."""
+        self.rows = rows
+        self._masks.clear()
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self.keys:  # first prefill: shapes and dtype from the model's own projections
+            shape = (self.batch, key.shape[1], self.length, key.shape[3])
+            self.keys[layer] = key.new_zeros(shape)
+            self.values[layer] = value.new_zeros(shape)
+        k, v = self.keys[layer][self.rows], self.values[layer][self.rows]
+        index = self.slot + torch.arange(key.shape[2], device=key.device)
+        k.index_copy_(2, index, key.to(k.dtype))
+        v.index_copy_(2, index, value.to(v.dtype))
+        return k, v
+
+    def mask(self, queries: int, window: int | None) -> torch.Tensor:
+        """[b, 1, q, L] bool: row b's query at slot s sees its own prompt and response up to s (and
+        within the sliding window). A left-padding query sees only itself, so it is never NaN."""
+        if window not in self._masks:
+            keys = torch.arange(self.length, device=self.first.device)
+            query = self.slot + torch.arange(queries, device=self.first.device)      # [q]
+            seen = (keys <= query[:, None]) & (keys >= self.first[self.rows][:, None, None])  # [b, q, L]
+            if window is not None:
+                seen &= keys > query[:, None] - window
+            self._masks[window] = (seen | (keys == query[:, None]))[:, None]
+        return self._masks[window]
+
+
+def cache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    sliding_window: int | None = None, rolefleet_cache: KVCache | None = None, **kwargs):
+    """transformers attention-interface function over a `KVCache` (query [b, H, q, D], key and value
+    [b, Hkv, q, D] after RoPE); returns [b, q, H, D] like every interface function."""
+    if rolefleet_cache is None:
+        raise UnsupportedModel(f"{type(module).__name__} did not pass the engine's cache to its attention")
+    extras = sorted(k for k in ("softcap", "s_aux", "sinks") if kwargs.get(k) is not None)
+    if extras:
+        raise UnsupportedModel(f"{type(module).__name__} uses attention options the cache attention lacks: {extras}")
+    k, v = rolefleet_cache.write(module.layer_idx, key, value)
+    mask = rolefleet_cache.mask(query.shape[2], sliding_window)
+    b, heads, queries, dim = query.shape
+    kv_heads = k.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if queries == 1:
+        # Decode: the query heads of one KV head become that head's "query positions" ([b, Hkv, G,
+        # D]), so the kernel reads each cached key once and no expanded copy of the cache is made.
+        folded = query.reshape(b, kv_heads, heads // kv_heads, dim)
+        out = sdpa(folded, k, v, attn_mask=mask, scale=scaling).reshape(b, heads, 1, dim)
+    else:
+        groups = heads // kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # prefill only
+        out = sdpa(query, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# Opaque to torch.compile: with `compile_layers` the rest of each decoder layer is compiled around it
+# (the cache's Python bookkeeping would only break the graph anyway).
+AttentionInterface.register(ATTENTION, torch.compiler.disable(cache_attention))
+
+
+@contextlib.contextmanager
+def cache_attention_on(model: PreTrainedModel):
+    """Route the model's attention to `cache_attention` for the duration (plain forwards of the same
+    model keep their own implementation and masks)."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+
+def sample_next(logits: torch.Tensor, temperature: torch.Tensor | float, top_k: int,
+                top_p: torch.Tensor | float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / temperature) truncated to the top-k tokens and then
+    the smallest top-p nucleus (ties at the k-th logit kept, as transformers does), and its logprob
+    under the untruncated tempered distribution. logits [B, V] -> (int64 [B], fp32 [B]).
+
+    Gumbel-max (argmax of logits - log E, E ~ Exp(1)) draws exactly from the softmax without a
+    softmax pass or a host sync, so it can live in a CUDA graph. top_p None: no nucleus (no sort)."""
+    scaled = logits.float() / temperature
+    filtered = scaled
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each token
+        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the top token always stays
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, ordered)
+    # E = 0 would make a truncated token's -inf score NaN, and argmax picks NaN.
+    noise = torch.empty_like(filtered).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    tokens = (filtered - noise.log()).argmax(dim=-1)
+    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return tokens, logprobs
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Buffers:
+    """Everything one decode step reads and writes: fixed addresses, so a CUDA graph can replay it."""
+
+    cache: KVCache
+    tokens: torch.Tensor          # int64 [B]: the token fed at this step
+    positions: torch.Tensor       # int64 [B]: its RoPE position
+    step: torch.Tensor            # int64 [1]: the output column written at this step
+    finished: torch.Tensor        # bool [B]
+    out_tokens: torch.Tensor      # int64 [B, L]
+    out_logprobs: torch.Tensor    # fp32 [B, L]
+    temperature: torch.Tensor     # fp32 [1]
+    top_p: torch.Tensor           # fp32 [1]
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    tokens: torch.Tensor    # int64 [B, T] on the CPU; `pad_id` after a row's stop token
+    logprobs: torch.Tensor  # fp32 [B, T]
+
+
+class DecodeLoop:
+    """Samples continuations of left-padded prompts with the model's own layers over a `KVCache`.
+
+    The buffers (and the captured graph) of the last shape are kept for the next call; `release`
+    frees them (the trainer wants the memory)."""
+
+    def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, stop_ids: list[int],
+                 prefill_tokens: int):
+        self.model = model
+        self.device = device
+        self.pad_id = pad_id
+        self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)
+        self.prefill_tokens = prefill_tokens
+        self.use_graphs = device.type == "cuda"
+        self._shape: tuple | None = None
+        self._buffers: _Buffers | None = None
+
+    def release(self) -> None:
+        self._shape, self._buffers = None, None
+
+    @torch.no_grad()
+    def run(self, prompts: list[torch.Tensor], temperature: float, top_k: int, top_p: float,
+            max_new_tokens: int, seed: int) -> Decoded:
+        width = max(len(p) for p in prompts)
+        length = -(-(width + max_new_tokens) // SLOT_ROUNDING) * SLOT_ROUNDING
+        with cache_attention_on(self.model):
+            buf = self._prepare(len(prompts), length, top_k, top_p < 1.0)
+            if seed >= 0:
+                torch.manual_seed(seed)  # after any graph capture, whose warm-up draws random numbers
+            buf.temperature.fill_(temperature)
+            buf.top_p.fill_(top_p)
+            self._prefill(buf, prompts, width, top_k, top_p < 1.0)
+            steps = 1
+            check_every = CHECK_EVERY if buf.graph is not None else 1
+            while steps < max_new_tokens:
+                if steps % check_every == 0 and bool(buf.finished.all()):
+                    break
+                if buf.graph is not None:
+                    buf.graph.replay()
+                else:
+                    self._step(buf, top_k, top_p < 1.0)
+                steps += 1
+            return Decoded(buf.out_tokens[:, :steps].cpu(), buf.out_logprobs[:, :steps].cpu())
+
+    # --- steps --------------------------------------------------------------------------------------
+
+    def _prefill(self, buf: _Buffers, prompts: list[torch.Tensor], width: int, top_k: int, nucleus: bool) -> None:
+        """Prompts into cache slots [0, width), a token budget of rows at a time; the first token."""
+        cache = buf.cache
+        first = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = p
+        positions = (torch.arange(width) - first[:, None]).clamp_min(0)
+        cache.first.copy_(first)
+        cache.slot.zero_()
+        rows = max(1, self.prefill_tokens // width)
+        last = []
+        for start in range(0, len(prompts), rows):
+            part = slice(start, start + rows)
+            cache.start(part)
+            out = self.model(input_ids=ids[part].to(self.device), position_ids=positions[part].to(self.device),
+                             use_cache=False, logits_to_keep=1, rolefleet_cache=cache)
+            last.append(out.logits[:, -1])
+        tokens, logprobs = sample_next(torch.cat(last), buf.temperature, top_k, buf.top_p if nucleus else None)
+        buf.out_tokens[:, 0] = tokens
+        buf.out_logprobs[:, 0] = logprobs
+        buf.tokens.copy_(tokens)
+        buf.positions.copy_(width - first)
+        buf.finished.copy_(torch.isin(tokens, self.stop_ids))
+        buf.step.fill_(1)
+        cache.slot.fill_(width)
+
+    def _step(self, buf: _Buffers, top_k: int, nucleus: bool) -> None:
+        """Feed each row's last token, sample the next: only tensor ops on fixed buffers."""
+        buf.cache.start()
+        logits = self.model(input_ids=buf.tokens[:, None], position_ids=buf.positions[:, None], use_cache=False,
+                            rolefleet_cache=buf.cache).logits[:, -1]
+        tokens, logprobs = sample_next(logits, buf.temperature, top_k, buf.top_p if nucleus else None)
+        tokens = torch.where(buf.finished, self.pad_id, tokens)
+        buf.out_tokens.index_copy_(1, buf.step, tokens[:, None])
+        buf.out_logprobs.index_copy_(1, buf.step, logprobs[:, None])
+        buf.finished.logical_or_(torch.isin(tokens, self.stop_ids))
+        buf.tokens.copy_(tokens)
+        buf.positions.add_(1)
+        buf.cache.slot.add_(1)
+        buf.step.add_(1)
+
+    # --- buffers and graphs -------------------------------------------------------------------------
+
+    def _prepare(self, batch: int, length: int, top_k: int, nucleus: bool) -> _Buffers:
+        shape = (batch, length, top_k, nucleus)
+        if shape == self._shape:
+            return self._buffers
+        self.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous shape's cache and graph pool
+        dev = self.device
+        long = dict(dtype=torch.int64, device=dev)
+        cache = KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long))
+        buf = _Buffers(cache=cache, tokens=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
+                       step=torch.zeros(1, **long), finished=torch.zeros(batch, dtype=torch.bool, device=dev),
+                       out_tokens=torch.zeros(batch, length, **long),
+                       out_logprobs=torch.zeros(batch, length, dtype=torch.float32, device=dev),
+                       temperature=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev))
+        self._step(buf, top_k, nucleus)  # allocates the cache's layers (the slot-0 garbage is overwritten)
+        if self.use_graphs:
+            buf.graph = self._capture(buf, top_k, nucleus)
+        self._shape, self._buffers = shape, buf
+        return buf
+
+    def _capture(self, buf: _Buffers, top_k: int, nucleus: bool) -> torch.cuda.CUDAGraph | None:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream, as CUDA graphs require
+                self._step(buf, top_k, nucleus)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step(buf, top_k, nucleus)
+            return graph
+        except RuntimeError as exc:  # a model whose forward syncs with the host cannot be captured
+            log.warning("decode step not capturable as a CUDA graph (%s); decoding eagerly", exc)
+            self.use_graphs = False
+            return None
