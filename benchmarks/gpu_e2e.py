@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,10 @@ class BusySampler(threading.Thread):
         return statistics.mean(self.samples) / 100 if self.samples else 0.0
 
 
-def run(algorithm: str, model: Path, out: Path, steps: int) -> dict:
+PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine)
+
+
+def run(algorithm: str, model: Path, out: Path, steps: int, params: int) -> dict:
     run_dir = out / algorithm
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", "configs/gpu_1x.yaml", f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}"]
@@ -69,7 +73,18 @@ def run(algorithm: str, model: Path, out: Path, steps: int) -> dict:
         "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),
         "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
         "step_tokens_per_s": median("throughput/tokens_per_s"),
+        # Update-phase MFU over the actor's forward + backward of the response tokens alone (the
+        # prompts of the addition task are a few tokens), a lower bound: the critic's update shares
+        # the phase in PPO.
+        "update_mfu": 6 * params * median("response_length/mean") * sequences / median("timing/update_s") / PEAK_FLOPS,
     }
+
+
+def count_parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
 def main() -> None:
@@ -83,7 +98,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     runs = Path(tempfile.mkdtemp())  # run outputs (logs, events) stay there; OUT gets the summary
-    results = [run(a, model, runs, args.steps) for a in args.algorithms.split(",")]
+    params = count_parameters(model)
+    results = [run(a, model, runs, args.steps, params) for a in args.algorithms.split(",")]
     for r in results:
         print(json.dumps(r), flush=True)
     (out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))

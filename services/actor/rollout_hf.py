@@ -24,7 +24,7 @@ from rolefleet.actor.decode import DecodeLoop, UnsupportedModel
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs, release_memory
+from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,11 @@ class HFRolloutEngine:
             params[name].copy_(tensor)  # casts fp32 master weights to the engine's dtype
 
     def sleep(self) -> None:
+        # The KV cache and the captured graph go back to this process's allocator, where the trainer
+        # reuses them. Not `empty_cache`: the trainer would pay cudaMalloc (and the device-wide sync
+        # of cudaFree) for every block again, about 60 ms per update at 0.5B on an H200.
         if self._loop is not None:
-            self._loop.release()  # the KV cache and the captured decode graph
-        release_memory()
+            self._loop.release()
 
     def wake(self) -> None:
         pass

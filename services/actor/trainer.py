@@ -104,32 +104,37 @@ class PolicyTrainer:
     def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
               ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
               temperature: float) -> dict[str, float]:
-        """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch."""
+        """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch.
+        Statistics stay on the device until the step is done: two host syncs per step in all (the
+        micro-batch shares, and the gradient norm with the statistics), not one per statistic."""
         cfg, mask = self.cfg, mb.response_mask().to(self.device)
-        weights, stats = None, defaultdict(float)
+        weights, stats = None, {}
         if rollout_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.
             weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
-            stats["is_weight_mean"] = masked_mean(weights, mask).item()
-            stats["is_masked_frac"] = 1.0 - (mask.sum() / mb.response_lengths.sum().clamp(min=1)).item()
-        total = max(aggregation_weight(mask, cfg.loss_agg_mode).item(), 1.0)
+            stats["is_weight_mean"] = masked_mean(weights, mask)
+            stats["is_masked_frac"] = 1.0 - mask.sum() / mb.response_lengths.sum().clamp(min=1).to(self.device)
+        micro = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
+                 for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch)]
+        total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
+                                    + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch):
-            sub = mb.select(rows)
-            part = _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max()))
-            share = aggregation_weight(part(mask), cfg.loss_agg_mode).item() / total  # one sync per micro-batch
-            loss, micro = self._micro_loss(sub, part(advantages), part(old_logprobs), part(ref_logprobs),
-                                           part(weights), part(mask), temperature)
+        for (rows, part), weight in zip(micro, parts):
+            share = weight / max(total, 1.0)
+            loss, micro_stats = self._micro_loss(mb.select(rows), part(advantages), part(old_logprobs),
+                                                 part(ref_logprobs), part(weights), part(mask), temperature)
             (loss * share).backward()
-            for name, value in micro.items():
-                stats[name] += value * share
-        stats["lr"] = self.optimizer.param_groups[0]["lr"]
-        stats["grad_norm"] = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
-        return dict(stats)
+            for name, value in micro_stats.items():
+                stats[name] = stats.get(name, 0.0) + value * share
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
+        grad_norm = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
+        out = dict(zip(stats, torch.stack([torch.as_tensor(v, device=self.device).float() for v in stats.values()])
+                       .tolist()))
+        return {**out, "lr": lr, "grad_norm": grad_norm}
 
     def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
                     ref_logprobs: torch.Tensor | None, weights: torch.Tensor | None, mask: torch.Tensor,
-                    temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
+                    temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         # Entropy costs two more passes over [tokens, vocab] (and their backward): computed here only
         # as a loss term; the `entropy` metric of every step comes from ComputeLogProbs.
@@ -139,16 +144,16 @@ class PolicyTrainer:
             logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,
             dual_clip=cfg.dual_clip, agg=cfg.loss_agg_mode, weights=weights, norm_length=cfg.loss_norm_length,
         )
-        stats = {"pg_loss": loss.item(), **{k: v.item() for k, v in pg_stats.items()}}
+        stats = {"pg_loss": loss.detach(), **pg_stats}
         if cfg.entropy_coef > 0:
             entropy_term = aggregate(mb.pad_responses(entropy), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
-            stats["entropy"] = entropy_term.item()
+            stats["entropy"] = entropy_term.detach()
             loss = loss - cfg.entropy_coef * entropy_term
         if cfg.kl_loss_coef > 0:
             kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
             loss = loss + cfg.kl_loss_coef * kl
-            stats["kl_loss"] = kl.item()
-        stats["loss"] = loss.item()
+            stats["kl_loss"] = kl.detach()
+        stats["loss"] = loss.detach()
         return loss, stats
 
 

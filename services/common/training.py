@@ -71,7 +71,7 @@ def make_optimizer(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer, 
 
 
 def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-                    loss: float, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> float:
+                    loss: float | torch.Tensor, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> float:
     """Clip the accumulated gradients and step; returns the pre-clip gradient norm. `loss` (the
     step's loss value) only names the failure.
 
@@ -81,7 +81,7 @@ def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteGradient(f"non-finite gradient (loss {loss:.4g}); the optimizer step was skipped")
+        raise NonFiniteGradient(f"non-finite gradient (loss {float(loss):.4g}); the optimizer step was skipped")
     try:
         optimizer.step()
     except Exception as exc:  # e.g. out of memory inside Adam: some parameters already moved
