@@ -80,6 +80,21 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int) -> dict
     }
 
 
+def trl_side_by_side(model: Path, steps: int, grpo: dict) -> dict:
+    """The same GRPO workload through TRL's GRPOTrainer; the ratio of generated tokens per second of
+    step time (RoleFleet over TRL)."""
+    cmd = [sys.executable, str(Path(__file__).with_name("trl_grpo.py")), "--model", str(model), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"trl: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    trl = json.loads(proc.stdout.strip().splitlines()[-1])
+    later = trl["completion_length"][1:] or trl["completion_length"]
+    trl_tokens_per_s = statistics.median(later) * 64 * 4 / trl["trl_step_s"]
+    rolefleet_tokens_per_s = grpo["response_length"] * 64 * 4 / grpo["step_s"]
+    return {"algorithm": "grpo (TRL GRPOTrainer)", **trl, "trl_tokens_per_s": trl_tokens_per_s,
+            "rolefleet_tokens_per_s": rolefleet_tokens_per_s, "ratio": rolefleet_tokens_per_s / trl_tokens_per_s}
+
+
 def count_parameters(model_dir: Path) -> int:
     from safetensors import safe_open
 
@@ -93,6 +108,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--algorithms", default="grpo,ppo")
+    p.add_argument("--trl", action="store_true", help="also run the GRPO workload through TRL (benchmarks/trl_grpo.py)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +116,8 @@ def main() -> None:
     runs = Path(tempfile.mkdtemp())  # run outputs (logs, events) stay there; OUT gets the summary
     params = count_parameters(model)
     results = [run(a, model, runs, args.steps, params) for a in args.algorithms.split(",")]
+    if args.trl:
+        results.append(trl_side_by_side(model, args.steps, next(r for r in results if r["algorithm"] == "grpo")))
     for r in results:
         print(json.dumps(r), flush=True)
     (out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))

@@ -34,10 +34,13 @@ from rolefleet.common.tiny_model import make_tiny_model
 PEAK_FLOPS = 790e12
 
 
-def random_batch(n: int, prompt: int, response: int, vocab: int, seed: int) -> SequenceBatch:
+def random_batch(n: int, prompt: int, response: int, vocab: int, seed: int, ragged: bool = False) -> SequenceBatch:
+    """n sequences of random ids; `ragged`: response lengths uniform in [response / 8, response], as
+    when rollouts stop at different lengths."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda length: torch.randint(min(100, vocab // 2), vocab, (length,), generator=g)  # noqa: E731
-    return SequenceBatch.from_lists([ids(prompt) for _ in range(n)], [ids(response) for _ in range(n)])
+    lengths = torch.randint(response // 8, response + 1, (n,), generator=g).tolist() if ragged else [response] * n
+    return SequenceBatch.from_lists([ids(prompt) for _ in range(n)], [ids(r) for r in lengths])
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -113,6 +116,18 @@ def bench_training(core: ActorCore, args, n_params: int, label: str) -> dict:
     best = min(result["update"], key=lambda u: u["seconds"])
     result["update_over_compute_logprobs"] = best["seconds"] / result["compute_logprobs"]["seconds"]
     core.cfg.max_tokens_per_micro_batch = best["max_tokens_per_micro_batch"]
+
+    # Ragged responses (where packing saves the padding): real tokens per second.
+    ragged = random_batch(64, args.prompt_tokens, args.response_tokens, vocab, seed=3, ragged=True)
+    ragged_targets = PolicyTargets(torch.randn(ragged.num_response_tokens).clamp(-3, 3),
+                                   core.compute_logprobs(ragged, 1.0, include_reference=False).logprobs)
+    seconds, _ = timed(lambda: core.update(core.policy_version + 1, core.policy_version, ragged, ragged_targets, 1.0),
+                       args.repeats)
+    real = int((ragged.prompt_lengths + ragged.response_lengths).sum())
+    result["update_ragged"] = {"max_tokens_per_micro_batch": best["max_tokens_per_micro_batch"], "tokens": real,
+                               "seconds": seconds, "tokens_per_s": real / seconds,
+                               "mfu": 6 * n_params * real / seconds / PEAK_FLOPS}
+    print(label, "ragged", json.dumps(result["update_ragged"]), flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         update()
@@ -130,7 +145,8 @@ def main() -> None:
     p.add_argument("--budgets", default="16384,32768", help="max_tokens_per_micro_batch values")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decodes", default="loop,generate", help="actor.rollout_decode kinds to time Generate with")
-    p.add_argument("--compile", default="false,true", help="actor.compile_layers settings to time training with")
+    p.add_argument("--variants", default="compile_layers=false;compile_layers=true",
+                   help="';'-separated actor settings (each ','-separated) to time the engines with")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--response-tokens", type=int, default=256)
     args = p.parse_args()
@@ -138,20 +154,21 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for compile_layers in args.compile.split(","):
+    for i, variant in enumerate(args.variants.split(";")):
         cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
-                           ["actor.max_tokens_per_request=4194304", f"actor.compile_layers={compile_layers}"])
+                           ["actor.max_tokens_per_request=4194304", *(f"actor.{kv}" for kv in variant.split(","))])
         core = ActorCore(cfg.actor)
         n_params = results["params"] = sum(p.numel() for p in core.model.parameters())
         # Generate: 256 prompts x 256 new tokens (random weights rarely stop early: every token is made).
         rng = random.Random(0)
         prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]
         sampling = SamplingParams(max_new_tokens=args.response_tokens, seed=0)
-        for decode in args.decodes.split(",") if compile_layers == "false" else ["loop"]:
+        for decode in args.decodes.split(",") if i == 0 else ["loop"]:
             results.setdefault("generate", []).append(
-                {"compile_layers": compile_layers, **bench_generate(core, prompts, sampling, decode)})
+                {"variant": variant, **bench_generate(core, prompts, sampling, decode)})
             print(json.dumps(results["generate"][-1]), flush=True)
-        results.setdefault("training", []).append(bench_training(core, args, n_params, f"compile_{compile_layers}"))
+        label = variant.replace("=", "_").replace(",", "+")
+        results.setdefault("training", []).append(bench_training(core, args, n_params, label))
         del core
         torch.cuda.empty_cache()
     (out / "gpu_engine.json").write_text(json.dumps(results, indent=2))

@@ -13,7 +13,6 @@ all aggregated the same way.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 
 import torch
 from transformers import PreTrainedModel
@@ -37,6 +36,7 @@ class PolicyTrainer:
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel, device: torch.device,
                  cfg: ActorSection, seed: int):
         self.model = model
+        self.packed = cfg.sequence_packing  # micro-batches as one row each (see SequenceBatch.packed_inputs)
         self.ref_model = ref_model
         self.device = device
         self.cfg = cfg
@@ -58,7 +58,8 @@ class PolicyTrainer:
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `model`."""
         with autocast(self.device, self.dtype):
-            return lm_logprobs(model, batch, self.device, temperature, self.cfg.logprob_chunk_tokens, with_entropy)
+            return lm_logprobs(model, batch, self.device, temperature, self.cfg.logprob_chunk_tokens, with_entropy,
+                               self.packed)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
@@ -66,12 +67,13 @@ class PolicyTrainer:
         self.model.eval()
         budget = self.cfg.max_tokens_per_micro_batch
         logprobs, entropy = batch.map_micro_batches(
-            budget, lambda mb: self.forward(self.model, mb, temperature, with_entropy=True))
+            budget, lambda mb: self.forward(self.model, mb, temperature, with_entropy=True), self.packed)
         ref = None
         if include_reference:
             with self._reference_on_device():  # one visit of an offloaded reference per call
                 (ref,) = batch.map_micro_batches(
-                    budget, lambda mb: self.forward(self.ref_model, mb, temperature, with_entropy=False)[:1])
+                    budget, lambda mb: self.forward(self.ref_model, mb, temperature, with_entropy=False)[:1],
+                    self.packed)
         return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
 
     @contextlib.contextmanager
@@ -115,7 +117,7 @@ class PolicyTrainer:
             stats["is_weight_mean"] = masked_mean(weights, mask)
             stats["is_masked_frac"] = 1.0 - mask.sum() / mb.response_lengths.sum().clamp(min=1).to(self.device)
         micro = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
-                 for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch)]
+                 for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch, self.packed)]
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
                                     + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
         self.optimizer.zero_grad(set_to_none=True)

@@ -81,27 +81,33 @@ class SequenceBatch:
         prompts, responses = self.prompts(), self.responses()
         return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx])
 
-    def micro_batches(self, max_tokens: int) -> list[torch.Tensor]:
-        """Row groups whose padded size (rows x longest prompt+response) stays within `max_tokens`;
-        a sequence longer than the budget goes alone. Rows are sorted by length first, so the
+    def micro_batches(self, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
+        """Row groups within `max_tokens`: the sum of their prompt+response lengths when `packed`
+        (the model reads them one after another, `packed_inputs`), else their padded size (rows x
+        longest). A sequence longer than the budget goes alone. Rows are sorted by length first, so
         sequences padded together are of similar length and little compute goes to padding."""
         lengths = (self.prompt_lengths + self.response_lengths).tolist()
         order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
         groups: list[list[int]] = []
+        size = 0
         for i in order:
-            # Descending order: the group's first row is its longest.
-            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
+            if groups:
+                # Descending order: a padded group's first row is its longest.
+                grown = size + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[groups[-1][0]]
+                if grown <= max_tokens:
+                    groups[-1].append(i)
+                    size = grown
+                    continue
+            groups.append([i])
+            size = lengths[i]
         return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
 
-    def map_micro_batches(self, max_tokens: int,
-                          fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    def map_micro_batches(self, max_tokens: int, fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]],
+                          packed: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `fn` on each micro-batch (see `micro_batches`) and put the packed per-token tensors it
         returns back in this batch's token order: fp32 [N] on the CPU, one per output of `fn`."""
         outputs: tuple[torch.Tensor, ...] = ()
-        for rows in self.micro_batches(max_tokens):
+        for rows in self.micro_batches(max_tokens, packed):
             parts = fn(self.select(rows))
             if not outputs:
                 outputs = tuple(torch.empty(self.num_response_tokens) for _ in parts)
@@ -127,6 +133,23 @@ class SequenceBatch:
             input_ids[i, : len(s)] = s
             mask[i, : len(s)] = 1
         return input_ids, mask
+
+    def packed_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [1, T], position_ids [1, T]): every prompt+response one after another, no
+        padding, positions restarting at 0 for each sequence. transformers reads the restarts as
+        sequence boundaries (given no attention mask): its sdpa attention then gets a block-diagonal
+        causal mask, so attention never crosses them."""
+        seqs = [torch.cat([p, r]) for p, r in zip(self.prompts(), self.responses())]
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])
+        return torch.cat(seqs)[None], positions[None]
+
+    def packed_response_positions(self) -> torch.Tensor:
+        """[N] index in `packed_inputs()` of the position whose output predicts each packed response
+        token (as `response_positions` for the padded layout)."""
+        rows, within = self._response_index
+        lengths = self.prompt_lengths + self.response_lengths
+        starts = torch.cumsum(lengths, 0) - lengths
+        return starts[rows] + self.prompt_lengths[rows] + within - 1
 
     @cached_property
     def _response_index(self) -> tuple[torch.Tensor, torch.Tensor]:

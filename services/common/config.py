@@ -163,6 +163,9 @@ class _TrainerSection(Endpoint):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate, as a fraction of lr")
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the "
                                          "backward: less memory, about a third more compute")
+    sequence_packing: bool = Field(False, description="micro-batches as one row of sequences without "
+                                   "padding (attention kept inside each sequence by a block mask) instead "
+                                   "of right-padded rows")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (one compilation "
                                  "shared by all layers; norms, RoPE and activations fused): faster steps after "
                                  "a compile of tens of seconds per new micro-batch shape family")

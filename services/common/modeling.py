@@ -50,7 +50,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(path: str, device: torch.device) -> PreTrainedModel:
-    # fp32 master weights; bf16 autocast on CUDA comes with the GPU training issue.
+    """fp32 master weights (forwards run under bf16 autocast on CUDA, see `compute_dtype`)."""
     model = AutoModelForCausalLM.from_pretrained(check_model_path(path), dtype=torch.float32)
     return disable_dropout(model).to(device)
 
@@ -125,8 +125,14 @@ def split_lm(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model.base_model, model.get_output_embeddings()
 
 
-def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: torch.device) -> torch.Tensor:
-    """Hidden states [N, H] at the positions that predict each packed response token."""
+def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: torch.device,
+                    packed: bool = False) -> torch.Tensor:
+    """Hidden states [N, H] at the positions that predict each packed response token; `packed`:
+    the sequences as one row without padding (`SequenceBatch.packed_inputs`)."""
+    if packed:
+        input_ids, position_ids = batch.packed_inputs()
+        out = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
+        return out.last_hidden_state[0, batch.packed_response_positions().to(device)]
     input_ids, attention_mask = batch.model_inputs()
     out = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
     rows, cols = batch.response_positions()
@@ -168,11 +174,11 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
 
 
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
-                chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_tokens: int, with_entropy: bool, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
     backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
     backbone, head = split_lm(model)
-    hidden = response_hidden(backbone, batch, device)
+    hidden = response_hidden(backbone, batch, device, packed)
     return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy)
 
 

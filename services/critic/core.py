@@ -29,6 +29,7 @@ class CriticCore:
         self.cfg = cfg
         self.device = pick_device()
         torch.manual_seed(seed)
+        self.packed = cfg.sequence_packing  # micro-batches as one row each (see SequenceBatch.packed_inputs)
         self.model = ValueModel(cfg.model_name_or_path).to(self.device)
         self.model.eval()
         self.limits = BatchLimits.of(ROLE, cfg, self.model.max_positions)
@@ -48,7 +49,8 @@ class CriticCore:
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
         with self._lock, torch.no_grad(), autocast(self.device, self.dtype):
             (values,) = batch.map_micro_batches(self.cfg.max_tokens_per_micro_batch,
-                                                lambda mb: (self.model.response_values(mb, self.device),))
+                                                lambda mb: (self.model.response_values(mb, self.device, self.packed),),
+                                                self.packed)
         return values
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
@@ -83,10 +85,10 @@ class CriticCore:
         value loss is a token mean, so each micro-batch weighs by its share of the tokens."""
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        for rows in mb.micro_batches(self.cfg.max_tokens_per_micro_batch):
+        for rows in mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed):
             sub, tokens = mb.select(rows), mb.token_index(rows)
             with autocast(self.device, self.dtype):
-                values = self.model.response_values(sub, self.device)
+                values = self.model.response_values(sub, self.device, self.packed)
             loss, micro = self.value_loss(values, old_values[tokens].to(self.device),
                                           returns[tokens].to(self.device), torch.ones_like(values, dtype=torch.bool),
                                           self.cfg.value_clip)

@@ -15,13 +15,17 @@ def params(core) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg):
-    """Each sequence its own micro-batch (a 1-token budget) against all in one: same weights after
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg, packed):
+    """One padded batch against micro-batches: each sequence its own (a 1-token budget), or several
+    packed into one row without padding (attention kept inside each sequence): same weights after
     the step, with the IS correction dropping tokens and the entropy and KL terms on."""
     common = ["actor.compute_dtype=float32", "actor.lr=1e-2", f"actor.loss_agg_mode={agg}", "actor.is_correction=token_mask",
               "actor.is_threshold=1.5", "actor.entropy_coef=0.01", "actor.kl_loss_coef=0.1"]
-    whole = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=100000")
-    split = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=1")
+    whole = make_core(tiny_model_dir, *common, "actor.max_tokens_per_micro_batch=100000",
+                      "actor.sequence_packing=false")
+    split = make_core(tiny_model_dir, *common, f"actor.max_tokens_per_micro_batch={30 if packed else 1}",
+                      f"actor.sequence_packing={str(packed).lower()}")
     for core in (whole, split):  # plain SGD: the weight change is the gradient (Adam would amplify noise)
         core.trainer.optimizer, core.trainer.scheduler = torch.optim.SGD(core.model.parameters(), lr=1.0), None
     _, batch, lp = rollout(whole)
@@ -30,7 +34,8 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg):
     targets = PolicyTargets(torch.linspace(-1, 1, n), lp.logprobs, lp.ref_logprobs, rollout_lp)
     a = whole.update(1, 0, batch, targets, 1.0)
     b = split.update(1, 0, batch, targets, 1.0)
-    assert len(batch.micro_batches(1)) == len(batch) > 1
+    groups = batch.micro_batches(30, packed=True) if packed else batch.micro_batches(1)
+    assert 1 < len(groups) < len(batch) if packed else len(groups) == len(batch) > 1
     for name, p in params(whole).items():
         assert torch.allclose(p, params(split)[name], atol=1e-5), name
     for key in ("loss", "pg_loss", "grad_norm", "entropy", "kl_loss", "is_masked_frac"):
@@ -38,11 +43,12 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg):
     assert 0 < a.stats["is_masked_frac"] < 1
 
 
-def test_micro_batched_logprobs_match_one_forward(tiny_model_dir):
+@pytest.mark.parametrize("packed", ["false", "true"])
+def test_micro_batched_logprobs_match_one_forward(tiny_model_dir, packed):
     whole = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.max_tokens_per_micro_batch=100000",
-                      "actor.logprob_chunk_tokens=100000")
-    split = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.max_tokens_per_micro_batch=9",
-                      "actor.logprob_chunk_tokens=3")
+                      "actor.logprob_chunk_tokens=100000", "actor.sequence_packing=false")
+    split = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.max_tokens_per_micro_batch=20",
+                      "actor.logprob_chunk_tokens=3", f"actor.sequence_packing={packed}")
     _, batch, _ = rollout(whole)
     a = whole.compute_logprobs(batch, 0.7, include_reference=True)
     b = split.compute_logprobs(batch, 0.7, include_reference=True)
@@ -168,3 +174,13 @@ def test_checkpoint_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
     engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, None)
     assert engine.model.generation_config.repetition_penalty in (None, 1.0)
     assert engine.model.generation_config.top_k in (None, 50)  # transformers' own default, overridden per call
+
+
+def test_packed_micro_batches_count_real_tokens():
+    lengths = [3, 9, 4, 4, 12, 1, 7]
+    batch = SequenceBatch.from_lists([torch.ones(n, dtype=torch.int64) for n in lengths],
+                                     [torch.ones(1, dtype=torch.int64)] * len(lengths))
+    groups = batch.micro_batches(25, packed=True)
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(len(lengths)))
+    assert all(len(g) == 1 or sum(lengths[i] + 1 for i in g.tolist()) <= 25 for g in groups)
+    assert len(groups) < len(batch.micro_batches(25))  # padding no longer counts against the budget

@@ -26,6 +26,14 @@ def test_response_positions_point_at_the_predicting_position():
     assert ids[rows, cols + 1].tolist() == batch.response_ids.tolist()
 
 
+def test_packed_inputs_restart_positions_and_point_at_the_predicting_position():
+    batch = make_batch()
+    ids, positions = batch.packed_inputs()
+    assert ids.tolist() == [[1, 2, 7, 8, 9, 3, 10, 4, 5, 6, 11, 12]]
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4]]
+    assert ids[0, batch.packed_response_positions() + 1].tolist() == batch.response_ids.tolist()
+
+
 def test_pad_and_pack_are_inverse():
     batch = make_batch()
     packed = torch.arange(6, dtype=torch.float32)

@@ -1,5 +1,6 @@
 """The critic core's micro-batches: the same values and the same update as one forward."""
 
+import pytest
 import torch
 
 from rolefleet.common.batch import SequenceBatch
@@ -10,17 +11,20 @@ BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6,
                                  [torch.tensor([9, 2]), torch.tensor([10, 4, 2]), torch.tensor([3])])
 
 
-def core(model_dir, budget: int) -> CriticCore:
+def core(model_dir, budget: int, packing: str = "false") -> CriticCore:
     cfg = parse_config({"model": {"model_name_or_path": model_dir}},
-                       [f"critic.max_tokens_per_micro_batch={budget}", "critic.compute_dtype=float32"])
+                       [f"critic.max_tokens_per_micro_batch={budget}", "critic.compute_dtype=float32",
+                        f"critic.sequence_packing={packing}"])
     c = CriticCore(cfg.critic)
     c.optimizer, c.scheduler = torch.optim.SGD(c.model.parameters(), lr=1.0), None  # change = gradient
     return c
 
 
-def test_micro_batched_values_and_updates_match_one_batch(tiny_model_dir):
-    whole, split = core(tiny_model_dir, 100_000), core(tiny_model_dir, 1)
-    assert len(BATCH.micro_batches(1)) == 3
+@pytest.mark.parametrize("budget, packing", [(1, "false"), (11, "true")])
+def test_micro_batched_values_and_updates_match_one_batch(tiny_model_dir, budget, packing):
+    """One padded batch against one sequence per micro-batch, or two packed into one row."""
+    whole, split = core(tiny_model_dir, 100_000), core(tiny_model_dir, budget, packing)
+    assert len(BATCH.micro_batches(budget, packed=packing == "true")) == (3 if packing == "false" else 2)
     returns, old = torch.tensor([1.0, 0.5, -1.0, 2.0, 0.0, 3.0]), torch.zeros(6)
     assert torch.allclose(whole.compute_values(BATCH), split.compute_values(BATCH), atol=1e-6)
     a, b = whole.update(1, BATCH, returns, old), split.update(1, BATCH, returns, old)

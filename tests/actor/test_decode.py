@@ -1,0 +1,110 @@
+"""The hf engine's decode loop (engine-owned KV cache, device sampling): the sampler's maths, and
+tokens and logprobs that agree with a plain forward over the same sequences."""
+
+import logging
+
+import pytest
+import torch
+
+from rolefleet.actor.decode import UnsupportedModel, sample_next
+from rolefleet.actor.types import FinishReason, SamplingParams
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.modeling import lm_logprobs
+from tests.actor.test_trainer import make_core
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def draws(top_k: int, top_p: float | None, temperature: float = 1.0, n: int = 20000) -> torch.Tensor:
+    torch.manual_seed(0)
+    tokens, _ = sample_next(LOGITS.expand(n, -1), temperature, top_k, top_p)
+    return torch.bincount(tokens, minlength=LOGITS.shape[1]).float() / n
+
+
+def test_sampling_follows_the_tempered_softmax():
+    freq = draws(0, None, temperature=0.7)
+    assert torch.allclose(freq, torch.softmax(LOGITS[0] / 0.7, -1), atol=0.015)
+
+
+def test_top_k_and_top_p_truncate_and_renormalise():
+    assert (draws(2, None)[2:] == 0).all()
+    assert torch.allclose(draws(2, None)[:2], torch.softmax(LOGITS[0, :2], -1), atol=0.015)
+    probs = torch.softmax(LOGITS[0], -1)  # 0.55, 0.20, 0.12, ...: a 0.7 nucleus is the top two
+    nucleus = draws(0, 0.7)
+    assert (nucleus[2:] == 0).all() and torch.allclose(nucleus[:2], probs[:2] / probs[:2].sum(), atol=0.015)
+    assert (draws(0, 0.01)[1:] == 0).all()  # the top token always stays
+    assert (draws(3, 0.99)[3:] == 0).all()  # top-k first, then the nucleus of what is left
+
+
+def test_recorded_logprob_is_the_untruncated_tempered_one():
+    torch.manual_seed(0)
+    tokens, logprobs = sample_next(LOGITS.expand(64, -1), 0.5, 2, 0.9)
+    expected = torch.log_softmax(LOGITS[0] / 0.5, -1)[tokens]
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+
+
+def sequences(samples):
+    return SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.9)])
+def test_decode_logprobs_match_a_plain_forward(tiny_model_dir, top_k, top_p):
+    """Prompts of different lengths (left-padded in the cache), some responses stopping early."""
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    assert core.engine._loop is not None
+    samples = core.generate(["1+2=", "13+4=", "7+7=", "19+19="],
+                            SamplingParams(max_new_tokens=6, n=3, seed=5, temperature=0.8, top_k=top_k, top_p=top_p))
+    batch = sequences(samples)
+    with torch.no_grad():
+        plain, _ = lm_logprobs(core.engine.model, batch, core.device, 0.8, 64, with_entropy=False)
+    assert torch.allclose(torch.cat([s.logprobs for s in samples]), plain, atol=1e-5)
+    eos = core.tokenizer.eos_token_id
+    for s in samples:  # a stop token ends its response; nothing after it
+        assert (s.response_ids[:-1] != eos).all()
+        assert (s.finish_reason == FinishReason.STOP) == (int(s.response_ids[-1]) == eos)
+    assert any(s.finish_reason == FinishReason.STOP for s in samples)  # the warm-started model answers
+
+
+def test_same_seed_same_samples_and_batches_draw_independently(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout_batch_size=4")
+    sampling = SamplingParams(max_new_tokens=5, n=4, seed=3, temperature=2.0)
+    first = [s.response_ids.tolist() for s in core.generate(["5+5="] * 2, sampling)]
+    again = [s.response_ids.tolist() for s in core.generate(["5+5="] * 2, sampling)]
+    assert first == again
+    assert first[:4] != first[4:]  # the second forward batch is not the first one's noise again
+
+
+def test_generate_fallback_gives_the_same_contract(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout_decode=generate")
+    assert core.engine._loop is None
+    samples = core.generate(["1+2=", "13+4="], SamplingParams(max_new_tokens=5, n=2, seed=1, top_k=5))
+    with torch.no_grad():
+        plain, _ = lm_logprobs(core.engine.model, sequences(samples), core.device, 1.0, 64, with_entropy=False)
+    assert torch.allclose(torch.cat([s.logprobs for s in samples]), plain, atol=1e-5)
+
+
+def test_auto_falls_back_to_generate_for_a_model_the_loop_cannot_serve(tiny_model_dir, caplog, monkeypatch):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+
+    def unsupported(*args, **kwargs):
+        raise UnsupportedModel("LlamaAttention uses attention options the cache attention lacks: ['softcap']")
+
+    monkeypatch.setattr(core.engine._loop, "run", unsupported)
+    with caplog.at_level(logging.WARNING):
+        samples = core.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=1))
+    assert len(samples) == 2 and core.engine._loop is None
+    assert "falling back to transformers' generate" in caplog.text and "softcap" in caplog.text
+    strict = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout_decode=loop")
+    monkeypatch.setattr(strict.engine._loop, "run", unsupported)
+    with pytest.raises(UnsupportedModel):
+        strict.generate(["1+2="], SamplingParams(max_new_tokens=4))
+
+
+def test_sleep_frees_the_cache_and_the_next_call_rebuilds_it(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    sampling = SamplingParams(max_new_tokens=4, n=2, seed=2)
+    before = [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)]
+    assert core.engine._loop._buffers is not None
+    core.engine.sleep()
+    assert core.engine._loop._buffers is None
+    assert [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)] == before
