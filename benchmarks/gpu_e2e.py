@@ -46,10 +46,11 @@ class BusySampler(threading.Thread):
 PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine)
 
 
-def run(algorithm: str, model: Path, out: Path, steps: int, params: int) -> dict:
-    run_dir = out / algorithm
+def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend: str = "hf") -> dict:
+    run_dir = out / f"{algorithm}-{backend}"
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", "configs/gpu_1x.yaml", f"algorithm={algorithm}",
-           f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}"]
+           f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
+           f"actor.rollout.backend={backend}"]
     sampler = BusySampler()
     sampler.start()
     start = time.perf_counter()
@@ -67,7 +68,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int) -> dict
     sequences = 64 * 4
     generated = [r["response_length/mean"] * sequences / r["timing/generate_s"] for r in later]
     return {
-        "algorithm": algorithm, "steps": len(records), "wall_s": wall, "gpu_busy": sampler.busy(),
+        "algorithm": algorithm, "backend": backend, "steps": len(records), "wall_s": wall, "gpu_busy": sampler.busy(),
         "step_s": median("timing/step_s"), "generate_s": median("timing/generate_s"),
         "score_s": median("timing/score_s"), "update_s": median("timing/update_s"),
         "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--algorithms", default="grpo,ppo")
+    p.add_argument("--backends", default="hf", help="actor.rollout.backend values to run each algorithm with")
     p.add_argument("--trl", action="store_true", help="also run the GRPO workload through TRL (benchmarks/trl_grpo.py)")
     args = p.parse_args()
     out = Path(args.out)
@@ -115,9 +117,10 @@ def main() -> None:
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     runs = Path(tempfile.mkdtemp())  # run outputs (logs, events) stay there; OUT gets the summary
     params = count_parameters(model)
-    results = [run(a, model, runs, args.steps, params) for a in args.algorithms.split(",")]
+    results = [run(a, model, runs, args.steps, params, b) for b in args.backends.split(",")
+               for a in args.algorithms.split(",")]
     if args.trl:
-        results.append(trl_side_by_side(model, args.steps, next(r for r in results if r["algorithm"] == "grpo")))
+        results.append(trl_side_by_side(model, args.steps, next(r for r in results if r["algorithm"] == "grpo" and r["backend"] == "hf")))
     for r in results:
         print(json.dumps(r), flush=True)
     (out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))

@@ -1,5 +1,5 @@
 """The actor's engines on one GPU at real model dimensions: Generate (the hf rollout engine, 256
-prompts x 256 new tokens, per `actor.rollout_decode`, with the recorded logprobs checked against
+prompts x 256 new tokens, per `actor.rollout.decode`, with the recorded logprobs checked against
 recomputes), ComputeLogProbs (policy + reference) and Update (with and without
 `actor.compile_layers`), with peak memory, tokens/s and MFU, plus a torch.profiler table of one update.
 
@@ -63,7 +63,7 @@ def peak_gb(fn) -> float:
 
 
 def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams, decode: str) -> dict:
-    core.cfg.rollout_decode = decode
+    core.cfg.rollout.decode = decode
     core.engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, core.engine.model.dtype)
     start = time.perf_counter()
     core.generate(prompts, sampling)  # warm-up: graph capture, allocator
@@ -85,6 +85,47 @@ def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams
                                           "mean": float((recorded - engine.cpu()).abs().mean())},
             "logprob_vs_trainer": {"max": float((recorded - trainer).abs().max()),
                                    "mean": float((recorded - trainer).abs().mean())}}
+
+
+def bench_vllm_backend(model_dir: Path, prompts: list[str], sampling: SamplingParams) -> dict:
+    """Generate through the vllm backend (RoleFleet's `Generate` path), its weight load, sleep and
+    wake, against vLLM alone (`vllm_alone.py`, in its own process) on the same workload."""
+    import subprocess
+    import sys
+
+    alone = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_alone.py")), "--model", str(model_dir),
+                            "--gpu-memory-utilization", "0.3"], capture_output=True, text=True)
+    if alone.returncode != 0:
+        raise SystemExit(f"vllm_alone: exit {alone.returncode}\n{alone.stderr[-3000:]}")
+    result = json.loads(alone.stdout.strip().splitlines()[-1])
+    cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
+                       ["actor.max_tokens_per_request=4194304", "actor.rollout.backend=vllm",
+                        "actor.rollout.vllm.gpu_memory_utilization=0.3"])
+    core = ActorCore(cfg.actor)
+    core.generate(prompts[:8], sampling)  # warm-up
+    seconds, samples = timed(lambda: core.generate(prompts, sampling), 3)
+    made = sum(len(s.response_ids) for s in samples)
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    diff = (torch.cat([s.logprobs for s in samples]) - core.compute_logprobs(batch, 1.0, False).logprobs).abs()
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    core.engine.sleep()
+    sleep_s = time.perf_counter() - start
+    free_asleep = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    core.engine.load_weights(core.model.named_parameters())
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    core.engine.wake()
+    wake_s = time.perf_counter() - start
+    result.update({"backend_tokens_per_s": made / seconds, "tokens": made,
+                   "ratio_to_vllm_alone": made / seconds / result["vllm_alone_tokens_per_s"],
+                   "logprob_vs_trainer": {"mean": float(diff.mean()), "max": float(diff.max())},
+                   "sleep_s": sleep_s, "load_weights_s": load_s, "wake_s": wake_s,
+                   "gpu_gb_freed_by_sleep": (free_asleep - free_awake) / 2**30})
+    core.engine.sleep()  # its memory back for the hf variants timed next in this process
+    return result
 
 
 def bench_training(core: ActorCore, args, n_params: int, label: str) -> dict:
@@ -144,9 +185,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--budgets", default="16384,32768", help="max_tokens_per_micro_batch values")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--decodes", default="loop,generate", help="actor.rollout_decode kinds to time Generate with")
+    p.add_argument("--decodes", default="loop,generate", help="actor.rollout.decode kinds to time Generate with")
     p.add_argument("--variants", default="compile_layers=false;compile_layers=true",
                    help="';'-separated actor settings (each ','-separated) to time the engines with")
+    p.add_argument("--vllm", action="store_true", help="also time Generate through the vllm backend and vLLM alone")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--response-tokens", type=int, default=256)
     args = p.parse_args()
@@ -154,6 +196,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.vllm:
+        rng = random.Random(0)
+        prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]
+        results["vllm"] = bench_vllm_backend(model_dir, prompts, SamplingParams(max_new_tokens=args.response_tokens, seed=0))
+        print(json.dumps(results["vllm"]), flush=True)
     for i, variant in enumerate(args.variants.split(";")):
         cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
                            ["actor.max_tokens_per_request=4194304", *(f"actor.{kv}" for kv in variant.split(","))])

@@ -14,15 +14,17 @@ from rolefleet.common.tiny_model import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA; on CPU machines (CI) they are skipped, not failed."""
+    """`gpu` tests need CUDA and `vllm` tests vLLM; where either is missing (CI) they are skipped."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    from rolefleet.actor.rollout import vllm_installed
+
+    missing = {"gpu": None if torch.cuda.is_available() else "needs a CUDA device",
+               "vllm": None if vllm_installed() else "needs vLLM installed"}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in missing.items():
+            if reason and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

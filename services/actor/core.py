@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rolefleet.actor.rollout import RolloutEngine
+from rolefleet.actor.rollout import RolloutEngine, choose_backend, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
@@ -50,13 +50,22 @@ class ActorCore:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
-        self.engine: RolloutEngine = HFRolloutEngine(self.model, self.tokenizer, self.device, cfg,
-                                                     compute_dtype(self.device, cfg.compute_dtype))
+        self.engine: RolloutEngine = self._make_engine(seed)
         self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed)
         # The model lock (generation and updates never interleave), step ledger and policy version.
         self.state = TrainerState(ROLE)
         self._lock = self.state.lock
         metrics.MODEL_VERSION.labels(ROLE).set(0)
+
+    def _make_engine(self, seed: int) -> RolloutEngine:
+        backend = choose_backend(self.cfg.rollout.backend, self.device.type == "cuda", vllm_installed())
+        log.info("rollout backend: %s", backend)
+        if backend == "vllm":
+            from rolefleet.actor.rollout_vllm import VllmRolloutEngine
+
+            return VllmRolloutEngine(self.model, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed)
+        return HFRolloutEngine(self.model, self.tokenizer, self.device, self.cfg,
+                               compute_dtype(self.device, self.cfg.compute_dtype))
 
     # --- rollouts ---------------------------------------------------------------------------------
 

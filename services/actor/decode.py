@@ -31,7 +31,7 @@ SLOT_ROUNDING = 128  # cache lengths are rounded up to this, so calls of similar
 
 
 class UnsupportedModel(NotImplementedError):
-    """The model's attention cannot run on the engine's cache (use `actor.rollout_decode=generate`)."""
+    """The model's attention cannot run on the engine's cache (use `actor.rollout.decode=generate`)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ temperature) of the engine's own forward, before top-k / top-p truncation.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -32,3 +33,29 @@ class RolloutEngine(Protocol):
 
     def reset_cache(self) -> None:
         """Drop any cached prefixes: they were computed with the previous weights."""
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def backend_problem(backend: str, has_gpu: bool, installed: bool) -> str | None:
+    """Why `actor.rollout.backend` cannot run here, or None."""
+    if backend != "vllm":
+        return None
+    if not installed:
+        return ("vllm is not installed in this environment: install it with `pip install 'rolefleet[vllm]'`, "
+                "or set actor.rollout.backend=hf")
+    if not has_gpu:
+        return "vllm needs a CUDA GPU and the actor has none: give it devices.actor, or set actor.rollout.backend=hf"
+    return None
+
+
+def choose_backend(backend: str, has_gpu: bool, installed: bool) -> str:
+    """The engine `actor.rollout.backend` selects: `auto` is vllm where it is installed and a GPU is
+    visible, else hf. Raises ValueError naming the key when `vllm` is asked for and cannot run."""
+    if (problem := backend_problem(backend, has_gpu, installed)) is not None:
+        raise ValueError(f"actor.rollout.backend: {problem}")
+    if backend == "auto":
+        return "vllm" if installed and has_gpu else "hf"
+    return backend

@@ -56,7 +56,7 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.cfg = cfg
-        self._loop = None if cfg.rollout_decode == "generate" else DecodeLoop(
+        self._loop = None if cfg.rollout.decode == "generate" else DecodeLoop(
             self.model, device, tokenizer.pad_token_id, [tokenizer.eos_token_id], cfg.max_tokens_per_micro_batch)
 
     # --- weights and memory -------------------------------------------------------------------------
@@ -84,10 +84,10 @@ class HFRolloutEngine:
 
     def generate(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams,
                  policy_version: int) -> Iterator[list[Sample]]:
-        """n samples for each prompt, prompt-major, yielded one forward batch (`rollout_batch_size`
+        """n samples for each prompt, prompt-major, yielded one forward batch (`rollout.batch_size`
         sequences) at a time so callers can stream finished samples. prompt_ids: list of int64 [P_i]."""
         jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(sampling.n)]
-        batch_size = self.cfg.rollout_batch_size
+        batch_size = self.cfg.rollout.batch_size
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
             # Each forward batch its own seed: the decode loop seeds after capturing its graph.
@@ -115,9 +115,9 @@ class HFRolloutEngine:
                                      sampling.max_new_tokens, sampling.seed)
                 return out.tokens, out.logprobs
             except UnsupportedModel as exc:
-                if self.cfg.rollout_decode == "loop":
+                if self.cfg.rollout.decode == "loop":
                     raise
-                log.warning("actor.rollout_decode=auto: %s; falling back to transformers' generate", exc)
+                log.warning("actor.rollout.decode=auto: %s; falling back to transformers' generate", exc)
                 self._loop = None
         if sampling.seed >= 0:
             torch.manual_seed(sampling.seed)

@@ -174,16 +174,48 @@ class _TrainerSection(Endpoint):
         "CPU); master weights and optimizer state stay float32")
 
 
+class VllmSection(_Section):
+    """Knobs of the vllm rollout backend, passed to vLLM's engine (its docs say more)."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="fraction of the GPU's memory "
+                                          "vLLM may take for weights and KV cache (the trainer shares the GPU)")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="sequences scheduled at once; default vLLM's")
+    max_num_batched_tokens: Optional[int] = Field(None, ge=1, description="tokens per engine step; "
+                                                  "default vLLM's")
+    max_model_len: Optional[int] = Field(None, ge=1, description="context length the KV cache is sized "
+                                         "for; default the model's")
+    enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (faster start, slower decode)")
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of common prompt prefixes "
+                                        "(the n samples of a prompt); reset after every weight load")
+    sleep_level: Literal[0, 1, 2] = Field(1, description="what vLLM releases while the trainer runs on its "
+                                          "GPU: 1 = KV cache freed, weights offloaded to CPU memory; 2 = "
+                                          "both freed (the trainer's weights are loaded on wake); 0 = no sleep")
+
+
+class RolloutSection(_Section):
+    backend: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="rollout engine: vllm, hf (transformers), or auto (vllm where it is installed "
+        "and a GPU is visible, else hf)")
+    batch_size: int = Field(256, ge=1, description="sequences per engine call; each call's samples "
+                            "stream back as soon as it finishes")
+    decode: Literal["auto", "loop", "generate"] = Field(
+        "auto", description="decoding of the hf engine: loop (the engine's own KV cache, device sampling, "
+        "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
+        "generate for a model whose attention the loop cannot serve)")
+    vllm: VllmSection = Field(default_factory=VllmSection)
+
+
+# Keys that moved: a config still using one gets the new name, not just "extra inputs are not permitted".
+_MOVED_ACTOR_KEYS = {"rollout_batch_size": "actor.rollout.batch_size", "rollout_decode": "actor.rollout.decode",
+                     "rollout_cache": "actor.rollout.decode (the decode loop replaced the static cache)"}
+
+
 CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
 
 
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
-    rollout_batch_size: int = Field(256, ge=1, description="sequences generated per forward batch")
-    rollout_decode: Literal["auto", "loop", "generate"] = Field(
-        "auto", description="decoding of the hf rollout engine: loop (the engine's own KV cache, device "
-        "sampling, one CUDA graph per step), generate (transformers' generate), or auto (loop, falling "
-        "back to generate for a model whose attention the loop cannot serve)")
+    rollout: RolloutSection = Field(default_factory=lambda: RolloutSection())
     max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
                                   "checked before tokenization")
     ref_offload: bool = Field(False, description="keep the reference model in CPU memory between "
@@ -205,6 +237,15 @@ class ActorSection(_TrainerSection):
     is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
 
     _loss = field_validator("policy_loss")(lambda cls, v: _one_of(POLICY_LOSSES, v))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = [f"actor.{k} is now {new}" for k, new in _MOVED_ACTOR_KEYS.items() if k in data]
+            if moved:
+                raise ValueError("; ".join(moved))
+        return data
     _kl = field_validator("kl_loss_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
     _is = field_validator("is_correction")(lambda cls, v: _one_of(IS_CORRECTIONS, v))
 

@@ -38,6 +38,7 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
         if command != "up":  # `up` fills the addresses in once the roles have bound their ports
             problems += check_role_addresses(cfg)
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
+    problems += check_rollout_backend(cfg, roles, command)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
 
@@ -264,6 +265,26 @@ def _visible_note() -> str:
     # up gives each role its own CUDA_VISIBLE_DEVICES, but the count is of what `up` itself sees.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return "" if visible is None else f"; this process sees only CUDA_VISIBLE_DEVICES={visible!r}"
+
+
+def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) -> list[str]:
+    """`actor.rollout.backend=vllm` needs vllm installed and a GPU for the actor (`up`: its device
+    group; `serve`: what the process sees)."""
+    if "actor" not in roles:
+        return []
+    from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
+
+    has_gpu = bool(cfg.devices.actor) if command == "up" else gpu_count() > 0
+    backend, installed = cfg.actor.rollout.backend, vllm_installed()
+    if (problem := backend_problem(backend, has_gpu, installed)) is not None:
+        return [f"actor.rollout.backend: {problem}"]
+    truncating = [k for k, on in (("top_k", cfg.sampling.top_k > 0), ("top_p", cfg.sampling.top_p < 1)) if on]
+    if truncating and choose_backend(backend, has_gpu, installed) == "vllm":
+        chosen = "" if backend == "vllm" else " (auto chose it: vllm is installed and the actor has a GPU)"
+        return [f"sampling.{truncating[0]}: the vllm rollout backend{chosen} cannot record the untruncated "
+                "logprob the project's convention needs (docs/algorithms.md) when top-k or top-p truncates; "
+                "set actor.rollout.backend=hf or turn truncation off"]
+    return []
 
 
 def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:

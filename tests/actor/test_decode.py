@@ -66,7 +66,7 @@ def test_decode_logprobs_match_a_plain_forward(tiny_model_dir, top_k, top_p):
 
 
 def test_same_seed_same_samples_and_batches_draw_independently(tiny_model_dir):
-    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout_batch_size=4")
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.batch_size=4")
     sampling = SamplingParams(max_new_tokens=5, n=4, seed=3, temperature=2.0)
     first = [s.response_ids.tolist() for s in core.generate(["5+5="] * 2, sampling)]
     again = [s.response_ids.tolist() for s in core.generate(["5+5="] * 2, sampling)]
@@ -75,7 +75,7 @@ def test_same_seed_same_samples_and_batches_draw_independently(tiny_model_dir):
 
 
 def test_generate_fallback_gives_the_same_contract(tiny_model_dir):
-    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout_decode=generate")
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=generate")
     assert core.engine._loop is None
     samples = core.generate(["1+2=", "13+4="], SamplingParams(max_new_tokens=5, n=2, seed=1, top_k=5))
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_auto_falls_back_to_generate_for_a_model_the_loop_cannot_serve(tiny_mode
         samples = core.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=1))
     assert len(samples) == 2 and core.engine._loop is None
     assert "falling back to transformers' generate" in caplog.text and "softcap" in caplog.text
-    strict = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout_decode=loop")
+    strict = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=loop")
     monkeypatch.setattr(strict.engine._loop, "run", unsupported)
     with pytest.raises(UnsupportedModel):
         strict.generate(["1+2="], SamplingParams(max_new_tokens=4))

@@ -102,7 +102,7 @@ def test_a_cancelled_stream_releases_the_model(tiny_model_dir):
     from rolefleet.common.config import parse_config
 
     core = ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}},
-                                  ["actor.rollout_batch_size=1"]).actor)
+                                  ["actor.rollout.batch_size=1"]).actor)
 
     async def scenario():
         async with serving("actor", lambda s: actor_server.add_to_server(core, s)) as address:

@@ -1,0 +1,131 @@
+"""The `vllm` rollout engine: vLLM's offline engine inside the actor process.
+
+The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one GPU: vLLM's
+single-process executor), so a weight load is a direct call on its model with the trainer's GPU
+tensors: no serialisation, no IPC, no second copy. Token ids go in and come out (vLLM's tokenizer
+is never loaded; texts are decoded with the actor's own tokenizer, as the hf engine does).
+
+Logprobs: vLLM's `processed_logprobs` mode reports log softmax of the logits after temperature
+*and* top-k / top-p truncation (renormalised over the kept tokens). Without truncation that is
+exactly the project's convention (docs/algorithms.md); with it, no vLLM mode gives the untruncated
+tempered logprob, so requests with top-k or top-p are refused here rather than recorded under
+another distribution (the hf engine serves them).
+
+Sleep: while the trainer runs on the same GPU, vLLM frees its KV cache and offloads (level 1) or
+drops (level 2) its weights; `load_weights` wakes the weights first, `wake` the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.common.config import ActorSection
+from rolefleet.common.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+
+def truncation_refused(sampling: SamplingParams) -> None:
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        field = "sampling.top_k" if sampling.top_k > 0 else "sampling.top_p"
+        raise InvalidArgument(field, "the vllm rollout backend cannot record the untruncated logprob the "
+                              "project's convention needs when top-k or top-p truncates; turn truncation off "
+                              "or set actor.rollout.backend=hf")
+
+
+class VllmRolloutEngine:
+    def __init__(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
+                 model_path: str, seed: int = 0):
+        # In-process engine core: weight loads pass GPU tensors directly (see the module docstring).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        v = cfg.rollout.vllm
+        extra = {k: getattr(v, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
+                 if getattr(v, k) is not None}
+        self.llm = LLM(
+            model=model_path, dtype="bfloat16", seed=seed, skip_tokenizer_init=True,
+            gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+            enable_prefix_caching=v.enable_prefix_caching, enable_sleep_mode=v.sleep_level > 0,
+            logprobs_mode="processed_logprobs",
+            # The checkpoint's sampling defaults (a repetition penalty, say) would reshape the
+            # distribution behind the recorded logprobs: only the request's parameters apply.
+            generation_config="vllm", **extra,
+        )
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.sleep_level = v.sleep_level
+        self._asleep = False        # KV cache (and weights) released
+        self._weights_awake = True  # weights resident on the GPU
+
+    # --- weights and memory -------------------------------------------------------------------------
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        weights = [(name, tensor.detach()) for name, tensor in named]
+        # vLLM's own loader maps checkpoint names onto its fused layers (q/k/v, gate/up) and casts
+        # to its dtype. In-process engine: the callable runs here, on the trainer's GPU tensors.
+        self.llm.collective_rpc(lambda worker: worker.get_model().load_weights(iter(weights)))
+
+    def sleep(self) -> None:
+        if self.sleep_level > 0 and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep, self._weights_awake = True, False
+
+    def wake(self) -> None:
+        if not self._asleep:
+            return
+        if not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+            if self.sleep_level == 2:  # the weights were dropped: the trainer's are the current ones
+                self.load_weights(self.policy.named_parameters())
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+
+    def reset_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    # --- generation ----------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams,
+                 policy_version: int) -> Iterator[list[Sample]]:
+        """n samples per prompt (vLLM's parallel sampling shares the prompt's KV blocks), prompt-major,
+        `rollout.batch_size` sequences per engine call."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm import TokensPrompt
+
+        truncation_refused(sampling)
+        self.wake()
+        per_call = max(1, self.cfg.rollout.batch_size // sampling.n)
+        for start in range(0, len(prompt_ids), per_call):
+            chunk = range(start, min(start + per_call, len(prompt_ids)))
+            params = [VllmSampling(
+                n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
+                stop_token_ids=[self.tokenizer.eos_token_id], logprobs=0, detokenize=False,
+                # vLLM seeds child i of a request with seed + i: prompts far apart keep streams apart.
+                seed=None if sampling.seed < 0 else (sampling.seed * 1_000_003 + p * sampling.n) % 2**62,
+            ) for p in chunk]
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[p].tolist()) for p in chunk],
+                                        params, use_tqdm=False)
+            yield [self._sample(p, prompt_ids[p], completion, policy_version)
+                   for p, out in zip(chunk, outputs) for completion in sorted(out.outputs, key=lambda c: c.index)]
+
+    def _sample(self, prompt_index: int, prompt: torch.Tensor, completion, policy_version: int) -> Sample:
+        tokens = list(completion.token_ids)
+        logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+        response = torch.tensor(tokens, dtype=torch.int64)
+        reason = FinishReason.STOP if completion.finish_reason == "stop" else FinishReason.LENGTH
+        return Sample(prompt_index=prompt_index, sample_index=completion.index, prompt_ids=prompt,
+                      response_ids=response, logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                      finish_reason=reason, policy_version=policy_version,
+                      response_text=self.tokenizer.decode(response, skip_special_tokens=True))

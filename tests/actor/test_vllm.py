@@ -1,0 +1,108 @@
+"""The vllm rollout backend on a GPU (skipped where CUDA or vLLM is missing): the logprob convention
+against the trainer's recompute, new weights after an update, sleep and wake, and a run that learns."""
+
+import pytest
+import torch
+
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+# bf16 vLLM forward against the trainer's bf16-autocast recompute over fp32 weights.
+MEAN_TOLERANCE, MAX_TOLERANCE = 0.02, 0.2
+
+
+def vllm_actor(model_dir, *overrides):
+    cfg = parse_config({"model": {"model_name_or_path": model_dir}},
+                       ["actor.rollout.backend=vllm", "actor.rollout.vllm.gpu_memory_utilization=0.3",
+                        "actor.lr=1e-2", *overrides])
+    return ActorCore(cfg.actor)
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir):
+    return vllm_actor(tiny_model_dir)
+
+
+def check_against_trainer(actor, samples, temperature):
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    recomputed = actor.compute_logprobs(batch, temperature, include_reference=False).logprobs
+    diff = (torch.cat([s.logprobs for s in samples]) - recomputed).abs()
+    assert diff.mean() < MEAN_TOLERANCE and diff.max() < MAX_TOLERANCE, (diff.mean(), diff.max())
+    return batch
+
+
+def test_vllm_samples_under_the_logprob_convention(actor):
+    from rolefleet.actor.rollout_vllm import VllmRolloutEngine
+
+    assert isinstance(actor.engine, VllmRolloutEngine)
+    samples = actor.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=8, n=4, seed=0, temperature=0.7))
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(3) for i in range(4)]
+    check_against_trainer(actor, samples, 0.7)
+    eos = actor.tokenizer.eos_token_id
+    for s in samples:  # a stop token ends its response (and is part of it, as in the hf engine)
+        assert (s.response_ids[:-1] != eos).all()
+        assert (s.finish_reason.name == "STOP") == (int(s.response_ids[-1]) == eos)
+
+
+def test_vllm_generates_from_the_new_weights_after_an_update(actor):
+    samples = actor.generate(["1+2=", "5+5="], SamplingParams(max_new_tokens=6, n=4, seed=1))
+    batch = check_against_trainer(actor, samples, 1.0)
+    lp = actor.compute_logprobs(batch, 1.0, include_reference=False)
+    adv = torch.linspace(-1, 1, batch.num_response_tokens)
+    version = actor.policy_version
+    actor.update(version + 1, version, batch, PolicyTargets(adv, lp.logprobs), 1.0)
+    after = actor.generate(["1+2=", "5+5="], SamplingParams(max_new_tokens=6, n=4, seed=1))
+    assert all(s.policy_version == version + 1 for s in after)
+    check_against_trainer(actor, after, 1.0)  # the recompute uses the updated trainer weights
+
+
+def test_sleep_frees_memory_and_wake_restores_generation(actor):
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    actor.engine.sleep()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    assert free_asleep > free_awake + (1 << 28)  # at least the KV cache (256 MiB) came back
+    actor.engine.load_weights(actor.model.named_parameters())
+    actor.engine.wake()
+    assert torch.cuda.mem_get_info()[0] < free_asleep - (1 << 28)
+    samples = actor.generate(["2+2="], SamplingParams(max_new_tokens=4, n=2, seed=2))
+    check_against_trainer(actor, samples, 1.0)
+
+
+def test_truncating_requests_are_refused_not_mislabelled(actor):
+    from rolefleet.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="sampling.top_p"):
+        actor.generate(["1+2="], SamplingParams(top_p=0.9))
+
+
+@pytest.mark.timeout(900)
+def test_a_grpo_run_with_the_vllm_backend_learns(tmp_path):
+    """configs/demo_grpo.yaml's task and settings (100 steps) with vLLM generating."""
+    import asyncio
+    import json
+
+    from rolefleet.actor.client import InProcessActorClient
+    from rolefleet.common.config import load_config
+    from rolefleet.common.tiny_model import make_tiny_model
+    from rolefleet.coordinator.logger import RunLogger
+    from rolefleet.coordinator.loop import Roles, train
+    from rolefleet.coordinator.state import RunStatus
+    from rolefleet.reward.client import InProcessRewardClient
+    from rolefleet.reward.core import RewardCore
+
+    model = make_tiny_model(tmp_path / "model", task="addition", warm_start_steps=150)
+    cfg = load_config("configs/demo_grpo.yaml", [f"model.model_name_or_path={model}", f"run.output_dir={tmp_path / 'run'}",
+                                                 "train.total_steps=100", "actor.rollout.backend=vllm",
+                                                 "actor.rollout.vllm.gpu_memory_utilization=0.3"])
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor)), InProcessRewardClient(RewardCore(cfg.reward)), None)
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    try:
+        asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, cfg.train.total_steps)))
+    finally:
+        logger.close()
+    rewards = [json.loads(line)["reward/mean"] for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
