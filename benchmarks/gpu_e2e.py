@@ -120,7 +120,7 @@ def main() -> None:
     results = [run(a, model, runs, args.steps, params, b) for b in args.backends.split(",")
                for a in args.algorithms.split(",")]
     if args.trl:
-        results.append(trl_side_by_side(model, args.steps, next(r for r in results if r["algorithm"] == "grpo" and r["backend"] == "hf")))
+        results.append(trl_side_by_side(model, args.steps, next(r for r in results if r["algorithm"] == "grpo")))
     for r in results:
         print(json.dumps(r), flush=True)
     (out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))

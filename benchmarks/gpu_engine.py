@@ -93,11 +93,15 @@ def bench_vllm_backend(model_dir: Path, prompts: list[str], sampling: SamplingPa
     import subprocess
     import sys
 
-    alone = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_alone.py")), "--model", str(model_dir),
-                            "--gpu-memory-utilization", "0.3"], capture_output=True, text=True)
-    if alone.returncode != 0:
-        raise SystemExit(f"vllm_alone: exit {alone.returncode}\n{alone.stderr[-3000:]}")
-    result = json.loads(alone.stdout.strip().splitlines()[-1])
+    result = {}
+    for seeded in (False, True):  # RoleFleet sends a seed per request; vLLM's sampler is slower with one
+        alone = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_alone.py")), "--model",
+                                str(model_dir), "--gpu-memory-utilization", "0.3", *(["--seeded"] if seeded else [])],
+                               capture_output=True, text=True)
+        if alone.returncode != 0:
+            raise SystemExit(f"vllm_alone: exit {alone.returncode}\n{alone.stderr[-3000:]}")
+        result["seeded" if seeded else "unseeded"] = json.loads(alone.stdout.strip().splitlines()[-1])
+    result["vllm_alone_tokens_per_s"] = result["seeded"]["vllm_alone_tokens_per_s"]
     cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
                        ["actor.max_tokens_per_request=4194304", "actor.rollout.backend=vllm",
                         "actor.rollout.vllm.gpu_memory_utilization=0.3"])
@@ -203,7 +207,8 @@ def main() -> None:
         print(json.dumps(results["vllm"]), flush=True)
     for i, variant in enumerate(args.variants.split(";")):
         cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
-                           ["actor.max_tokens_per_request=4194304", *(f"actor.{kv}" for kv in variant.split(","))])
+                           ["actor.max_tokens_per_request=4194304", "actor.rollout.backend=hf",
+                            *(f"actor.{kv}" for kv in variant.split(","))])
         core = ActorCore(cfg.actor)
         n_params = results["params"] = sum(p.numel() for p in core.model.parameters())
         # Generate: 256 prompts x 256 new tokens (random weights rarely stop early: every token is made).

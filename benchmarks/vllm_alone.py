@@ -20,6 +20,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--seeded", action="store_true", help="a seed per request, as RoleFleet's Generate sends "
+                   "(vLLM then draws each sequence's noise from its own generator)")
     args = p.parse_args()
     import torch
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -29,8 +31,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(100, 1000, (args.prompt_tokens,), generator=g).tolist())
                for _ in range(args.prompts)]
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, logprobs=0, detokenize=False)
-    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, logprobs=0, detokenize=False,
+                             seed=i if args.seeded else None) for i in range(len(prompts))]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     seconds = []
     for _ in range(3):
         start = time.perf_counter()

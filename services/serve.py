@@ -53,6 +53,19 @@ def _critic(cfg: RoleFleetConfig):
 # Model-serving roles: build the core (load models) first, then open the port, so that SERVING
 # means ready. The coordinator is different (it runs the loop): see rolefleet.coordinator.server.
 ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
+GROUP_ROLES = ("actor", "critic")  # roles that can run over several worker processes
+
+
+def build_core(role: str, cfg: RoleFleetConfig):
+    """The role's core alone (what each worker rank of a group builds)."""
+    return ROLE_BUILDERS[role](cfg)[0]
+
+
+def worker_count(role: str, cfg: RoleFleetConfig) -> int:
+    """One worker per GPU of the role's device group, or `<role>.workers` (CPU groups)."""
+    if role not in GROUP_ROLES:
+        return 1
+    return getattr(cfg, role).workers or max(1, len(getattr(cfg.devices, role)))
 
 
 async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
@@ -71,11 +84,24 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if role not in ROLE_BUILDERS:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
     section = getattr(cfg, role)
+    world = worker_count(role, cfg)
+    group = None
+    if world > 1:
+        from rolefleet.common.workers import WorkerGroup
+
+        group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"))
     core, add_servicers = ROLE_BUILDERS[role](cfg)
+    core.group = group
     handle = await start_server(role, section, add_servicers)
     if ready_file:
         write_ready_file(ready_file, handle)
-    await serve_until_stopped(handle, close=core.close)
+
+    def close() -> None:
+        core.close()
+        if group is not None:
+            group.stop()
+
+    await serve_until_stopped(handle, close=close)
     log.info("%s stopped", role)
     return 0
 

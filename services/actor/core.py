@@ -6,6 +6,7 @@ import copy
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -28,6 +29,7 @@ from rolefleet.common.modeling import (
 )
 from rolefleet.common.roles import RoleStatus, UpdateResult
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
+from rolefleet.common.workers import all_gather, rank_slice, spmd
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
@@ -51,6 +53,7 @@ class ActorCore:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
         self.engine: RolloutEngine = self._make_engine(seed)
+        self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
         self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed)
         # The model lock (generation and updates never interleave), step ledger and policy version.
         self.state = TrainerState(ROLE)
@@ -61,9 +64,14 @@ class ActorCore:
         backend = choose_backend(self.cfg.rollout.backend, self.device.type == "cuda", vllm_installed())
         log.info("rollout backend: %s", backend)
         if backend == "vllm":
-            from rolefleet.actor.rollout_vllm import VllmRolloutEngine
+            try:
+                from rolefleet.actor.rollout_vllm import VllmRolloutEngine
 
-            return VllmRolloutEngine(self.model, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed)
+                return VllmRolloutEngine(self.model, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed)
+            except Exception as exc:  # an installed vLLM that cannot start here (its torch pin, say)
+                if self.cfg.rollout.backend == "vllm":
+                    raise
+                log.warning("actor.rollout.backend=auto: vLLM is installed but did not start (%s); using hf", exc)
         return HFRolloutEngine(self.model, self.tokenizer, self.device, self.cfg,
                                compute_dtype(self.device, self.cfg.compute_dtype))
 
@@ -97,9 +105,25 @@ class ActorCore:
 
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
         with self._lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
-            for chunk in self.engine.generate(prompt_ids, sampling, self.policy_version):
+            if self.group is None:
+                chunks = self.engine.generate(prompt_ids, sampling, self.policy_version)
+            else:  # each worker generates its share of the prompts; one chunk when all are done
+                chunks = iter([spmd(self, "_generate_share", prompt_ids, sampling, self.policy_version)])
+            for chunk in chunks:
                 metrics.TOKENS_GENERATED.labels(ROLE).inc(sum(len(s.response_ids) for s in chunk))
                 yield chunk
+
+    def _generate_share(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams, version: int) -> list[Sample]:
+        """SPMD: this rank's contiguous share of the prompts (all n samples of each), gathered in
+        prompt order. A seeded request draws per rank (seed + first prompt index of the share)."""
+        mine = rank_slice(len(prompt_ids)).tolist()
+        samples = []
+        if mine:
+            offset = mine[0]
+            seeded = sampling if sampling.seed < 0 else replace(sampling, seed=sampling.seed + offset)
+            for chunk in self.engine.generate([prompt_ids[i] for i in mine], seeded, version):
+                samples += [replace(s, prompt_index=s.prompt_index + offset) for s in chunk]
+        return [s for part in all_gather(samples) for s in part]
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()
@@ -123,7 +147,20 @@ class ActorCore:
         batch.check_limits(self.limits, vocab_size=self.vocab_size)
         temperature = require_temperature(temperature)
         with self._lock:
-            return self.trainer.compute_logprobs(batch, temperature, include_reference, self.policy_version)
+            return spmd(self, "_compute_logprobs", batch, temperature, include_reference, self.policy_version)
+
+    def _compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
+                          version: int) -> LogProbs:
+        """SPMD (`workers.spmd`): each rank its share of the rows, gathered in the batch's token order."""
+        rows = rank_slice(len(batch))
+        if len(rows) == len(batch):  # one worker
+            return self.trainer.compute_logprobs(batch, temperature, include_reference, version)
+        part = self.trainer.compute_logprobs(batch.select(rows), temperature, include_reference, version) \
+            if len(rows) else None
+        parts = [(r, p) for r, p in all_gather((rows, part)) if p is not None]
+        merged = {name: batch.merge_rows([(r, getattr(p, name)) for r, p in parts])
+                  for name in ("logprobs", "entropy") + (("ref_logprobs",) if include_reference else ())}
+        return LogProbs(policy_version=version, ref_logprobs=merged.pop("ref_logprobs", None), **merged)
 
     def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                temperature: float) -> UpdateResult:
@@ -132,13 +169,14 @@ class ActorCore:
         self._check_targets(batch, targets)
         temperature = require_temperature(temperature)
 
-        def train() -> dict[str, float]:
-            self.engine.sleep()  # the trainer needs the memory more than the engine's caches
-            stats = self.trainer.update(batch, targets, temperature)
-            stats["weight_sync_s"] = self._sync_weights()
-            return stats
+        return self.state.update(step, policy_version, lambda: spmd(self, "_train", batch, targets, temperature))
 
-        return self.state.update(step, policy_version, train)
+    def _train(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
+        """SPMD: every rank steps its replica with the gradients summed over all ranks."""
+        self.engine.sleep()  # the trainer needs the memory more than the engine's caches
+        stats = self.trainer.update(batch, targets, temperature)
+        stats["weight_sync_s"] = self._sync_weights()
+        return stats
 
     @property
     def policy_version(self) -> int:

@@ -54,21 +54,21 @@ class KVCache:
         self._masks.clear()
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer not in self.keys:  # first prefill: shapes and dtype from the model's own projections
-            shape = (self.batch, key.shape[1], self.length, key.shape[3])
-            self.keys[layer] = key.new_zeros(shape)
-            self.values[layer] = value.new_zeros(shape)
+        if layer not in self.keys:  # first forward: shapes and dtype from the model's own projections
+            self.keys[layer] = key.new_zeros((self.batch, key.shape[1], self.length, key.shape[3]))
+            self.values[layer] = value.new_zeros((self.batch, value.shape[1], self.length, value.shape[3]))
         k, v = self.keys[layer][self.rows], self.values[layer][self.rows]
         index = self.slot + torch.arange(key.shape[2], device=key.device)
         k.index_copy_(2, index, key.to(k.dtype))
         v.index_copy_(2, index, value.to(v.dtype))
         return k, v
 
-    def mask(self, queries: int, window: int | None) -> torch.Tensor:
-        """[b, 1, q, L] bool: row b's query at slot s sees its own prompt and response up to s (and
-        within the sliding window). A left-padding query sees only itself, so it is never NaN."""
+    def mask(self, queries: int, window: int | None, length: int) -> torch.Tensor:
+        """[b, 1, q, length] bool over the first `length` slots: row b's query at slot s sees its own
+        prompt and response up to s (and within the sliding window). A left-padding query sees only
+        itself, so it is never NaN."""
         if window not in self._masks:
-            keys = torch.arange(self.length, device=self.first.device)
+            keys = torch.arange(length, device=self.first.device)
             query = self.slot + torch.arange(queries, device=self.first.device)      # [q]
             seen = (keys <= query[:, None]) & (keys >= self.first[self.rows][:, None, None])  # [b, q, L]
             if window is not None:
@@ -88,8 +88,10 @@ def cache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if extras:
         raise UnsupportedModel(f"{type(module).__name__} uses attention options the cache attention lacks: {extras}")
     k, v = rolefleet_cache.write(module.layer_idx, key, value)
-    mask = rolefleet_cache.mask(query.shape[2], sliding_window)
     b, heads, queries, dim = query.shape
+    if queries > 1:  # prefill writes slots [0, width): nothing beyond them to attend to
+        k, v = k[:, :, :queries], v[:, :, :queries]
+    mask = rolefleet_cache.mask(queries, sliding_window, k.shape[2])
     kv_heads = k.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if queries == 1:
@@ -267,9 +269,7 @@ class DecodeLoop:
         shape = (batch, length, top_k, nucleus)
         if shape == self._shape:
             return self._buffers
-        self.release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the previous shape's cache and graph pool
+        self.release()  # the previous shape's buffers go back to the allocator, which reuses them
         dev = self.device
         long = dict(dtype=torch.int64, device=dev)
         cache = KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long))
@@ -278,11 +278,31 @@ class DecodeLoop:
                        out_tokens=torch.zeros(batch, length, **long),
                        out_logprobs=torch.zeros(batch, length, dtype=torch.float32, device=dev),
                        temperature=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev))
-        self._step(buf, top_k, nucleus)  # allocates the cache's layers (the slot-0 garbage is overwritten)
+        try:  # allocates the cache's layers (the slot-0 garbage is overwritten)
+            self._step(buf, top_k, nucleus)
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            raise UnsupportedModel(f"the decode loop failed on this model's first step: {exc}") from exc
+        self._check_served(cache)
         if self.use_graphs:
             buf.graph = self._capture(buf, top_k, nucleus)
         self._shape, self._buffers = shape, buf
         return buf
+
+    def _check_served(self, cache: KVCache) -> None:
+        """Every decoder layer must have cached through `cache_attention`: a layer with other state
+        (convolutions, linear attention, SSMs in hybrid models) or an attention type known only to
+        its mask (chunked attention) would decode without it and sample wrong tokens silently."""
+        config = self.model.config
+        kinds = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+        layers = getattr(config, "num_hidden_layers", None)
+        if kinds or getattr(config, "attention_chunk_size", None):
+            raise UnsupportedModel(f"{config.model_type}: layer types the decode loop cannot cache: "
+                                   f"{sorted(kinds) or ['chunked_attention']}")
+        if layers is not None and len(cache.keys) != layers:
+            raise UnsupportedModel(f"{config.model_type}: only {len(cache.keys)} of {layers} layers used "
+                                   "the engine's cache")
 
     def _capture(self, buf: _Buffers, top_k: int, nucleus: bool) -> torch.cuda.CUDAGraph | None:
         try:
@@ -295,6 +315,8 @@ class DecodeLoop:
             with torch.cuda.graph(graph):
                 self._step(buf, top_k, nucleus)
             return graph
+        except torch.OutOfMemoryError:
+            raise  # not a property of the model: the next call may capture
         except RuntimeError as exc:  # a model whose forward syncs with the host cannot be captured
             log.warning("decode step not capturable as a CUDA graph (%s); decoding eagerly", exc)
             self.use_graphs = False

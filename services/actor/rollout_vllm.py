@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ActorSection
-from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,10 @@ class VllmRolloutEngine:
         v = cfg.rollout.vllm
         extra = {k: getattr(v, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
                  if getattr(v, k) is not None}
+        self.max_model_len = v.max_model_len
         self.llm = LLM(
-            model=model_path, dtype="bfloat16", seed=seed, skip_tokenizer_init=True,
+            model=model_path, dtype="float32" if cfg.compute_dtype == "float32" else "bfloat16", seed=seed,
+            skip_tokenizer_init=True,
             gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
             enable_prefix_caching=v.enable_prefix_caching, enable_sleep_mode=v.sleep_level > 0,
             logprobs_mode="processed_logprobs",
@@ -62,38 +64,50 @@ class VllmRolloutEngine:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.sleep_level = v.sleep_level
-        self._asleep = False        # KV cache (and weights) released
-        self._weights_awake = True  # weights resident on the GPU
+        self._asleep = False           # KV cache (and weights) released
+        self._weights_awake = True     # weight memory mapped on the GPU
+        self._weights_current = True   # ... and holding the trainer's weights
 
     # --- weights and memory -------------------------------------------------------------------------
+    # The flags are pessimistic (set before the call they describe): after a failure midway, the
+    # next `wake` wakes everything and reloads the trainer's weights rather than sample from a
+    # paused or half-restored engine.
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         if not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])
+            self._wake_tags(["weights"])
             self._weights_awake = True
         weights = [(name, tensor.detach()) for name, tensor in named]
         # vLLM's own loader maps checkpoint names onto its fused layers (q/k/v, gate/up) and casts
         # to its dtype. In-process engine: the callable runs here, on the trainer's GPU tensors.
+        self._weights_current = False
         self.llm.collective_rpc(lambda worker: worker.get_model().load_weights(iter(weights)))
+        self._weights_current = True
 
     def sleep(self) -> None:
         if self.sleep_level > 0 and not self._asleep:
+            self._asleep, self._weights_awake, self._weights_current = True, False, self.sleep_level == 1
             self.llm.sleep(level=self.sleep_level)
-            self._asleep, self._weights_awake = True, False
 
     def wake(self) -> None:
         if not self._asleep:
             return
         if not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])
+            self._wake_tags(["weights"])
             self._weights_awake = True
-            if self.sleep_level == 2:  # the weights were dropped: the trainer's are the current ones
-                self.load_weights(self.policy.named_parameters())
-        self.llm.wake_up(tags=["kv_cache"])
+        if not self._weights_current:  # dropped (level 2) or a load failed: the trainer's are current
+            self.load_weights(self.policy.named_parameters())
+        self._wake_tags(["kv_cache"])
         self._asleep = False
 
+    def _wake_tags(self, tags: list[str]) -> None:
+        # vLLM maps physical memory back in: what the trainer freed must leave torch's cache first.
+        torch.cuda.empty_cache()
+        self.llm.wake_up(tags=tags)
+
     def reset_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        if not self._asleep:  # sleeping (level >= 1) already dropped the prefix cache with the KV cache
+            self.llm.reset_prefix_cache()
 
     # --- generation ----------------------------------------------------------------------------------
 
@@ -105,6 +119,11 @@ class VllmRolloutEngine:
         from vllm import TokensPrompt
 
         truncation_refused(sampling)
+        longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
+        if self.max_model_len is not None and longest > self.max_model_len:
+            raise LimitExceeded("sampling.max_new_tokens", f"a prompt of {longest - sampling.max_new_tokens} tokens "
+                                f"+ {sampling.max_new_tokens} new exceeds actor.rollout.vllm.max_model_len="
+                                f"{self.max_model_len}")
         self.wake()
         per_call = max(1, self.cfg.rollout.batch_size // sampling.n)
         for start in range(0, len(prompt_ids), per_call):

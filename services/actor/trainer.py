@@ -30,6 +30,7 @@ from rolefleet.common.modeling import (
     lm_logprobs,
 )
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
+from rolefleet.common.workers import all_reduce_gradients, rank_and_world, sum_over_ranks
 
 
 class PolicyTrainer:
@@ -121,13 +122,16 @@ class PolicyTrainer:
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
                                     + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
         self.optimizer.zero_grad(set_to_none=True)
-        for (rows, part), weight in zip(micro, parts):
+        rank, world = rank_and_world()  # several workers: each takes every world-th micro-batch
+        for (rows, part), weight in list(zip(micro, parts))[rank::world]:
             share = weight / max(total, 1.0)
             loss, micro_stats = self._micro_loss(mb.select(rows), part(advantages), part(old_logprobs),
                                                  part(ref_logprobs), part(weights), part(mask), temperature)
             (loss * share).backward()
             for name, value in micro_stats.items():
                 stats[name] = stats.get(name, 0.0) + value * share
+        all_reduce_gradients(self.model)
+        stats = sum_over_ranks(stats)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
         grad_norm = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
         out = dict(zip(stats, torch.stack([torch.as_tensor(v, device=self.device).float() for v in stats.values()])

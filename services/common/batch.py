@@ -116,6 +116,15 @@ class SequenceBatch:
                 out[tokens] = part.float().cpu()
         return outputs
 
+    def merge_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One packed [N] tensor from (rows, packed values of those rows) parts that cover the batch
+        (the shares of several workers)."""
+        out = torch.empty(self.num_response_tokens)
+        for rows, values in parts:
+            if len(rows):
+                out[self.token_index(rows)] = values.float().cpu()
+        return out
+
     def token_index(self, rows: torch.Tensor) -> torch.Tensor:
         """Packed-token indices of the responses of `rows`, in row order (for slicing [N] tensors)."""
         starts = torch.cumsum(self.response_lengths, 0) - self.response_lengths

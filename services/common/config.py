@@ -166,6 +166,9 @@ class _TrainerSection(Endpoint):
     sequence_packing: bool = Field(False, description="micro-batches as one row of sequences without "
                                    "padding (attention kept inside each sequence by a block mask) instead "
                                    "of right-padded rows")
+    workers: Optional[int] = Field(None, ge=1, description="worker processes of this role (torch.distributed, "
+                                   "replicated weights, gradients all-reduced): default one per GPU of its "
+                                   "device group; on the CPU, gloo workers")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (one compilation "
                                  "shared by all layers; norms, RoPE and activations fused): faster steps after "
                                  "a compile of tens of seconds per new micro-batch shape family")
@@ -187,9 +190,10 @@ class VllmSection(_Section):
     enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (faster start, slower decode)")
     enable_prefix_caching: bool = Field(True, description="share KV blocks of common prompt prefixes "
                                         "(the n samples of a prompt); reset after every weight load")
-    sleep_level: Literal[0, 1, 2] = Field(1, description="what vLLM releases while the trainer runs on its "
-                                          "GPU: 1 = KV cache freed, weights offloaded to CPU memory; 2 = "
-                                          "both freed (the trainer's weights are loaded on wake); 0 = no sleep")
+    sleep_level: Literal[0, 1, 2] = Field(2, description="what vLLM releases while the trainer runs on its "
+                                          "GPU: 2 = KV cache and weights freed (the trainer's new weights are "
+                                          "loaded on wake); 1 = KV cache freed, weights kept in CPU memory and "
+                                          "copied back on wake; 0 = no sleep")
 
 
 class RolloutSection(_Section):

@@ -38,7 +38,7 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
         if command != "up":  # `up` fills the addresses in once the roles have bound their ports
             problems += check_role_addresses(cfg)
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
-    problems += check_rollout_backend(cfg, roles, command)
+    problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
 
@@ -265,6 +265,17 @@ def _visible_note() -> str:
     # up gives each role its own CUDA_VISIBLE_DEVICES, but the count is of what `up` itself sees.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return "" if visible is None else f"; this process sees only CUDA_VISIBLE_DEVICES={visible!r}"
+
+
+def check_workers(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """A role on GPUs runs one worker per GPU of its group: `<role>.workers` may only repeat that."""
+    problems = []
+    for role in ("actor", "critic"):
+        workers, gpus = getattr(cfg, role).workers, len(getattr(cfg.devices, role))
+        if role in roles and workers is not None and gpus and workers != gpus:
+            problems.append(f"{role}.workers: {workers} workers, but devices.{role} lists {gpus} GPUs "
+                            "(one worker per GPU; leave it unset)")
+    return problems
 
 
 def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) -> list[str]:

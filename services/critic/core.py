@@ -19,6 +19,7 @@ from rolefleet.common.modeling import (
 from rolefleet.common.roles import RoleStatus, UpdateResult
 from rolefleet.common.steps import StepLedger, TrainerState
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
+from rolefleet.common.workers import all_gather, all_reduce_gradients, rank_and_world, rank_slice, spmd, sum_over_ranks
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -41,17 +42,25 @@ class CriticCore:
             compile_decoder_layers(self.model.backbone)
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
+        self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
         self.state = TrainerState(ROLE)  # model lock, step ledger, model version
         self._lock = self.state.lock
 
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N], micro-batch by micro-batch."""
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
-        with self._lock, torch.no_grad(), autocast(self.device, self.dtype):
-            (values,) = batch.map_micro_batches(self.cfg.max_tokens_per_micro_batch,
-                                                lambda mb: (self.model.response_values(mb, self.device, self.packed),),
-                                                self.packed)
-        return values
+        with self._lock:
+            return spmd(self, "_compute_values", batch)
+
+    def _compute_values(self, batch: SequenceBatch) -> torch.Tensor:
+        """SPMD (`workers.spmd`): each rank its share of the rows, gathered in the batch's token order."""
+        rows = rank_slice(len(batch))
+        part = batch.select(rows)
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            (values,) = part.map_micro_batches(self.cfg.max_tokens_per_micro_batch,
+                                               lambda mb: (self.model.response_values(mb, self.device, self.packed),),
+                                               self.packed) if len(part) else (torch.empty(0),)
+        return batch.merge_rows(all_gather((rows, values)))
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
         """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result."""
@@ -59,18 +68,19 @@ class CriticCore:
         batch.check_per_token(returns, "returns", "target")
         batch.check_per_token(old_values, "old_values", "target")
 
+        # No version fence: the critic's Update does not say which policy version made the batch.
+        return self.state.update(step, None, lambda: spmd(self, "_train", batch, returns, old_values))
+
+    def _train(self, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """SPMD: every rank the same mini-batches (same generator), its share of their micro-batches."""
         def train_step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
             return self._step(mb, returns[tokens], old_values[tokens])
 
-        def train() -> dict[str, float]:
-            self.model.train()
-            try:
-                return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
-            finally:
-                self.model.eval()
-
-        # No version fence: the critic's Update does not say which policy version made the batch.
-        return self.state.update(step, None, train)
+        self.model.train()
+        try:
+            return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
+        finally:
+            self.model.eval()
 
     @property
     def model_version(self) -> int:
@@ -85,7 +95,8 @@ class CriticCore:
         value loss is a token mean, so each micro-batch weighs by its share of the tokens."""
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        for rows in mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed):
+        rank, world = rank_and_world()  # several workers: each takes every world-th micro-batch
+        for rows in mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed)[rank::world]:
             sub, tokens = mb.select(rows), mb.token_index(rows)
             with autocast(self.device, self.dtype):
                 values = self.model.response_values(sub, self.device, self.packed)
@@ -96,6 +107,8 @@ class CriticCore:
             (loss * share).backward()
             stats["vf_loss"] += loss.item() * share
             stats["vf_clipfrac"] += micro["vf_clipfrac"].item() * share
+        all_reduce_gradients(self.model)
+        stats = sum_over_ranks(stats)
         stats["vf_lr"] = self.optimizer.param_groups[0]["lr"]
         stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"],
                                                 self.scheduler)

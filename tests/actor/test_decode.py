@@ -108,3 +108,29 @@ def test_sleep_frees_the_cache_and_the_next_call_rebuilds_it(tiny_model_dir):
     core.engine.sleep()
     assert core.engine._loop._buffers is None
     assert [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)] == before
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention", "conv"], ["full_attention", "linear_attention"]])
+def test_layers_the_cache_does_not_serve_are_refused_not_sampled_wrong(tiny_model_dir, layer_types):
+    """A hybrid model's convolution or linear-attention layers would decode without their state:
+    the loop says it cannot serve the model (`auto` then falls back to generate, see above)."""
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=loop")
+    core.engine.model.config.layer_types = layer_types
+    with pytest.raises(UnsupportedModel, match="layer types"):
+        core.generate(["1+2="], SamplingParams(max_new_tokens=3, n=2, seed=1))
+
+
+def test_a_layer_that_bypasses_the_cache_is_detected(tiny_model_dir, monkeypatch):
+    from rolefleet.actor import decode
+
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=loop")
+    real = decode.KVCache.write
+
+    def skip_layer_one(self, layer, key, value):  # as if layer 1 kept its own state
+        out = real(self, layer, key, value)
+        self.keys.pop(1, None)
+        return out
+
+    monkeypatch.setattr(decode.KVCache, "write", skip_layer_one)
+    with pytest.raises(UnsupportedModel, match="layers used the engine's cache"):
+        core.generate(["1+2="], SamplingParams(max_new_tokens=3))

@@ -1,0 +1,186 @@
+"""A role over several worker processes (DESIGN "Process model"): a single controller over SPMD
+workers.
+
+Rank 0 is the role's server process. `WorkerGroup.start` spawns ranks 1..N-1, each of which builds
+the same core and then waits for commands. For a request, rank 0 validates it, then
+`WorkerGroup.call(name, *args)` broadcasts (name, args) and every rank, rank 0 included, runs the
+core's method `name`: an SPMD method that splits its work by rank and meets the other ranks in
+collectives (`torch.distributed`: NCCL on CUDA, gloo on the CPU). Ranks keep replicated weights
+(the same checkpoint, seed and gradient all-reduce keep them equal).
+
+Failure: the result of a collective method must not depend on a rank, so an error that all ranks
+raise alike (a refused step, a non-finite gradient) is an ordinary error on each. Any other error
+in a worker, or a worker that dies, takes the group down: rank 0 logs which rank failed and exits
+non-zero at once (collectives with a dead peer would wait forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rolefleet.common.errors import RoleFleetError
+
+log = logging.getLogger(__name__)
+
+STOP = None
+WATCH_PERIOD_S = 0.5
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective that waits longer means a rank is gone
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_slice(n: int) -> torch.Tensor:
+    """Indices [0, n) this rank handles: a contiguous share, the first ranks one larger."""
+    rank, world = rank_and_world()
+    return torch.arange(n).tensor_split(world)[rank]
+
+
+def all_gather(obj):
+    """Every rank's `obj`, in rank order (a list of one on a single rank)."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_over_ranks(stats: dict) -> dict:
+    """Per-key sums of every rank's statistics (tensors or floats; a rank may have none)."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return stats
+    totals: dict[str, float] = {}
+    for part in all_gather({k: float(v) for k, v in stats.items()}):
+        for k, v in part.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return totals
+
+
+def spmd(core, name: str, *args):
+    """Run the core's SPMD method `name` on every rank of its group (just here without one)."""
+    if getattr(core, "group", None) is not None:
+        core.group.call(name, *args)
+    return getattr(core, name)(*args)
+
+
+def all_reduce_gradients(module: torch.nn.Module) -> None:
+    """Sum every parameter's gradient over the ranks (a rank that ran no micro-batch adds zeros),
+    flattened into one buffer per dtype so the group makes one call, not one per parameter."""
+    _, world = rank_and_world()
+    if world == 1:
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for dtype in {p.grad.dtype for p in params}:
+        grads = [p.grad for p in params if p.grad.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)  # the group's GPUs are all visible; rank i drives the i-th
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+class WorkerGroup:
+    """Rank 0's handle on its workers."""
+
+    def __init__(self, role: str, processes: list[multiprocessing.Process]):
+        self.role = role
+        self.processes = processes
+        self._stopping = False
+        self._watch = threading.Thread(target=self._watch_workers, name=f"{role}-workers", daemon=True)
+        self._watch.start()
+
+    @classmethod
+    def start(cls, role: str, world: int, raw_config: dict) -> WorkerGroup:
+        """Spawn ranks 1..world-1 (each builds its core with `serve.build_core(role, config)`) and
+        join the group as rank 0."""
+        port = _free_port()
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        processes = [ctx.Process(target=worker_main, args=(role, raw_config, rank, world, port),
+                                 name=f"{role}-rank{rank}", daemon=False) for rank in range(1, world)]
+        for p in processes:
+            p.start()
+        _init(0, world, port)
+        log.info("%s: %d worker processes joined (%s)", role, world, dist.get_backend())
+        return cls(role, processes)
+
+    def call(self, name: str, *args) -> None:
+        """Every worker runs `core.<name>(*args)`; the caller runs it on rank 0 right after."""
+        dist.broadcast_object_list([(name, args)], src=0)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stopping = True
+        try:
+            dist.broadcast_object_list([STOP], src=0)
+        except Exception as exc:  # a dead worker: nothing left to tell
+            log.warning("%s: could not tell the workers to stop (%s)", self.role, exc)
+        for p in self.processes:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+
+    def _watch_workers(self) -> None:
+        while not self._stopping:
+            for p in self.processes:
+                if p.exitcode is not None and not self._stopping:
+                    log.error("%s: worker %s exited with code %s; the role cannot continue without it",
+                              self.role, p.name, p.exitcode)
+                    for other in self.processes:
+                        if other.is_alive():
+                            other.kill()
+                    os._exit(1)  # collectives with a dead rank would hang: end the role now
+            threading.Event().wait(WATCH_PERIOD_S)
+
+
+def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int) -> None:
+    """Ranks 1..N-1: build the core, then run each broadcast command until STOP."""
+    from rolefleet.common.config import parse_config
+    from rolefleet.serve import build_core
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[rank {rank}] %(levelname)s %(message)s")
+    cfg = parse_config(raw_config, [])
+    _init(rank, world, port)
+    core = build_core(role, cfg)
+    while True:
+        command = [None]
+        dist.broadcast_object_list(command, src=0)
+        if command[0] is STOP:
+            break
+        name, args = command[0]
+        try:
+            getattr(core, name)(*args)
+        except RoleFleetError as exc:  # raised alike on every rank (rank 0 reports it to the client)
+            log.info("%s refused on this rank too: %s", name, exc)
+        except Exception:
+            log.exception("%s failed on rank %d; stopping the group", name, rank)
+            os._exit(1)
+    dist.destroy_process_group()

@@ -1,0 +1,85 @@
+"""A role over two gloo worker processes gives the numbers of one process (the test process is rank
+0; the single-process results are taken before the group exists, since ranks are process-wide)."""
+
+import pytest
+import torch
+
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+from rolefleet.common.workers import WorkerGroup
+from rolefleet.critic.core import CriticCore
+
+pytestmark = pytest.mark.timeout(240)
+COMMON = {"compute_dtype": "float32", "lr": 1e-2, "num_threads": 1, "max_tokens_per_micro_batch": 20,
+          "num_mini_batches": 2, "ppo_epochs": 2}
+
+
+def config(model_dir):
+    return parse_config({"model": {"model_name_or_path": model_dir},
+                         "actor": {**COMMON, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "workers": 2},
+                         "critic": {**COMMON, "workers": 2}}, [])
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_two_actor_workers_give_the_logprobs_and_update_of_one(tiny_model_dir):
+    cfg = config(tiny_model_dir)
+    single = ActorCore(cfg.actor)
+    samples = single.generate(["1+2=", "13+4=", "7+7=", "9+1=", "11+11="], SamplingParams(max_new_tokens=5, n=2, seed=3))
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    lp = single.compute_logprobs(batch, 1.0, include_reference=True)
+    targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
+    one = single.update(1, 0, batch, targets, 1.0)
+    after_one = params(single.model)
+
+    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
+    try:
+        double = ActorCore(cfg.actor)
+        double.group = group
+        lp2 = double.compute_logprobs(batch, 1.0, include_reference=True)
+        for a, b in ((lp.logprobs, lp2.logprobs), (lp.ref_logprobs, lp2.ref_logprobs), (lp.entropy, lp2.entropy)):
+            assert torch.allclose(a, b, atol=1e-5)
+        two = double.update(1, 0, batch, targets, 1.0)
+        for name, p in params(double.model).items():
+            assert torch.allclose(p, after_one[name], atol=1e-5), name
+        for key in ("loss", "pg_loss", "grad_norm", "kl_loss", "entropy"):
+            assert two.stats[key] == pytest.approx(one.stats[key], rel=1e-4, abs=1e-6), key
+        # Rollouts: each worker its share of the prompts, back in prompt order, n samples each.
+        more = double.generate(["1+2=", "5+5=", "3+3="], SamplingParams(max_new_tokens=4, n=2, seed=1))
+        assert [(s.prompt_index, s.sample_index) for s in more] == [(p, i) for p in range(3) for i in range(2)]
+        assert all(s.policy_version == 1 for s in more)
+    finally:
+        group.stop()
+
+
+def test_two_critic_workers_give_the_values_and_update_of_one(tiny_model_dir):
+    cfg = config(tiny_model_dir)
+    batch = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45]), torch.tensor([7])],
+                                     [torch.tensor([9, 2]), torch.tensor([10, 4, 2]), torch.tensor([3])])
+    returns, old = torch.tensor([1.0, 0.5, -1.0, 2.0, 0.0, 3.0]), torch.zeros(6)
+    single = CriticCore(cfg.critic)
+    one = single.update(1, batch, returns, old)
+    values_one = single.compute_values(batch)
+
+    group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"))
+    try:
+        double = CriticCore(cfg.critic)
+        double.group = group
+        two = double.update(1, batch, returns, old)
+        assert two.stats["vf_loss"] == pytest.approx(one.stats["vf_loss"], rel=1e-4, abs=1e-6)
+        assert torch.allclose(double.compute_values(batch), values_one, atol=1e-5)
+    finally:
+        group.stop()
+
+
+def test_workers_must_match_the_gpus_of_the_group(tiny_model_dir):
+    from rolefleet.common.preflight import check_workers
+
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                       ["actor.workers=3", "devices.actor=[0, 1]", "critic.workers=2"])
+    assert check_workers(cfg, ["actor", "critic"]) == [
+        "actor.workers: 3 workers, but devices.actor lists 2 GPUs (one worker per GPU; leave it unset)"]

@@ -1,0 +1,54 @@
+"""`rolefleet up` with the actor over two worker processes (gloo on the CPU): a run completes and
+leaves nothing behind; a worker that dies ends the run with a clear error instead of a hang."""
+
+import os
+import signal
+import time
+
+from tests.e2e.procs import children_of, processes_mentioning, read_metrics, rolefleet, write_config
+
+
+def actor_pid(config_path: str) -> int:
+    [pid] = [p for p in processes_mentioning("serve actor") if p in processes_mentioning(config_path)]
+    return pid
+
+
+def test_up_with_two_actor_workers_trains_and_leaves_no_process(make_config, tmp_path):
+    cfg = make_config("train.total_steps=3", "actor.workers=2", "critic.workers=2")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    proc = rolefleet("up", str(config))
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    records = read_metrics(cfg.run.out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["policy_version"] == 3
+    log = (cfg.run.out / "logs" / "actor.log").read_text()
+    assert "actor: 2 worker processes joined (gloo)" in log
+    assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
+    assert processes_mentioning("spawn_main") == []  # the workers are gone too
+
+
+def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
+    cfg = make_config("train.total_steps=100000", "actor.workers=2")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    resolved = str(cfg.run.out / "config.yaml")
+    proc = rolefleet("up", str(config))
+    try:
+        deadline = time.monotonic() + 180
+        metrics = cfg.run.out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.2)
+        # The spawned worker, not multiprocessing's resource tracker.
+        [worker] = [c for c in children_of(actor_pid(resolved)) if c in processes_mentioning("spawn_main")]
+        os.kill(worker, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, output
+    log = (cfg.run.out / "logs" / "actor.log").read_text()
+    assert "actor: worker actor-rank1 exited with code -9; the role cannot continue without it" in log
+    deadline = time.monotonic() + 30
+    while processes_mentioning(resolved) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(resolved) == [] and processes_mentioning("spawn_main") == []
