@@ -25,30 +25,37 @@ from rolefleet.common.tiny_model import make_tiny_model
 
 
 class BusySampler(threading.Thread):
-    """Mean GPU utilization (NVML, percent of time a kernel ran) over the samples taken."""
+    """Mean utilization of each GPU (NVML, percent of time a kernel ran) over the samples taken."""
 
     def __init__(self, period_s: float = 0.2):
         super().__init__(daemon=True)
         import pynvml
 
         pynvml.nvmlInit()
-        self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.nvml = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self.period_s, self.samples, self.done = period_s, [], threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
-            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+            self.samples.append([self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles])
+
+    def busy_per_gpu(self) -> list[float]:
+        return [statistics.mean(col) / 100 for col in zip(*self.samples)] if self.samples else []
 
     def busy(self) -> float:
-        return statistics.mean(self.samples) / 100 if self.samples else 0.0
+        """GPU 0's (the one-GPU runs)."""
+        per_gpu = self.busy_per_gpu()
+        return per_gpu[0] if per_gpu else 0.0
 
 
 PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine)
 
 
-def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend: str = "hf") -> dict:
-    run_dir = out / f"{algorithm}-{backend}"
-    cmd = [sys.executable, "-m", "rolefleet.cli", "up", "configs/gpu_1x.yaml", f"algorithm={algorithm}",
+def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend: str = "hf",
+        config: str = "configs/gpu_1x.yaml") -> dict:
+    run_dir = out / f"{algorithm}-{backend}-{Path(config).stem}"
+    cmd = [sys.executable, "-m", "rolefleet.cli", "up", config, f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
            f"actor.rollout.backend={backend}"]
     sampler = BusySampler()
@@ -68,7 +75,8 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     sequences = 64 * 4
     generated = [r["response_length/mean"] * sequences / r["timing/generate_s"] for r in later]
     return {
-        "algorithm": algorithm, "backend": backend, "steps": len(records), "wall_s": wall, "gpu_busy": sampler.busy(),
+        "algorithm": algorithm, "backend": backend, "config": config, "steps": len(records), "wall_s": wall,
+        "gpu_busy": sampler.busy(), "gpu_busy_per_gpu": sampler.busy_per_gpu(),
         "step_s": median("timing/step_s"), "generate_s": median("timing/generate_s"),
         "score_s": median("timing/score_s"), "update_s": median("timing/update_s"),
         "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),

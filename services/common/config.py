@@ -304,6 +304,9 @@ class DevicesSection(_Section):
     reward: DeviceList = Field(default_factory=list)
     critic: DeviceList = Field(default_factory=list)
     rollout: DeviceList = Field(default_factory=list, description="subset of the actor's GPUs")
+    colocate: list[list[Literal["actor", "reward", "critic"]]] = Field(
+        default_factory=list, description="sets of roles that share GPUs on purpose, e.g. [[actor, critic]]; "
+        "groups that overlap otherwise are a config error")
 
     @field_validator("actor", "reward", "critic", "rollout")
     @classmethod
@@ -322,6 +325,19 @@ class DevicesSection(_Section):
         extra = [d for d in self.rollout if d not in self.actor]
         if extra:
             raise ValueError(f"rollout GPUs {extra} are not in the actor's group {self.actor}")
+        return self
+
+    @model_validator(mode="after")
+    def _overlaps_declared(self) -> DevicesSection:
+        """Two roles on one GPU split its memory and time: fine when meant (one-GPU runs), a slip
+        otherwise (a typo in an 8-GPU map). Overlaps must be listed in `colocate`."""
+        roles = ("actor", "reward", "critic")
+        for i, a in enumerate(roles):
+            for b in roles[i + 1:]:
+                shared = [d for d in getattr(self, a) if str(d) in map(str, getattr(self, b))]
+                if shared and not any(a in group and b in group for group in self.colocate):
+                    raise ValueError(f"devices.{a} and devices.{b} share GPUs {shared}: declare it with "
+                                     f"devices.colocate: [[{a}, {b}]] (or give them separate GPUs)")
         return self
 
     def local_indices(self, role: str) -> list[int]:

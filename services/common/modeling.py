@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 def pick_device() -> torch.device:
-    """The role's device: its first visible GPU (CUDA_VISIBLE_DEVICES is set per group) or the CPU."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    """The process's device: the GPU it was given (a worker of a group: its rank's, set by the group
+    before the core is built; otherwise the first of CUDA_VISIBLE_DEVICES) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def set_threads(num_threads: int | None) -> None:

@@ -189,3 +189,12 @@ def test_the_config_floor_of_the_temperature_passes_the_wire_check():
     assert require_temperature(on_the_wire) == on_the_wire
     with pytest.raises(ConfigError, match="sampling.temperature"):
         parse_config(BASE, ["sampling.temperature=0.0099"])
+
+
+def test_roles_sharing_gpus_must_say_so():
+    with pytest.raises(ConfigError, match=r"devices\.actor and devices\.critic share GPUs \[1\]: declare it with "
+                                          r"devices\.colocate: \[\[actor, critic\]\]"):
+        parse_config(BASE, ["devices.actor=[0, 1]", "devices.critic=[1]"])
+    cfg = parse_config(BASE, ["devices.actor=[0, 1]", "devices.critic=[1]", "devices.colocate=[[actor, critic]]"])
+    assert cfg.devices.colocate == [["actor", "critic"]]
+    parse_config(BASE, ["devices.actor=[0]", "devices.critic=['node1:0']"])  # another node's GPU 0

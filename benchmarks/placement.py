@@ -1,0 +1,44 @@
+"""Placement on two GPUs: the same PPO workload (Qwen2-0.5B dimensions for actor and critic, random
+weights, 64 prompts x 4 samples x 256 new tokens per step) with every role over both GPUs
+(`configs/2gpu_colocated.yaml`: two data-parallel workers per role) and split (`configs/2gpu.yaml`:
+actor on GPU 0, critic on GPU 1), sync; prints seconds per step, generated tokens per second of
+step time, each GPU's NVML busy fraction during the run, and the ratio.
+
+    python benchmarks/placement.py --shape qwen2-0.5b --out OUT_DIR --steps 4
+
+Needs two GPUs (nvidia-h200-x2). Medians over the steps after the first (compilation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from gpu_e2e import count_parameters, run
+
+from rolefleet.common.tiny_model import make_tiny_model
+
+CONFIGS = {"colocated": "configs/2gpu_colocated.yaml", "split": "configs/2gpu.yaml"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen2-0.5b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
+    params = count_parameters(model)
+    runs = Path(tempfile.mkdtemp())
+    results = {name: run("ppo", model, runs, args.steps, params, config=config) for name, config in CONFIGS.items()}
+    results["split_over_colocated"] = results["split"]["step_tokens_per_s"] / results["colocated"]["step_tokens_per_s"]
+    print(json.dumps(results, indent=2), flush=True)
+    (out / "placement.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
