@@ -70,10 +70,22 @@ def sum_over_ranks(stats: dict) -> dict:
 
 
 def spmd(core, name: str, *args):
-    """Run the core's SPMD method `name` on every rank of its group (just here without one)."""
-    if getattr(core, "group", None) is not None:
-        core.group.call(name, *args)
-    return getattr(core, name)(*args)
+    """Run the core's SPMD method `name` on every rank of its group (just here without one).
+
+    A role error is raised alike on every rank (the ranks compute the same thing). Any other error
+    on rank 0 may have left the workers inside a collective this rank never reached: the next
+    command would pair with it, so the group is over and the role ends."""
+    group = getattr(core, "group", None)
+    if group is None:
+        return getattr(core, name)(*args)
+    group.call(name, *args)
+    try:
+        return getattr(core, name)(*args)
+    except RoleFleetError:
+        raise
+    except BaseException:
+        log.critical("%s failed on rank 0 of a worker group; ending the role", name, exc_info=True)
+        os._exit(1)
 
 
 def all_reduce_gradients(module: torch.nn.Module) -> None:

@@ -55,12 +55,12 @@ class CriticCore:
     def _compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """SPMD (`workers.spmd`): each rank its share of the rows, gathered in the batch's token order."""
         rows = rank_slice(len(batch))
-        part = batch.select(rows)
+        part = batch if len(rows) == len(batch) else batch.select(rows)
         with torch.no_grad(), autocast(self.device, self.dtype):
             (values,) = part.map_micro_batches(self.cfg.max_tokens_per_micro_batch,
                                                lambda mb: (self.model.response_values(mb, self.device, self.packed),),
                                                self.packed) if len(part) else (torch.empty(0),)
-        return batch.merge_rows(all_gather((rows, values)))
+        return values if part is batch else batch.merge_rows(all_gather((rows, values)))
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
         """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result."""
