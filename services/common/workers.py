@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -140,9 +141,10 @@ class WorkerGroup:
                                  name=f"{role}-rank{rank}", daemon=False) for rank in range(1, world)]
         for p in processes:
             p.start()
+        group = cls(role, processes)  # watching first: a worker that dies before joining ends the wait
         _init(0, world, port)
         log.info("%s: %d worker processes joined (%s)", role, world, dist.get_backend())
-        return cls(role, processes)
+        return group
 
     def call(self, name: str, *args) -> None:
         """Every worker runs `core.<name>(*args)`; the caller runs it on rank 0 right after."""
@@ -170,16 +172,18 @@ class WorkerGroup:
                         if other.is_alive():
                             other.kill()
                     os._exit(1)  # collectives with a dead rank would hang: end the role now
-            threading.Event().wait(WATCH_PERIOD_S)
+            time.sleep(WATCH_PERIOD_S)
 
 
 def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int) -> None:
     """Ranks 1..N-1: build the core, then run each broadcast command until STOP."""
     from rolefleet.common.config import parse_config
+    from rolefleet.common.modeling import set_threads
     from rolefleet.serve import build_core
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[rank {rank}] %(levelname)s %(message)s")
     cfg = parse_config(raw_config, [])
+    set_threads(getattr(cfg, role).num_threads)
     _init(rank, world, port)
     core = build_core(role, cfg)
     while True:
