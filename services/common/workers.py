@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -79,14 +80,13 @@ def spmd(core, name: str, *args):
     group = getattr(core, "group", None)
     if group is None:
         return getattr(core, name)(*args)
-    group.call(name, *args)
     try:
+        group.call(name, *args)
         return getattr(core, name)(*args)
     except RoleFleetError:
         raise
     except BaseException:
-        log.critical("%s failed on rank 0 of a worker group; ending the role", name, exc_info=True)
-        os._exit(1)
+        group.fail(f"{name} failed on rank 0")
 
 
 def all_reduce_gradients(module: torch.nn.Module) -> None:
@@ -162,16 +162,25 @@ class WorkerGroup:
                 p.kill()
         dist.destroy_process_group()
 
+    def fail(self, what: str) -> NoReturn:
+        """End the role: name the dead worker if there is one (a collective with it may be what
+        failed here first), stop the others and exit 1; collectives with a dead rank would hang."""
+        time.sleep(WATCH_PERIOD_S)  # a worker killed mid-collective: let its exit code arrive
+        dead = [p for p in self.processes if p.exitcode is not None]
+        for p in dead:
+            log.error("%s: worker %s exited with code %s; the role cannot continue without it",
+                      self.role, p.name, p.exitcode)
+        if not dead:
+            log.critical("%s: %s; ending the role", self.role, what, exc_info=True)
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        os._exit(1)
+
     def _watch_workers(self) -> None:
         while not self._stopping:
-            for p in self.processes:
-                if p.exitcode is not None and not self._stopping:
-                    log.error("%s: worker %s exited with code %s; the role cannot continue without it",
-                              self.role, p.name, p.exitcode)
-                    for other in self.processes:
-                        if other.is_alive():
-                            other.kill()
-                    os._exit(1)  # collectives with a dead rank would hang: end the role now
+            if any(p.exitcode is not None for p in self.processes) and not self._stopping:
+                self.fail("a worker exited")
             time.sleep(WATCH_PERIOD_S)
 
 
