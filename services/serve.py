@@ -12,11 +12,11 @@ from typing import Optional
 import grpc
 
 from rolefleet.common.config import RoleFleetConfig
-from rolefleet.common.modeling import set_threads
 from rolefleet.common.server import (
     StartupError,
     check_ports_free,
     serve_until_stopped,
+    set_threads,
     start_server,
     write_ready_file,
 )

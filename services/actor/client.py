@@ -4,17 +4,19 @@ gRPC one (real deployments). The coordinator cannot tell them apart."""
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from rolefleet.actor import wire
-from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
+
+if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
+    from rolefleet.actor.core import ActorCore
 
 
 class ActorClient(Protocol):

@@ -28,11 +28,6 @@ def pick_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def set_threads(num_threads: int | None) -> None:
-    if num_threads:
-        torch.set_num_threads(num_threads)
-
-
 def check_model_path(path: str) -> str:
     """The same rule as the config check (`preflight.model_problem`): a local model directory, or
     a hub id that can be loaded; anything else fails here with a plain message."""

@@ -306,3 +306,11 @@ async def serve_until_stopped(
             return None
     finally:
         await handle.stop(close)
+
+
+def set_threads(num_threads: int | None) -> None:
+    """torch's CPU threads for this role process (`<role>.num_threads`)."""
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)

@@ -187,7 +187,7 @@ class WorkerGroup:
 def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int) -> None:
     """Ranks 1..N-1: build the core, then run each broadcast command until STOP."""
     from rolefleet.common.config import parse_config
-    from rolefleet.common.modeling import set_threads
+    from rolefleet.common.server import set_threads
     from rolefleet.serve import build_core
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[rank {rank}] %(levelname)s %(message)s")

@@ -34,7 +34,7 @@ from rolefleet.coordinator.step_metrics import step_record
 from rolefleet.coordinator.targets import Targets, step_targets
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
-from rolefleet.reward.core import ScoreItem
+from rolefleet.reward.types import ScoreItem
 from rolefleet.tasks import PromptRecord
 
 T = TypeVar("T")

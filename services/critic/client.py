@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -11,7 +11,9 @@ from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import critic_pb2, critic_pb2_grpc
 from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
-from rolefleet.critic.core import CriticCore
+
+if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
+    from rolefleet.critic.core import CriticCore
 
 
 class CriticClient(Protocol):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -11,7 +11,10 @@ from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
 from rolefleet.common.roles import GrpcRoleClient, RoleStatus, call
-from rolefleet.reward.core import RewardCore, ScoreItem
+from rolefleet.reward.types import ScoreItem
+
+if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
+    from rolefleet.reward.core import RewardCore
 
 
 class RewardClient(Protocol):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from numbers import Real
 
 import torch
@@ -13,21 +12,11 @@ from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.roles import RoleStatus
 from rolefleet.reward.functions import REWARD_FUNCTIONS
+from rolefleet.reward.types import ScoreItem
 
 ROLE = "reward"
 # float32 carries scores to the coordinator: a larger value would arrive as inf.
 _MAX_SCORE = float(torch.finfo(torch.float32).max)
-
-
-@dataclass(frozen=True)
-class ScoreItem:
-    prompt: str
-    response: str
-    ground_truth: str
-
-    def size(self) -> int:
-        return sum(len(t.encode("utf-8", errors="surrogatepass")) for t in (self.prompt, self.response,
-                                                                            self.ground_truth))
 
 
 class RewardCore:

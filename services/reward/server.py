@@ -9,7 +9,8 @@ import grpc
 from rolefleet.common import codec
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
 from rolefleet.common.server import RoleServicer, rpc
-from rolefleet.reward.core import RewardCore, ScoreItem
+from rolefleet.reward.core import RewardCore
+from rolefleet.reward.types import ScoreItem
 
 
 class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):

@@ -9,8 +9,9 @@ from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.common.roles import open_channel
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.client import GrpcRewardClient
-from rolefleet.reward.core import RewardCore, ScoreItem
+from rolefleet.reward.core import RewardCore
 from rolefleet.reward.functions import REWARD_FUNCTIONS
+from rolefleet.reward.types import ScoreItem
 from tests.helpers import expect_invalid, serving
 
 
