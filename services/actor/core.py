@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from rolefleet.actor.rollout import RolloutEngine, choose_backend, vllm_installed
+from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
@@ -115,12 +115,12 @@ class ActorCore:
 
     def _generate_share(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams, version: int) -> list[Sample]:
         """SPMD: this rank's contiguous share of the prompts (all n samples of each), gathered in
-        prompt order. A seeded request draws per rank (seed + first prompt index of the share)."""
+        prompt order. A seeded request draws per rank (a seed derived from the share's first prompt)."""
         mine = rank_slice(len(prompt_ids)).tolist()
         samples = []
         if mine:
             offset = mine[0]
-            seeded = sampling if sampling.seed < 0 else replace(sampling, seed=sampling.seed + offset)
+            seeded = replace(sampling, seed=derived_seed(sampling.seed, offset))
             for chunk in self.engine.generate([prompt_ids[i] for i in mine], seeded, version):
                 samples += [replace(s, prompt_index=s.prompt_index + offset) for s in chunk]
         return [s for part in all_gather(samples) for s in part]

@@ -35,6 +35,12 @@ class RolloutEngine(Protocol):
         """Drop any cached prefixes: they were computed with the previous weights."""
 
 
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of part `index` of a request seeded with `seed` (-1: unseeded stays unseeded):
+    parts draw independent streams, and the same request draws the same ones again."""
+    return -1 if seed < 0 else (seed * 1_000_003 + index) % 2**62
+
+
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

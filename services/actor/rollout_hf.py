@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.actor.decode import DecodeLoop, UnsupportedModel
+from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
@@ -91,9 +92,9 @@ class HFRolloutEngine:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
             # Each forward batch its own seed: the decode loop seeds after capturing its graph.
-            seed = -1 if sampling.seed < 0 else (sampling.seed * 1_000_003 + start) % 2**63
             with torch.no_grad():
-                yield self._generate_chunk(chunk, prompt_ids, replace(sampling, seed=seed), policy_version)
+                yield self._generate_chunk(chunk, prompt_ids, replace(sampling, seed=derived_seed(sampling.seed, start)),
+                                           policy_version)
 
     def _generate_chunk(self, chunk, prompt_ids, sampling: SamplingParams, policy_version: int) -> list[Sample]:
         prompts = [prompt_ids[p] for p, _ in chunk]
@@ -122,7 +123,7 @@ class HFRolloutEngine:
         if sampling.seed >= 0:
             torch.manual_seed(sampling.seed)
         generated = self._generate(prompts, sampling)
-        batch = SequenceBatch.from_lists(prompts, [row for row in generated])
+        batch = SequenceBatch.from_lists(prompts, list(generated))
         logprobs = self._logprobs(batch, sampling.temperature).view(len(prompts), -1)
         return generated, logprobs
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
@@ -132,7 +133,7 @@ class VllmRolloutEngine:
                 n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
                 stop_token_ids=[self.tokenizer.eos_token_id], logprobs=0, detokenize=False,
                 # vLLM seeds child i of a request with seed + i: prompts far apart keep streams apart.
-                seed=None if sampling.seed < 0 else (sampling.seed * 1_000_003 + p * sampling.n) % 2**62,
+                seed=None if sampling.seed < 0 else derived_seed(sampling.seed, p * sampling.n),
             ) for p in chunk]
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[p].tolist()) for p in chunk],
                                         params, use_tqdm=False)
