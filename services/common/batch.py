@@ -106,15 +106,10 @@ class SequenceBatch:
                           packed: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `fn` on each micro-batch (see `micro_batches`) and put the packed per-token tensors it
         returns back in this batch's token order: fp32 [N] on the CPU, one per output of `fn`."""
-        outputs: tuple[torch.Tensor, ...] = ()
-        for rows in self.micro_batches(max_tokens, packed):
-            parts = fn(self.select(rows))
-            if not outputs:
-                outputs = tuple(torch.empty(self.num_response_tokens) for _ in parts)
-            tokens = self.token_index(rows)
-            for out, part in zip(outputs, parts):
-                out[tokens] = part.float().cpu()
-        return outputs
+        done = [(rows, tuple(part.float().cpu() for part in fn(self.select(rows))))
+                for rows in self.micro_batches(max_tokens, packed)]
+        width = len(done[0][1]) if done else 0
+        return tuple(self.merge_rows([(rows, parts[i]) for rows, parts in done]) for i in range(width))
 
     def merge_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One packed [N] tensor from (rows, packed values of those rows) parts that cover the batch
