@@ -87,6 +87,11 @@ def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams
                                    "mean": float((recorded - trainer).abs().mean())}}
 
 
+def last_json_line(stdout: str) -> dict:
+    """The result line of a child benchmark (vLLM logs to stdout too)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+
+
 def bench_vllm_backend(model_dir: Path, prompts: list[str], sampling: SamplingParams) -> dict:
     """Generate through the vllm backend (RoleFleet's `Generate` path), its weight load, sleep and
     wake, against vLLM alone (`vllm_alone.py`, in its own process) on the same workload."""
@@ -100,7 +105,7 @@ def bench_vllm_backend(model_dir: Path, prompts: list[str], sampling: SamplingPa
                                capture_output=True, text=True)
         if alone.returncode != 0:
             raise SystemExit(f"vllm_alone: exit {alone.returncode}\n{alone.stderr[-3000:]}")
-        result["seeded" if seeded else "unseeded"] = json.loads(alone.stdout.strip().splitlines()[-1])
+        result["seeded" if seeded else "unseeded"] = last_json_line(alone.stdout)
     result["vllm_alone_tokens_per_s"] = result["seeded"]["vllm_alone_tokens_per_s"]
     cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}},
                        ["actor.max_tokens_per_request=4194304", "actor.rollout.backend=vllm",

@@ -81,28 +81,22 @@ def test_truncating_requests_are_refused_not_mislabelled(actor):
 
 @pytest.mark.timeout(900)
 def test_a_grpo_run_with_the_vllm_backend_learns(tmp_path):
-    """configs/demo_grpo.yaml's task and settings (100 steps) with vLLM generating."""
-    import asyncio
+    """configs/demo_grpo.yaml's task and settings (100 steps) through `rolefleet up` (real role
+    processes) with vLLM generating. Its own processes: vLLM's sleep-mode allocator is one per
+    process, and this module's actor already holds it."""
     import json
+    import subprocess
+    import sys
 
-    from rolefleet.actor.client import InProcessActorClient
-    from rolefleet.common.config import load_config
     from rolefleet.common.tiny_model import make_tiny_model
-    from rolefleet.coordinator.logger import RunLogger
-    from rolefleet.coordinator.loop import Roles, train
-    from rolefleet.coordinator.state import RunStatus
-    from rolefleet.reward.client import InProcessRewardClient
-    from rolefleet.reward.core import RewardCore
 
     model = make_tiny_model(tmp_path / "model", task="addition", warm_start_steps=150)
-    cfg = load_config("configs/demo_grpo.yaml", [f"model.model_name_or_path={model}", f"run.output_dir={tmp_path / 'run'}",
-                                                 "train.total_steps=100", "actor.rollout.backend=vllm",
-                                                 "actor.rollout.vllm.gpu_memory_utilization=0.3"])
-    roles = Roles(InProcessActorClient(ActorCore(cfg.actor)), InProcessRewardClient(RewardCore(cfg.reward)), None)
-    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
-    try:
-        asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, cfg.train.total_steps)))
-    finally:
-        logger.close()
-    rewards = [json.loads(line)["reward/mean"] for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rolefleet.cli", "up", "configs/demo_grpo.yaml",
+                           f"model.model_name_or_path={model}", f"run.output_dir={out}", "train.total_steps=100",
+                           "devices.actor=[0]", "actor.rollout.backend=vllm", "actor.rollout.vllm.gpu_memory_utilization=0.3"],
+                          capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rewards = [json.loads(line)["reward/mean"] for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
+    assert len(rewards) == 100
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1
