@@ -28,6 +28,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.common.roles import RoleStatus, UpdateResult
+from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
 from rolefleet.common.workers import all_gather, rank_slice, spmd
 
@@ -151,16 +152,8 @@ class ActorCore:
 
     def _compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
                           version: int) -> LogProbs:
-        """SPMD (`workers.spmd`): each rank its share of the rows, gathered in the batch's token order."""
-        rows = rank_slice(len(batch))
-        if len(rows) == len(batch):  # one worker
-            return self.trainer.compute_logprobs(batch, temperature, include_reference, version)
-        part = self.trainer.compute_logprobs(batch.select(rows), temperature, include_reference, version) \
-            if len(rows) else None
-        parts = [(r, p) for r, p in all_gather((rows, part)) if p is not None]
-        merged = {name: batch.merge_rows([(r, getattr(p, name)) for r, p in parts])
-                  for name in ("logprobs", "entropy") + (("ref_logprobs",) if include_reference else ())}
-        return LogProbs(policy_version=version, ref_logprobs=merged.pop("ref_logprobs", None), **merged)
+        """SPMD (`workers.spmd`): each rank its share of the micro-batches, gathered in token order."""
+        return self.trainer.compute_logprobs(batch, temperature, include_reference, version)
 
     def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                temperature: float) -> UpdateResult:
@@ -191,7 +184,7 @@ class ActorCore:
         the ledger's `applying`: a failure here leaves the engine neither old nor new."""
         start = time.perf_counter()
         try:
-            self.engine.load_weights(self.model.named_parameters())
+            self.engine.load_weights(full_named_parameters(self.model))  # sharded: gathered, every rank
             self.engine.reset_cache()
             self.engine.wake()
         except Exception as exc:  # the trainer's weights moved: a retry must not apply the step again
@@ -223,7 +216,11 @@ class ActorCore:
 
     def digest(self) -> str:
         with self._lock:
-            return weights_digest(self.model)
+            return spmd(self, "_digest")
+
+    def _digest(self) -> str:
+        """SPMD: sharded weights are gathered on every rank."""
+        return weights_digest(self.model)
 
     def close(self) -> None:
         with self._lock:

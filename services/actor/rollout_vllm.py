@@ -28,6 +28,7 @@ from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
+from rolefleet.common.sharding import full_named_parameters
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class VllmRolloutEngine:
             self._wake_tags(["weights"])
             self._weights_awake = True
         if not self._weights_current:  # dropped (level 2) or a load failed: the trainer's are current
-            self.load_weights(self.policy.named_parameters())
+            self.load_weights(full_named_parameters(self.policy))
         self._wake_tags(["kv_cache"])
         self._asleep = False
 

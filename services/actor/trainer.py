@@ -26,11 +26,27 @@ from rolefleet.common.modeling import (
     autocast,
     compile_decoder_layers,
     compute_dtype,
+    decoder_layers,
     enable_activation_checkpointing,
     lm_logprobs,
 )
+from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import all_reduce_gradients, rank_and_world, sum_over_ranks
+from rolefleet.common.workers import map_micro_batches, my_share, sum_over_ranks
+
+
+class LogprobModule(torch.nn.Module):
+    """A causal LM whose forward is `lm_logprobs` (backbone, then the LM head a chunk of tokens at a
+    time). One module, so that sharded (FSDP) its root unit's forward hook gathers the embeddings
+    and the head, which calling the backbone and the head separately would skip."""
+
+    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool):
+        super().__init__()
+        self.model, self.chunk_tokens, self.packed = model, chunk_tokens, packed
+
+    def forward(self, batch: SequenceBatch, device: torch.device, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed)
 
 
 class PolicyTrainer:
@@ -44,43 +60,52 @@ class PolicyTrainer:
         self.dtype = compute_dtype(device, cfg.compute_dtype)
         if cfg.loss_norm_length is None:  # the config fills it in; a default per micro-batch width would be wrong
             raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
-        self.optimizer, self.scheduler = make_optimizer(model, cfg)
+        self.policy = LogprobModule(model, cfg.logprob_chunk_tokens, self.packed)
+        self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
+        # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
+        self.sharded = sharding_wanted(cfg.sharding)
+        if self.sharded:
+            shard(self.policy, decoder_layers(model), device, self.dtype)
+            shard(self.reference, decoder_layers(ref_model), device, self.dtype, offload=cfg.ref_offload)
         if cfg.compile_layers:
-            compile_decoder_layers(model)
-            compile_decoder_layers(ref_model)
+            compile_decoder_layers(model, hooks_outside=self.sharded)
+            compile_decoder_layers(ref_model, hooks_outside=self.sharded)
+        self.optimizer, self.scheduler = make_optimizer(model, cfg)  # over the shards, if sharded
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def forward(self, model: PreTrainedModel, batch: SequenceBatch, temperature: float,
+    def forward(self, module: LogprobModule, batch: SequenceBatch, temperature: float,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `model`."""
+        """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `module`."""
         with autocast(self.device, self.dtype):
-            return lm_logprobs(model, batch, self.device, temperature, self.cfg.logprob_chunk_tokens, with_entropy,
-                               self.packed)
+            return module(batch, self.device, temperature, with_entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
                          policy_version: int) -> LogProbs:
+        """Over the worker group (each rank its share of the micro-batches, every rank the whole
+        result)."""
         self.model.eval()
-        budget = self.cfg.max_tokens_per_micro_batch
-        logprobs, entropy = batch.map_micro_batches(
-            budget, lambda mb: self.forward(self.model, mb, temperature, with_entropy=True), self.packed)
+        budget, packed, lockstep = self.cfg.max_tokens_per_micro_batch, self.packed, self.sharded
+        logprobs, entropy = map_micro_batches(
+            batch, budget, lambda mb: self.forward(self.policy, mb, temperature, with_entropy=True), packed, lockstep)
         ref = None
         if include_reference:
             with self._reference_on_device():  # one visit of an offloaded reference per call
-                (ref,) = batch.map_micro_batches(
-                    budget, lambda mb: self.forward(self.ref_model, mb, temperature, with_entropy=False)[:1],
-                    self.packed)
+                (ref,) = map_micro_batches(
+                    batch, budget, lambda mb: self.forward(self.reference, mb, temperature, with_entropy=False)[:1],
+                    packed, lockstep)
         return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
 
     @contextlib.contextmanager
     def _reference_on_device(self):
-        """With `ref_offload`, the reference model lives in CPU memory and visits the GPU per use."""
-        if self.cfg.ref_offload and self.device.type == "cuda":
+        """With `ref_offload`, the reference model lives in CPU memory and visits the GPU per use
+        (sharded: FSDP's offload policy moves each unit's shards per forward)."""
+        if self.cfg.ref_offload and self.device.type == "cuda" and not self.sharded:
             self.ref_model.to(self.device)
             try:
                 yield
@@ -122,15 +147,17 @@ class PolicyTrainer:
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
                                     + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
         self.optimizer.zero_grad(set_to_none=True)
-        rank, world = rank_and_world()  # several workers: each takes every world-th micro-batch
-        for (rows, part), weight in list(zip(micro, parts))[rank::world]:
-            share = weight / max(total, 1.0)
+        scale = loss_scale(self.model)
+        # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
+        # sharding needs every rank to run as many).
+        for ((rows, part), weight), real in my_share(list(zip(micro, parts)), self.sharded):
+            share = weight / max(total, 1.0) if real else 0.0
             loss, micro_stats = self._micro_loss(mb.select(rows), part(advantages), part(old_logprobs),
                                                  part(ref_logprobs), part(weights), part(mask), temperature)
-            (loss * share).backward()
+            (loss * (share * scale)).backward()
             for name, value in micro_stats.items():
                 stats[name] = stats.get(name, 0.0) + value * share
-        all_reduce_gradients(self.model)
+        reduce_gradients(self.model)
         stats = sum_over_ranks(stats)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
         grad_norm = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
@@ -144,7 +171,7 @@ class PolicyTrainer:
         cfg = self.cfg
         # Entropy costs two more passes over [tokens, vocab] (and their backward): computed here only
         # as a loss term; the `entropy` metric of every step comes from ComputeLogProbs.
-        logprobs, entropy = self.forward(self.model, mb, temperature, with_entropy=cfg.entropy_coef > 0)
+        logprobs, entropy = self.forward(self.policy, mb, temperature, with_entropy=cfg.entropy_coef > 0)
         logprobs = mb.pad_responses(logprobs)
         loss, pg_stats = self.policy_loss(
             logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,

@@ -167,8 +167,12 @@ class _TrainerSection(Endpoint):
                                    "padding (attention kept inside each sequence by a block mask) instead "
                                    "of right-padded rows")
     workers: Optional[int] = Field(None, ge=1, description="worker processes of this role (torch.distributed, "
-                                   "replicated weights, gradients all-reduced): default one per GPU of its "
-                                   "device group; on the CPU, gloo workers")
+                                   "data parallel): default one per GPU of its device group; on the CPU, gloo "
+                                   "workers")
+    sharding: Literal["fsdp", "replicate"] = Field("fsdp", description="how several workers hold the model: "
+                                                   "fsdp = parameters, gradients and optimizer state sharded "
+                                                   "over the workers (FSDP2; bf16 compute on CUDA); replicate = "
+                                                   "a full copy each, gradients all-reduced")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (one compilation "
                                  "shared by all layers; norms, RoPE and activations fused): faster steps after "
                                  "a compile of tens of seconds per new micro-batch shape family")

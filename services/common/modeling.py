@@ -13,6 +13,7 @@ import os
 
 import torch
 import torch.utils.checkpoint
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.common.batch import SequenceBatch
@@ -78,7 +79,8 @@ def weights_digest(module: torch.nn.Module) -> str:
     for name, param in sorted(module.named_parameters()):
         if param.requires_grad:
             h.update(name.encode())
-            h.update(param.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+            full = param.full_tensor() if isinstance(param, DTensor) else param  # sharded: gathered on every rank
+            h.update(full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -186,17 +188,29 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def compile_decoder_layers(model: PreTrainedModel) -> int:
-    """torch.compile every decoder layer in place (regional compilation: the layers share one
-    compiled graph, so the compile costs one layer's time, not the model's). The layer class is the
-    one transformers names as never split (`_no_split_modules`). Returns how many were compiled."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the class transformers names as never split (`_no_split_modules`)."""
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise NotImplementedError(f"{type(model).__name__} names no decoder layer class to compile")
+        raise NotImplementedError(f"{type(model).__name__} names no decoder layer class")
+    return layers
+
+
+def compile_decoder_layers(model: torch.nn.Module, hooks_outside: bool = False) -> int:
+    """torch.compile every decoder layer in place (regional compilation: the layers share one
+    compiled graph, so the compile costs one layer's time, not the model's). `hooks_outside`: only
+    the layer's own forward is compiled, so the hooks around it (FSDP's gathers) stay eager.
+    Returns how many were compiled."""
+    layers = decoder_layers(model)
     # Variants per layer: grad on/off, train/eval, policy/reference/critic weights. Past the limit
     # dynamo would quietly run the layer eagerly.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in layers:
-        layer.compile(dynamic=True)  # micro-batch widths change every step: one shape-generic graph
+        if hooks_outside:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        else:
+            layer.compile(dynamic=True)  # micro-batch widths change every step: one shape-generic graph
     return len(layers)

@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rolefleet.common.batch import SequenceBatch, mini_batches
 from rolefleet.common.errors import FailedPrecondition
@@ -79,6 +80,8 @@ def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
     dropped and NonFiniteGradient raised, so the weights and optimizer state stay as they were.
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient(f"non-finite gradient (loss {float(loss):.4g}); the optimizer step was skipped")

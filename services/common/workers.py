@@ -71,6 +71,33 @@ def sum_over_ranks(stats: dict) -> dict:
     return totals
 
 
+def my_share(items: list, lockstep: bool = False) -> list[tuple[object, bool]]:
+    """(item, real) for this rank's every world-th item. `lockstep` (sharded weights: every pass is
+    a collective): padded with throw-away repeats of the first item (real False) to the count of
+    the busiest rank, so every rank runs as many passes."""
+    rank, world = rank_and_world()
+    mine = [(item, True) for item in items[rank::world]]
+    if lockstep and items:
+        mine += [(items[0], False)] * (-(-len(items) // world) - len(mine))
+    return mine
+
+
+def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep: bool = False) -> tuple:
+    """`SequenceBatch.map_micro_batches` over the group: each rank maps its share of the
+    micro-batches (`my_share`) and every rank gets the whole result, in the batch's token order."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return batch.map_micro_batches(max_tokens, fn, packed)
+    done = []
+    for rows, real in my_share(batch.micro_batches(max_tokens, packed), lockstep):
+        out = fn(batch.select(rows))
+        if real:
+            done.append((rows, tuple(part.float().cpu() for part in out)))
+    done = [item for part in all_gather(done) for item in part]
+    width = len(done[0][1]) if done else 0
+    return tuple(batch.merge_rows([(rows, parts[i]) for rows, parts in done]) for i in range(width))
+
+
 def spmd(core, name: str, *args):
     """Run the core's SPMD method `name` on every rank of its group (just here without one).
 

@@ -11,15 +11,17 @@ from rolefleet.common.modeling import (
     autocast,
     compile_decoder_layers,
     compute_dtype,
+    decoder_layers,
     enable_activation_checkpointing,
     pick_device,
     release_memory,
     weights_digest,
 )
 from rolefleet.common.roles import RoleStatus, UpdateResult
+from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import all_gather, all_reduce_gradients, rank_and_world, rank_slice, spmd, sum_over_ranks
+from rolefleet.common.workers import map_micro_batches, my_share, spmd, sum_over_ranks
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -35,11 +37,15 @@ class CriticCore:
         self.model.eval()
         self.limits = BatchLimits.of(ROLE, cfg, self.model.max_positions)
         self.dtype = compute_dtype(self.device, cfg.compute_dtype)
-        self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(self.model.backbone)
+        # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
+        self.sharded = sharding_wanted(cfg.sharding)
+        if self.sharded:
+            shard(self.model, decoder_layers(self.model.backbone), self.device, self.dtype)
         if cfg.compile_layers:
-            compile_decoder_layers(self.model.backbone)
+            compile_decoder_layers(self.model.backbone, hooks_outside=self.sharded)
+        self.optimizer, self.scheduler = make_optimizer(self.model, cfg)  # over the shards, if sharded
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
         self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
@@ -53,14 +59,12 @@ class CriticCore:
             return spmd(self, "_compute_values", batch)
 
     def _compute_values(self, batch: SequenceBatch) -> torch.Tensor:
-        """SPMD (`workers.spmd`): each rank its share of the rows, gathered in the batch's token order."""
-        rows = rank_slice(len(batch))
-        part = batch if len(rows) == len(batch) else batch.select(rows)
+        """SPMD (`workers.spmd`): each rank its share of the micro-batches, gathered in token order."""
         with torch.no_grad(), autocast(self.device, self.dtype):
-            (values,) = part.map_micro_batches(self.cfg.max_tokens_per_micro_batch,
-                                               lambda mb: (self.model.response_values(mb, self.device, self.packed),),
-                                               self.packed) if len(part) else (torch.empty(0),)
-        return values if part is batch else batch.merge_rows(all_gather((rows, values)))
+            (values,) = map_micro_batches(batch, self.cfg.max_tokens_per_micro_batch,
+                                          lambda mb: (self.model(mb, self.device, self.packed),), self.packed,
+                                          self.sharded)
+        return values
 
     def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
         """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result."""
@@ -95,19 +99,21 @@ class CriticCore:
         value loss is a token mean, so each micro-batch weighs by its share of the tokens."""
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        rank, world = rank_and_world()  # several workers: each takes every world-th micro-batch
-        for rows in mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed)[rank::world]:
+        scale = loss_scale(self.model)
+        # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
+        # sharding needs every rank to run as many).
+        for rows, real in my_share(mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed), self.sharded):
             sub, tokens = mb.select(rows), mb.token_index(rows)
             with autocast(self.device, self.dtype):
-                values = self.model.response_values(sub, self.device, self.packed)
+                values = self.model(sub, self.device, self.packed)
             loss, micro = self.value_loss(values, old_values[tokens].to(self.device),
                                           returns[tokens].to(self.device), torch.ones_like(values, dtype=torch.bool),
                                           self.cfg.value_clip)
-            share = len(tokens) / mb.num_response_tokens
-            (loss * share).backward()
+            share = len(tokens) / mb.num_response_tokens if real else 0.0
+            (loss * (share * scale)).backward()
             stats["vf_loss"] += loss.item() * share
             stats["vf_clipfrac"] += micro["vf_clipfrac"].item() * share
-        all_reduce_gradients(self.model)
+        reduce_gradients(self.model)
         stats = sum_over_ranks(stats)
         stats["vf_lr"] = self.optimizer.param_groups[0]["lr"]
         stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"],
@@ -121,7 +127,11 @@ class CriticCore:
 
     def digest(self) -> str:
         with self._lock:
-            return weights_digest(self.model)
+            return spmd(self, "_digest")
+
+    def _digest(self) -> str:
+        """SPMD: sharded weights are gathered on every rank."""
+        return weights_digest(self.model)
 
     def close(self) -> None:
         with self._lock:

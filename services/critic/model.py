@@ -27,9 +27,11 @@ class ValueModel(torch.nn.Module):
     def vocab_size(self) -> int:
         return self.backbone.get_input_embeddings().num_embeddings
 
-    def response_values(self, batch: SequenceBatch, device: torch.device, packed: bool = False) -> torch.Tensor:
-        """V(state before each response token), packed [N] fp32: read at the position that predicts it."""
+    def forward(self, batch: SequenceBatch, device: torch.device, packed: bool = False) -> torch.Tensor:
+        """V(state before each response token), packed [N] fp32: read at the position that predicts it.
+        Callers call the module (not a part of it): sharded, its forward hook gathers the root's weights."""
         hidden = response_hidden(self.backbone, batch, device, packed)
-        # The scalar head in fp32 even under bf16 autocast: a value rounded to bf16 is off by ~0.4%.
+        # The scalar head in fp32 even under bf16 autocast or bf16-gathered shards: a value rounded
+        # to bf16 is off by ~0.4%.
         with torch.autocast(device.type, enabled=False):
-            return self.head(hidden.float()).squeeze(-1)
+            return hidden.float() @ self.head.weight.float()[0] + self.head.bias.float()  # [N], not a view

@@ -1,0 +1,69 @@
+"""Sharded data parallelism (FSDP2) for a trainer over its role's worker group.
+
+With several workers and `<role>.sharding: fsdp`, every decoder layer and the model's root
+(embeddings, final norm, heads) become FSDP units: each rank keeps 1/world of every parameter, of
+its gradient and of its optimizer state; a unit gathers its full parameters for its forward and its
+backward and frees them after; gradients are reduce-scattered. On CUDA the gathered parameters are
+bf16 and gradients are reduced in fp32 (the mixed precision of the one-GPU path, where autocast
+casts fp32 master weights).
+
+What it asks of the callers, since every gather is a collective:
+- lockstep: every rank runs as many forwards and backwards as every other (`workers.my_share`
+  pads a rank's share of micro-batches with throw-away passes);
+- the root's parameters are gathered by the root's own forward hook, so trainers call the whole
+  module (`actor.trainer.LogprobModule`, the critic's `ValueModel`), never a part of it alone;
+- full tensors (`full_named_parameters`: the rollout engine's weights, the digest) are gathered on
+  every rank at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rolefleet.common.workers import all_reduce_gradients, rank_and_world
+
+
+def sharding_wanted(setting: str) -> bool:
+    """Shard when asked for and there is more than one worker to shard over."""
+    return setting == "fsdp" and rank_and_world()[1] > 1
+
+
+def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.device, dtype: torch.dtype | None,
+          offload: bool = False) -> None:
+    """FSDP2 over the group: each of `layers` a unit, `root` (holding them) the outer one.
+    `dtype`: the compute dtype of the gathered parameters (None: as stored); `offload`: the shards
+    live in CPU memory (for a frozen reference model) and visit the GPU per forward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    where = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy, offload_policy=where)
+    fully_shard(root, mp_policy=policy, offload_policy=where)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter; on a sharded module each is gathered from every rank
+    (a collective: all ranks iterate together)."""
+    for name, param in module.named_parameters():
+        yield name, param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def loss_scale(module: torch.nn.Module) -> float:
+    """The factor on a rank's share of the loss: FSDP averages the ranks' gradients where the
+    trainers' shares are meant to add up (the replicated path sums them, `all_reduce_gradients`)."""
+    return float(rank_and_world()[1]) if is_sharded(module) else 1.0
+
+
+def reduce_gradients(module: torch.nn.Module) -> None:
+    """After the last backward of a step: sum the replicas' gradients (a sharded module's were
+    reduce-scattered in its backward already)."""
+    if not is_sharded(module):
+        all_reduce_gradients(module)
