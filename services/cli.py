@@ -69,6 +69,15 @@ def cmd_status(args) -> int:
     print(f"run {s.run_name}: {RunState(s.state).name}, step {s.step}/{s.total_steps}, "
           f"policy version {s.policy_version}, last mean reward {s.last_reward_mean:.3f}"
           + (f", error: {s.error}" if s.error else ""))
+    for view in s.roles:
+        if not view.HasField("status"):
+            print(f"  {view.address}: not answering ({view.error})")
+            continue
+        r = view.status
+        gpus = "no GPU" if r.devices == "" else f"CUDA_VISIBLE_DEVICES={r.devices}"
+        print(f"  {r.role:<7} {view.address:<21} {gpus}, {r.workers} worker{'s' if r.workers != 1 else ''}"
+              + (f", version {r.model_version}, last step {r.last_step}" if r.role in ("actor", "critic") else "")
+              + (f", broken: {r.broken}" if r.broken else ""))
     return 0
 
 

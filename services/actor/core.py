@@ -212,7 +212,8 @@ class ActorCore:
         """A snapshot read without the model lock (a rollout or update may be in flight); hashing
         the weights waits for the lock and is done only when asked."""
         return RoleStatus(ROLE, self.policy_version, self.ledger.last_step,
-                          self.digest() if include_digest else "", broken=self.ledger.broken or "")
+                          self.digest() if include_digest else "", broken=self.ledger.broken or "",
+                          workers=self.group.size if self.group else 1)
 
     def digest(self) -> str:
         with self._lock:

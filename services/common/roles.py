@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from rolefleet.common.pb import common_pb2
 from rolefleet.common.server import CHANNEL_OPTIONS, INSTANCE_ID
 
 T = TypeVar("T")
+UNSET_DEVICES = "(unset)"  # no CUDA_VISIBLE_DEVICES: every GPU of the machine is visible
 
 
 @dataclass(frozen=True)
@@ -27,18 +29,21 @@ class RoleStatus:
     requests_served: int = 0
     broken: str = ""  # why the role refuses updates until restarted
     instance_id: str = INSTANCE_ID  # the answering process (a status is built where it is served)
+    workers: int = 1
+    # The GPUs the answering process was given (`up`, compose and Helm set them per role).
+    devices: str = field(default_factory=lambda: os.environ.get("CUDA_VISIBLE_DEVICES", UNSET_DEVICES))
 
     def to_proto(self) -> common_pb2.RoleStatus:
         return common_pb2.RoleStatus(
             role=self.role, model_version=self.model_version, last_step=self.last_step,
             weights_digest=self.weights_digest, requests_served=self.requests_served, broken=self.broken,
-            instance_id=self.instance_id,
+            instance_id=self.instance_id, workers=self.workers, devices=self.devices,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.RoleStatus) -> RoleStatus:
         return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served,
-                   msg.broken, msg.instance_id)
+                   msg.broken, msg.instance_id, msg.workers, msg.devices)
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,11 @@ class WorkerGroup:
         log.info("%s: %d worker processes joined (%s)", role, world, dist.get_backend())
         return group
 
+    @property
+    def size(self) -> int:
+        """Worker processes, rank 0 included."""
+        return len(self.processes) + 1
+
     def call(self, name: str, *args) -> None:
         """Every worker runs `core.<name>(*args)`; the caller runs it on rank 0 right after."""
         dist.broadcast_object_list([(name, args)], src=0)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 import grpc
 
 from rolefleet.actor.client import GrpcActorClient
 from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
-from rolefleet.common.errors import Unavailable
+from rolefleet.common.errors import RoleFleetError, Unavailable
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
-from rolefleet.common.roles import wait_healthy
+from rolefleet.common.roles import fetch_status, wait_healthy
 from rolefleet.common.server import RoleServicer, rpc, serve_until_stopped, start_server, write_ready_file
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
@@ -22,8 +23,9 @@ from rolefleet.reward.client import GrpcRewardClient
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
     role = "coordinator"
 
-    def __init__(self, status: RunStatus):
+    def __init__(self, status: RunStatus, addresses: dict[str, str] | None = None):
         self.status = status
+        self.addresses = addresses or {}
 
     def _message(self) -> coordinator_pb2.RunStatus:
         s = self.status
@@ -33,7 +35,10 @@ class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceS
 
     @rpc
     async def GetRunStatus(self, request, context):
-        return self._message()
+        message = self._message()
+        message.roles.extend(await asyncio.gather(*(role_view(role, address)
+                                                    for role, address in self.addresses.items())))
+        return message
 
     @rpc
     async def Stop(self, request, context):
@@ -41,8 +46,17 @@ class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceS
         return coordinator_pb2.StopResponse(state=int(self.status.state))
 
 
-def add_to_server(status: RunStatus, server: grpc.aio.Server) -> list[str]:
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(status), server)
+async def role_view(role: str, address: str, timeout_s: float = 2.0) -> coordinator_pb2.RoleView:
+    """A role server's cheap status (its GPUs, workers, version), or why it did not answer."""
+    try:
+        status = await fetch_status(role, address, timeout_s)
+    except RoleFleetError as exc:
+        return coordinator_pb2.RoleView(address=address, error=f"{role}: {exc}")
+    return coordinator_pb2.RoleView(address=address, status=status.to_proto())
+
+
+def add_to_server(status: RunStatus, server: grpc.aio.Server, addresses: dict[str, str] | None = None) -> list[str]:
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(status, addresses), server)
     return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
 
 
@@ -78,7 +92,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     status = RunStatus(run_name=cfg.run.name, total_steps=cfg.train.total_steps)
-    handle = await start_server("coordinator", cfg.coordinator, lambda server: add_to_server(status, server))
+    handle = await start_server("coordinator", cfg.coordinator, lambda server: add_to_server(status, server, addresses))
     if ready_file:
         write_ready_file(ready_file, handle)
 

@@ -123,7 +123,8 @@ class CriticCore:
     def status(self, include_digest: bool = False) -> RoleStatus:
         """A snapshot read without the model lock; the weight digest waits for it, only when asked."""
         return RoleStatus(ROLE, self.model_version, self.ledger.last_step,
-                          self.digest() if include_digest else "", broken=self.ledger.broken or "")
+                          self.digest() if include_digest else "", broken=self.ledger.broken or "",
+                          workers=self.group.size if self.group else 1)
 
     def digest(self) -> str:
         with self._lock:

@@ -100,6 +100,11 @@ def test_status_of_a_running_run_then_sigterm_stops_every_role(make_config, tmp_
         output, _ = status.communicate(timeout=60)
         assert status.returncode == 0, output
         assert "run test: RUNNING, step " in output and "/1000" in output
+        # The role map: each role's address, its GPUs (CUDA_VISIBLE_DEVICES from `up`: none on
+        # the CPU) and its workers.
+        for role in ("actor", "reward", "critic"):
+            [row] = [line for line in output.splitlines() if line.split()[:1] == [role]]
+            assert "127.0.0.1:" in row and "no GPU, 1 worker" in row, output
         assert len(processes_mentioning(resolved)) == 4
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -34,10 +34,19 @@ def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
     proc = rolefleet("up", str(config))
     try:
         deadline = time.monotonic() + 180
+        line = ""
+        while "rolefleet status --address" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None
+            line = proc.stdout.readline()
+        address = line.split("--address ")[1].split("`")[0]
         metrics = cfg.run.out / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().strip()):
             assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
             time.sleep(0.2)
+        status = rolefleet("status", "--address", address)
+        shown, _ = status.communicate(timeout=60)
+        [row] = [line for line in shown.splitlines() if line.split()[:1] == ["actor"]]
+        assert "2 workers" in row, shown
         # The spawned worker, not multiprocessing's resource tracker.
         [worker] = [c for c in children_of(actor_pid(resolved)) if c in processes_mentioning("spawn_main")]
         os.kill(worker, signal.SIGKILL)

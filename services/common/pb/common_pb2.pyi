@@ -29,7 +29,7 @@ class SequenceBatch(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RoleStatus(_message.Message):
-    __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken", "instance_id")
+    __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken", "instance_id", "devices", "workers")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class RoleStatus(_message.Message):
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     BROKEN_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_version: int
     last_step: int
@@ -44,7 +46,9 @@ class RoleStatus(_message.Message):
     requests_served: int
     broken: str
     instance_id: str
-    def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    devices: str
+    workers: int
+    def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ..., instance_id: _Optional[str] = ..., devices: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("include_weights_digest",)
