@@ -53,11 +53,11 @@ PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine
 
 
 def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend: str = "hf",
-        config: str = "configs/gpu_1x.yaml") -> dict:
-    run_dir = out / f"{algorithm}-{backend}-{Path(config).stem}"
+        config: str = "configs/gpu_1x.yaml", overrides: tuple[str, ...] = ()) -> dict:
+    run_dir = out / "-".join([algorithm, backend, Path(config).stem, *overrides]).replace("/", "_")
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", config, f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
-           f"actor.rollout.backend={backend}"]
+           f"actor.rollout.backend={backend}", *overrides]
     sampler = BusySampler()
     sampler.start()
     start = time.perf_counter()
@@ -75,7 +75,8 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     sequences = 64 * 4
     generated = [r["response_length/mean"] * sequences / r["timing/generate_s"] for r in later]
     return {
-        "algorithm": algorithm, "backend": backend, "config": config, "steps": len(records), "wall_s": wall,
+        "algorithm": algorithm, "backend": backend, "config": config, "overrides": list(overrides),
+        "steps": len(records), "wall_s": wall,
         "gpu_busy": sampler.busy(), "gpu_busy_per_gpu": sampler.busy_per_gpu(),
         "step_s": median("timing/step_s"), "generate_s": median("timing/generate_s"),
         "score_s": median("timing/score_s"), "update_s": median("timing/update_s"),

@@ -2,7 +2,8 @@
 weights, 64 prompts x 4 samples x 256 new tokens per step) with every role over both GPUs
 (`configs/2gpu_colocated.yaml`: two data-parallel workers per role) and split (`configs/2gpu.yaml`:
 actor on GPU 0, critic on GPU 1), sync; prints seconds per step, generated tokens per second of
-step time, each GPU's NVML busy fraction during the run, and the ratio.
+step time, each GPU's NVML busy fraction during the run, and the ratio; then the actor's update
+phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one GPU (scaling efficiency).
 
     python benchmarks/placement.py --shape qwen2-0.5b --out OUT_DIR --steps 4
 
@@ -36,6 +37,15 @@ def main() -> None:
     runs = Path(tempfile.mkdtemp())
     results = {name: run("ppo", model, runs, args.steps, params, config=config) for name, config in CONFIGS.items()}
     results["split_over_colocated"] = results["split"]["step_tokens_per_s"] / results["colocated"]["step_tokens_per_s"]
+    # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
+    # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
+    one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml")
+    results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
+    for sharding in ("fsdp", "replicate"):
+        two = run("grpo", model, runs, args.steps, params, config=CONFIGS["colocated"],
+                  overrides=(f"actor.sharding={sharding}",))
+        results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
+                                               "efficiency": one["update_s"] / (2 * two["update_s"])}
     print(json.dumps(results, indent=2), flush=True)
     (out / "placement.json").write_text(json.dumps(results, indent=2))
 
