@@ -30,7 +30,7 @@ def _actor(cfg: RoleFleetConfig):
     from rolefleet.actor import server
     from rolefleet.actor.core import ActorCore
 
-    core = ActorCore(cfg.actor, seed=cfg.run.seed)
+    core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound)
     return core, functools.partial(server.add_to_server, core)
 
 

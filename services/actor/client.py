@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator nev
 
 
 class ActorClient(Protocol):
-    async def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]: ...
+    async def generate(self, prompts: list[str], sampling: SamplingParams,
+                       first_group_id: int = 0) -> list[Sample]: ...
     async def compute_logprobs(self, batch: SequenceBatch, temperature: float,
                                include_reference: bool) -> LogProbs: ...
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
@@ -33,8 +34,8 @@ class InProcessActorClient:
     def __init__(self, core: ActorCore):
         self.core = core
 
-    async def generate(self, prompts, sampling):
-        return await asyncio.to_thread(self.core.generate, prompts, sampling)
+    async def generate(self, prompts, sampling, first_group_id=0):
+        return await asyncio.to_thread(self.core.generate, prompts, sampling, first_group_id)
 
     async def compute_logprobs(self, batch, temperature, include_reference):
         return await asyncio.to_thread(self.core.compute_logprobs, batch, temperature, include_reference)
@@ -52,8 +53,9 @@ class InProcessActorClient:
 class GrpcActorClient(GrpcRoleClient):
     stub_class = actor_pb2_grpc.ActorServiceStub
 
-    async def generate(self, prompts, sampling):
-        request = actor_pb2.GenerateRequest(prompts=prompts, sampling=wire.sampling_to_proto(sampling))
+    async def generate(self, prompts, sampling, first_group_id=0):
+        request = actor_pb2.GenerateRequest(prompts=prompts, sampling=wire.sampling_to_proto(sampling),
+                                            first_group_id=first_group_id)
         try:
             return [wire.sample_from_proto(m) async for m in self.stub.Generate(request, timeout=self.timeout_s)]
         except grpc.aio.AioRpcError as e:

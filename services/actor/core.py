@@ -13,7 +13,7 @@ import torch
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
-from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
 from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
@@ -37,8 +37,9 @@ ROLE = "actor"
 
 
 class ActorCore:
-    def __init__(self, cfg: ActorSection, seed: int = 0):
+    def __init__(self, cfg: ActorSection, seed: int = 0, max_staleness: int = 0):
         self.cfg = cfg
+        self.max_staleness = max_staleness  # updates an Update's oldest sample may lag (pipeline.max_staleness)
         self.device = pick_device()
         torch.manual_seed(seed)
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
@@ -95,14 +96,18 @@ class ActorCore:
             ids.append(torch.tensor(tokens, dtype=torch.int64))
         return ids
 
-    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
-        return [sample for chunk in self.generate_chunks(prompts, sampling) for sample in chunk]
+    def generate(self, prompts: list[str], sampling: SamplingParams, first_group_id: int = 0) -> list[Sample]:
+        return [sample for chunk in self.generate_chunks(prompts, sampling, first_group_id) for sample in chunk]
 
-    def generate_chunks(self, prompts: list[str], sampling: SamplingParams) -> Iterator[list[Sample]]:
-        """Samples as each forward batch finishes. Input is validated before the first chunk;
-        the model stays locked until the iterator is exhausted or closed."""
+    def generate_chunks(self, prompts: list[str], sampling: SamplingParams,
+                        first_group_id: int = 0) -> Iterator[list[Sample]]:
+        """Samples as each forward batch finishes, stamped with group ids from `first_group_id`.
+        Input is validated before the first chunk; the model stays locked until the iterator is
+        exhausted or closed."""
         prompt_ids = self._validate_generate(prompts, sampling)
-        return self._locked_chunks(prompt_ids, sampling)
+        if first_group_id < 0:
+            raise InvalidArgument("first_group_id", f"must be >= 0, got {first_group_id}")
+        return (with_ids(chunk, first_group_id) for chunk in self._locked_chunks(prompt_ids, sampling))
 
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
         with self._lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
@@ -162,7 +167,8 @@ class ActorCore:
         self._check_targets(batch, targets)
         temperature = require_temperature(temperature)
 
-        return self.state.update(step, policy_version, lambda: spmd(self, "_train", batch, targets, temperature))
+        return self.state.update(step, policy_version, lambda: spmd(self, "_train", batch, targets, temperature),
+                                 max_lag=self.max_staleness)
 
     def _train(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
         """SPMD: every rank steps its replica with the gradients summed over all ranks."""

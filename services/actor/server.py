@@ -25,7 +25,8 @@ class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
         prompts = list(request.prompts)
         # Validation, tokenization and generation all run off the loop; each forward batch is sent
         # as soon as it finishes.
-        async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling)):
+        async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling,
+                                                                               request.first_group_id)):
             for sample in chunk:
                 yield wire.sample_to_proto(sample)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import torch
@@ -33,7 +33,7 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),  # NaN fails the comparison too
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("max_new_tokens", self.max_new_tokens > 0, "must be > 0"),
-            ("n", self.n > 0, "must be > 0"),
+            ("n", 0 < self.n < SAMPLES_PER_GROUP_LIMIT, f"must be in [1, {SAMPLES_PER_GROUP_LIMIT})"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -50,6 +50,17 @@ class Sample:
     finish_reason: FinishReason
     policy_version: int
     response_text: str
+    group_id: int = 0              # the run's id of the prompt's group (GenerateRequest.first_group_id + prompt_index)
+    sample_id: int = 0             # group_id * SAMPLES_PER_GROUP_LIMIT + sample_index: unique in the run
+
+
+SAMPLES_PER_GROUP_LIMIT = 1 << 20  # n per prompt stays below it, so sample ids of distinct groups never meet
+
+
+def with_ids(samples: list[Sample], first_group_id: int) -> list[Sample]:
+    """The samples stamped with their group and sample ids."""
+    return [replace(s, group_id=(g := first_group_id + s.prompt_index),
+                    sample_id=g * SAMPLES_PER_GROUP_LIMIT + s.sample_index) for s in samples]
 
 
 @dataclass(frozen=True)

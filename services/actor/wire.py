@@ -28,7 +28,7 @@ def sample_to_proto(s: Sample) -> actor_pb2.GenerateResponse:
         prompt_index=s.prompt_index, sample_index=s.sample_index,
         prompt_ids=codec.encode(s.prompt_ids), response_ids=codec.encode(s.response_ids),
         logprobs=codec.encode(s.logprobs), finish_reason=int(s.finish_reason),
-        policy_version=s.policy_version, response_text=s.response_text,
+        policy_version=s.policy_version, response_text=s.response_text, group_id=s.group_id, sample_id=s.sample_id,
     )
 
 
@@ -39,7 +39,7 @@ def sample_from_proto(m: actor_pb2.GenerateResponse) -> Sample:
         response_ids=codec.decode_as(m.response_ids, "response_ids", torch.int64, 1),
         logprobs=codec.decode_as(m.logprobs, "logprobs", torch.float32, 1),
         finish_reason=FinishReason(m.finish_reason), policy_version=m.policy_version,
-        response_text=m.response_text,
+        response_text=m.response_text, group_id=m.group_id, sample_id=m.sample_id,
     )
 
 

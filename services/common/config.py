@@ -298,6 +298,37 @@ class CoordinatorSection(Endpoint):
     pass
 
 
+ASYNC_IS_CORRECTION = "token_truncate"
+
+
+class PipelineSection(_Section):
+    """How the coordinator schedules the stages (docs/architecture.md, "The asynchronous pipeline")."""
+
+    mode: Literal["sync", "async"] = Field("sync", description="sync: one step's phases one after another; "
+                                           "async: later batches generate while earlier ones are scored "
+                                           "and trained on")
+    max_staleness: int = Field(1, ge=0, description="async: a batch is trained on only while the actor's "
+                               "version is at most this many updates past the version that generated "
+                               "its oldest sample (0: on-policy, still streaming)")
+    queue_capacity: int = Field(2, ge=1, description="async: batches each stage queue holds")
+    backpressure_threshold: float = Field(0.7, gt=0, le=1, description="async: generation pauses while the "
+                                          "batches waiting downstream fill more than this fraction of their "
+                                          "queues' capacity")
+    on_stale: Literal["regenerate", "drop"] = Field("regenerate", description="async: a batch that aged past "
+                                                    "max_staleness (a retried stage, say) is counted, logged "
+                                                    "and generated again, or dropped (its step is skipped)")
+
+    @property
+    def lagged(self) -> bool:
+        """Whether updates may train on samples of an older policy."""
+        return self.mode == "async" and self.max_staleness > 0
+
+    @property
+    def staleness_bound(self) -> int:
+        """Versions a trained batch may lag the actor by (sync: none)."""
+        return self.max_staleness if self.mode == "async" else 0
+
+
 DeviceList = list[Union[int, str]]
 
 
@@ -360,6 +391,7 @@ class RoleFleetConfig(_Section):
     critic: CriticSection = Field(default_factory=CriticSection)
     reward: RewardSection = Field(default_factory=RewardSection)
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
     devices: DevicesSection = Field(default_factory=DevicesSection)
 
     @field_validator("algorithm")
@@ -392,6 +424,9 @@ class RoleFleetConfig(_Section):
                 section.lr_decay_steps = self.train.total_steps * section.ppo_epochs * section.num_mini_batches
         if self.actor.loss_norm_length is None:
             self.actor.loss_norm_length = self.sampling.max_new_tokens
+        if self.pipeline.lagged and "is_correction" not in self.actor.model_fields_set:
+            # Samples of an older policy: weigh them by pi_train / pi_rollout (truncated) unless told.
+            self.actor.is_correction = ASYNC_IS_CORRECTION
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")

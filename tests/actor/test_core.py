@@ -158,3 +158,16 @@ def test_positions_and_subnormal_temperatures_are_refused_before_the_model_runs(
             core.update(core.ledger.last_step + 1, core.policy_version, batch, PolicyTargets(ones, -ones),
                         temperature)
     assert core.digest() == digest
+
+
+def test_samples_carry_run_unique_group_and_sample_ids(core):
+    from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT
+    from rolefleet.common.errors import InvalidArgument
+
+    samples = core.generate(["1+2=", "13+4="], SamplingParams(max_new_tokens=2, n=3, seed=1), first_group_id=10)
+    assert [(s.group_id, s.sample_id) for s in samples] == [
+        (10 + p, (10 + p) * SAMPLES_PER_GROUP_LIMIT + i) for p in range(2) for i in range(3)]
+    with pytest.raises(InvalidArgument, match="first_group_id"):
+        core.generate(["1+2="], SamplingParams(max_new_tokens=2), first_group_id=-1)
+    with pytest.raises(InvalidArgument, match="sampling.n"):
+        core.generate(["1+2="], SamplingParams(max_new_tokens=2, n=SAMPLES_PER_GROUP_LIMIT))

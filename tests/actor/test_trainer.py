@@ -165,5 +165,22 @@ def test_a_replayed_step_must_come_from_the_same_policy_version(tiny_model_dir):
     targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
     first = core.update(1, 0, batch, targets, 1.0)
     assert core.update(1, 0, batch, targets, 1.0) == first  # a retry
-    with pytest.raises(FailedPrecondition, match="already applied to policy version 0, not 1"):
+    with pytest.raises(FailedPrecondition, match="already applied to a batch of policy version 0, not 1"):
         core.update(1, 1, batch, targets, 1.0)  # another run reusing step id 1
+
+
+def test_update_takes_a_batch_within_the_staleness_bound_and_names_the_oldest_version_beyond(tiny_model_dir):
+    """Async mode: the batch's oldest sample may lag the actor by pipeline.max_staleness versions."""
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}}, ["actor.lr=1e-3"])
+    core = ActorCore(cfg.actor, max_staleness=1)
+    _, batch, lp = rollout(core)
+    targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+    core.update(1, 0, batch, targets, 1.0)
+    assert core.update(2, 0, batch, targets, 1.0).model_version == 2  # one behind: within the bound
+    digest = core.digest()
+    with pytest.raises(FailedPrecondition, match="oldest sample is from policy version 0, 2 behind the actor's 2: "
+                                                 r"more than pipeline.max_staleness=1"):
+        core.update(3, 0, batch, targets, 1.0)
+    with pytest.raises(FailedPrecondition, match="claims policy version 3; actor is only at 2"):
+        core.update(3, 3, batch, targets, 1.0)
+    assert core.digest() == digest and core.ledger.last_step == 2  # refusals changed nothing

@@ -34,15 +34,17 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "sampling")
+    __slots__ = ("prompts", "sampling", "first_group_id")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedScalarFieldContainer[str]
     sampling: SamplingParams
-    def __init__(self, prompts: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    first_group_id: int
+    def __init__(self, prompts: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_group_id: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("prompt_index", "sample_index", "prompt_ids", "response_ids", "logprobs", "finish_reason", "policy_version", "response_text")
+    __slots__ = ("prompt_index", "sample_index", "prompt_ids", "response_ids", "logprobs", "finish_reason", "policy_version", "response_text", "group_id", "sample_id")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +53,8 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     sample_index: int
     prompt_ids: _common_pb2.Tensor
@@ -59,7 +63,9 @@ class GenerateResponse(_message.Message):
     finish_reason: FinishReason
     policy_version: int
     response_text: str
-    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ...) -> None: ...
+    group_id: int
+    sample_id: int
+    def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ..., group_id: _Optional[int] = ..., sample_id: _Optional[int] = ...) -> None: ...
 
 class ComputeLogProbsRequest(_message.Message):
     __slots__ = ("batch", "include_reference", "temperature")
