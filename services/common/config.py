@@ -318,6 +318,9 @@ class PipelineSection(_Section):
                                                     "max_staleness (a retried stage, say) is counted, logged "
                                                     "and generated again, or dropped (its step is skipped)")
 
+    retries: int = Field(2, ge=0, description="async: repeats of a role call that failed transiently "
+                         "(UNAVAILABLE, a deadline), with backoff; every call is safe to repeat")
+
     @property
     def lagged(self) -> bool:
         """Whether updates may train on samples of an older policy."""

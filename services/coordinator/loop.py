@@ -84,6 +84,15 @@ def policy_version_of(samples: list[Sample]) -> int:
     return versions.pop()
 
 
+def group_ids(samples: list[Sample]) -> torch.Tensor:
+    return torch.tensor([smp.group_id for smp in samples])
+
+
+def first_group_id(cfg: RoleFleetConfig, batch_index: int) -> int:
+    """Group ids run on across the run's rollout batches (1-based), one per prompt."""
+    return (batch_index - 1) * cfg.train.prompts_per_step
+
+
 def sampling_for(cfg: RoleFleetConfig, step: int) -> SamplingParams:
     s = cfg.sampling
     # A per-step seed: a rerun of the same config samples the same rollouts.
@@ -118,15 +127,27 @@ async def require_fresh(roles: Roles) -> None:
 
 
 async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> RunStatus:
-    dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
-    s, t = cfg.sampling, cfg.train
-    kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
+    """The run: `pipeline.mode` sync (below) or async (`coordinator/pipeline.py`)."""
     if (roles.critic is not None) != cfg.preset.uses_critic:
         raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
     await require_fresh(roles)
     status.stepping = True
     if not status.stop_requested:
         status.state = RunState.RUNNING
+    if cfg.pipeline.mode == "async":
+        from rolefleet.coordinator.pipeline import Pipeline
+
+        await Pipeline(cfg, roles, logger, status).run()
+    else:
+        await train_sync(cfg, roles, logger, status)
+    status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
+    return status
+
+
+async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> None:
+    dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
+    s, t = cfg.sampling, cfg.train
+    kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
     for step in range(1, t.total_steps + 1):
         if status.stop_requested:
             break
@@ -134,7 +155,8 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         records = dataset.batch(step, t.prompts_per_step)
 
         # 1. Rollouts from the current policy.
-        samples = await timer("generate", roles.actor.generate([r.prompt for r in records], sampling_for(cfg, step)))
+        samples = await timer("generate", roles.actor.generate([r.prompt for r in records], sampling_for(cfg, step),
+                                                               first_group_id(cfg, step)))
         batch, version = to_batch(samples), policy_version_of(samples)
 
         # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
@@ -149,9 +171,8 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         require_finite(samples, scores, values, logprobs, cfg.reward.function)
 
         # 3. Advantages and returns; the KL controller sees this step's KL.
-        group_ids = torch.tensor([smp.prompt_index for smp in samples])
         targets = step_targets(cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
-                               logprobs.ref_logprobs, group_ids, kl_coef, t)
+                               logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
         step_kl_coef = kl_coef
         kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
 
@@ -170,5 +191,3 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         logger.log(record)
         status.step, status.policy_version = step, actor_result.model_version
         status.last_reward_mean = record["reward/mean"]
-    status.state = RunState.STOPPED if status.step < t.total_steps else RunState.FINISHED
-    return status

@@ -34,12 +34,17 @@ def demo_model(tmp_path_factory):
     ("demo.yaml", []),
     ("demo_grpo.yaml", []),
     ("demo_grpo.yaml", ["algorithm=rloo"]),
-], ids=["ppo", "grpo", "rloo"])
+    # Async: which policy version generates a batch depends on timing, so runs vary; lagged ones get
+    # more steps (off-policy samples teach less per step).
+    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=0"]),
+    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=2", "train.total_steps=100"]),
+    ("demo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=100"]),
+], ids=["ppo", "grpo", "rloo", "grpo-async-0", "grpo-async-2", "ppo-async-1"])
 def test_demo_learns(demo_model, tmp_path, config, overrides):
     cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={demo_model}",
                                          f"run.output_dir={tmp_path / 'run'}", "train.total_steps=60", *overrides])
     critic = InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed)) if cfg.preset.uses_critic else None
-    roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed)),
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)),
                   InProcessRewardClient(RewardCore(cfg.reward)), critic)
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, cfg.train.total_steps)))

@@ -1,0 +1,257 @@
+"""The asynchronous pipeline (`pipeline.mode: async`): the phases of DESIGN "One step" as three
+stages that run at once, joined by bounded queues.
+
+    generate ──[generated]──► score ──[scored]──► train
+
+1. generate: the next rollout batch from the policy the actor holds, once it may still be trained
+   in time (the batch for step k is trained at actor version k - 1, so it waits until
+   k - 1 - version <= max_staleness) and while no queue downstream is filled past
+   `backpressure_threshold`.
+2. score: reward.Score and critic.ComputeValues of a batch while the actor generates the next one
+   or trains on the previous one.
+3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
+   again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
+   proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
+   `actor.is_correction`); advantages; actor.Update | critic.Update; the step's record.
+
+A transient failure (UNAVAILABLE, a deadline) of a role call is retried `pipeline.retries` times:
+every call is safe to repeat (generation is seeded, scoring pure, updates idempotent per step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from rolefleet.actor.types import Sample
+from rolefleet.algos import KL_CONTROLLERS
+from rolefleet.common import metrics
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.errors import Unavailable
+from rolefleet.coordinator.checks import require_finite
+from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.loop import (
+    Roles,
+    first_group_id,
+    group_ids,
+    policy_targets_for,
+    sampling_for,
+    score_items,
+    to_batch,
+)
+from rolefleet.coordinator.state import RunStatus
+from rolefleet.coordinator.step_metrics import step_record
+from rolefleet.coordinator.targets import step_targets
+from rolefleet.tasks import PromptRecord
+
+log = logging.getLogger(__name__)
+STAGES = ("generate", "score", "train")
+
+
+@dataclass
+class Rollout:
+    index: int  # 1-based rollout batch number (its data batch, seed and group ids)
+    records: list[PromptRecord]
+    samples: list[Sample]
+    batch: SequenceBatch
+    generate_s: float
+    scores: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    score_s: float = 0.0
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.policy_version for s in self.samples)
+
+
+class Pipeline:
+    def __init__(self, cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus):
+        self.cfg, self.roles, self.logger, self.status = cfg, roles, logger, status
+        self.p = cfg.pipeline
+        self.dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
+        self.generated: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
+        self.scored: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
+        self.version = 0            # the actor's policy version: updates applied this run
+        self.changed = asyncio.Condition()  # the version moved or a queue drained
+        self.busy = dict.fromkeys(STAGES, 0.0)
+        self.counts = {"stale_samples": 0, "dropped_batches": 0, "regenerated_batches": 0, "retries": 0}
+        self.trained: list[int] = []  # sample ids in the order they were trained on
+        self.start = time.perf_counter()
+
+    async def run(self) -> None:
+        """Until the train stage has trained `total_steps` batches (or a stop); a stage that fails
+        ends the run with its error."""
+        stages = [asyncio.create_task(stage(), name=f"pipeline-{stage.__name__}")
+                  for stage in (self._generate_stage, self._score_stage, self._train_stage)]
+        done, pending = await asyncio.wait(stages, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+
+    # --- the stages --------------------------------------------------------------------------------
+
+    async def _generate_stage(self) -> None:
+        index = 0
+        while True:
+            index += 1
+            await self._wait(lambda i=index: self._may_generate(i))
+            await self.generated.put(await self._rollout(index))
+            self._depths()
+
+    async def _score_stage(self) -> None:
+        while True:
+            rollout = await self.generated.get()
+            await self._notify()  # a queue drained: generation may resume
+            await self._score(rollout)
+            await self.scored.put(rollout)
+            self._depths()
+
+    async def _train_stage(self) -> None:
+        t, s = self.cfg.train, self.cfg.sampling
+        kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
+        last = time.perf_counter()
+        step = 0
+        while step < t.total_steps and not self.status.stop_requested:
+            rollout = await self.scored.get()
+            await self._notify()
+            rollout = await self._fresh(rollout)
+            if rollout is None:  # dropped past the bound; the step trains on the next batch
+                continue
+            step += 1
+            start = time.perf_counter()
+            samples, batch = rollout.samples, rollout.batch
+            logprobs = await self._call(self.roles.actor.compute_logprobs, batch, s.temperature, True)
+            require_finite(samples, rollout.scores, rollout.values, logprobs, self.cfg.reward.function)
+            targets = step_targets(self.cfg.preset.estimator, batch, rollout.scores, rollout.values,
+                                   logprobs.logprobs, logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
+            step_kl_coef = kl_coef
+            kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
+            update_start = time.perf_counter()
+            actor_result, critic_result = await asyncio.gather(
+                self._call(self.roles.actor.update, step, rollout.oldest_version, batch,
+                           policy_targets_for(self.cfg, targets, logprobs, samples), s.temperature),
+                self._call(self.roles.critic.update, step, batch, targets.returns, rollout.values)
+                if self.roles.critic else _none(),
+            )
+            lag = torch.tensor([self.version - smp.policy_version for smp in samples], dtype=torch.float32)
+            self.trained += [smp.sample_id for smp in samples]
+            async with self.changed:
+                self.version = actor_result.model_version
+                self.changed.notify_all()
+            now = time.perf_counter()
+            self.busy["train"] += now - start
+            seconds = {"generate": rollout.generate_s, "score": rollout.score_s, "update": now - update_start,
+                       "step": now - last}
+            last = now
+            record = step_record(step, actor_result, critic_result, batch, samples, rollout.scores,
+                                 rollout.values, logprobs, targets, seconds)
+            record["kl_coef"] = step_kl_coef
+            record.update(self._pipeline_stats(lag, now))
+            self.logger.log(record)
+            self.status.step, self.status.policy_version = step, actor_result.model_version
+            self.status.last_reward_mean = record["reward/mean"]
+
+    # --- stage work --------------------------------------------------------------------------------
+
+    async def _rollout(self, index: int) -> Rollout:
+        records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
+        start = time.perf_counter()
+        samples = await self._call(self.roles.actor.generate, [r.prompt for r in records],
+                                   sampling_for(self.cfg, index), first_group_id(self.cfg, index))
+        seconds = time.perf_counter() - start
+        self.busy["generate"] += seconds
+        metrics.STAGE_SECONDS.labels("coordinator", "generate").inc(seconds)
+        return Rollout(index, records, samples, to_batch(samples), seconds)
+
+    async def _score(self, rollout: Rollout) -> None:
+        start = time.perf_counter()
+        rollout.scores, rollout.values = await asyncio.gather(
+            self._call(self.roles.reward.score, score_items(rollout.records, rollout.samples)),
+            self._call(self.roles.critic.compute_values, rollout.batch) if self.roles.critic else _none(),
+        )
+        if rollout.values is None:
+            rollout.values = torch.zeros(rollout.batch.num_response_tokens)
+        rollout.score_s = time.perf_counter() - start
+        self.busy["score"] += rollout.score_s
+        metrics.STAGE_SECONDS.labels("coordinator", "score").inc(rollout.score_s)
+
+    async def _fresh(self, rollout: Rollout) -> Rollout | None:
+        """The rollout if its oldest sample is within the bound; else counted, logged, and generated
+        again (scored inline) or dropped."""
+        while self.version - rollout.oldest_version > self.p.max_staleness:
+            stale = sum(self.version - s.policy_version > self.p.max_staleness for s in rollout.samples)
+            self.counts["stale_samples"] += stale
+            metrics.PIPELINE_STALE_SAMPLES.labels("coordinator").inc(stale)
+            log.warning("rollout batch %d: %d samples from policy version %d, %d behind the actor's %d "
+                        "(pipeline.max_staleness=%d); %s", rollout.index, stale, rollout.oldest_version,
+                        self.version - rollout.oldest_version, self.version, self.p.max_staleness,
+                        "dropping it" if self.p.on_stale == "drop" else "generating it again")
+            if self.p.on_stale == "drop":
+                self.counts["dropped_batches"] += 1
+                await self._notify()  # its replacement may be generated
+                return None
+            self.counts["regenerated_batches"] += 1
+            rollout = await self._rollout(rollout.index)
+            await self._score(rollout)
+        return rollout
+
+    # --- plumbing ----------------------------------------------------------------------------------
+
+    def _may_generate(self, index: int) -> bool:
+        """Batch `index` is still needed (a dropped batch needs a replacement), can be trained on in
+        time, and nothing downstream is backed up."""
+        step = index - self.counts["dropped_batches"]  # the step it will be trained at (if none else drops)
+        return (step <= self.cfg.train.total_steps and step - 1 - self.version <= self.p.max_staleness
+                and not self._backed_up())
+
+    def _backed_up(self) -> bool:
+        """Backpressure: a queue downstream of generation is filled past the threshold."""
+        return any(q.qsize() > self.p.backpressure_threshold * q.maxsize for q in (self.generated, self.scored))
+
+    async def _wait(self, ready: Callable[[], bool]) -> None:
+        async with self.changed:
+            await self.changed.wait_for(ready)
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _depths(self) -> None:
+        metrics.PIPELINE_QUEUE_DEPTH.labels("coordinator", "generated").set(self.generated.qsize())
+        metrics.PIPELINE_QUEUE_DEPTH.labels("coordinator", "scored").set(self.scored.qsize())
+
+    async def _call(self, method: Callable[..., Awaitable], *args):
+        """A role call, retried on a transient failure (each is safe to repeat)."""
+        for attempt in range(self.p.retries + 1):
+            try:
+                return await method(*args)
+            except Unavailable as exc:
+                if attempt == self.p.retries:
+                    raise
+                self.counts["retries"] += 1
+                log.warning("transient failure, retrying (%d of %d): %s", attempt + 1, self.p.retries, exc)
+                await asyncio.sleep(min(2.0 ** attempt * 0.1, 5.0))
+
+    def _pipeline_stats(self, lag: torch.Tensor, now: float) -> dict[str, float]:
+        wall = max(now - self.start, 1e-9)
+        return {
+            "pipeline/version_lag/mean": lag.mean().item(), "pipeline/version_lag/max": lag.max().item(),
+            **{f"pipeline/{name}": float(v) for name, v in self.counts.items()},
+            "pipeline/queue/generated": float(self.generated.qsize()),
+            "pipeline/queue/scored": float(self.scored.qsize()),
+            **{f"pipeline/busy/{stage}": seconds / wall for stage, seconds in self.busy.items()},
+        }
+
+
+async def _none() -> None:
+    return None

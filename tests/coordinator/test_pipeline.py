@@ -1,0 +1,156 @@
+"""The async pipeline (`pipeline.mode: async`) against in-process roles: the staleness bound, every
+sample trained exactly once (also across a failed and retried call), backpressure, and sync mode
+unchanged by it."""
+
+import asyncio
+
+import pytest
+
+from rolefleet.actor.client import InProcessActorClient
+from rolefleet.actor.core import ActorCore
+from rolefleet.common.errors import Unavailable
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.loop import Roles, train
+from rolefleet.coordinator.pipeline import Pipeline
+from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.critic.client import InProcessCriticClient
+from rolefleet.critic.core import CriticCore
+from rolefleet.reward.client import InProcessRewardClient
+from rolefleet.reward.core import RewardCore
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class SlowReward(InProcessRewardClient):
+    """The real reward core, `delay_s` slower per call; calls numbered in `fail` raise a transient
+    error first (as a restarting server would)."""
+
+    def __init__(self, core: RewardCore, delay_s: float = 0.0, fail: frozenset[int] = frozenset()):
+        super().__init__(core)
+        self.delay_s, self.fail, self.calls = delay_s, fail, 0
+
+    async def score(self, items):
+        self.calls += 1
+        if self.calls in self.fail:
+            raise Unavailable("reward server restarting")
+        await asyncio.sleep(self.delay_s)
+        return await super().score(items)
+
+
+class CountingActor(InProcessActorClient):
+    """Counts rollout batches generated but not yet trained on, as each new one starts."""
+
+    def __init__(self, core: ActorCore):
+        super().__init__(core)
+        self.generated = self.updated = 0
+        self.outstanding: list[int] = []
+
+    async def generate(self, prompts, sampling, first_group_id=0):
+        self.outstanding.append(self.generated - self.updated)
+        self.generated += 1
+        return await super().generate(prompts, sampling, first_group_id)
+
+    async def update(self, *args):
+        result = await super().update(*args)
+        self.updated += 1
+        return result
+
+
+def run(cfg, reward):
+    actor = CountingActor(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound))
+    critic = InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed)) if cfg.preset.uses_critic else None
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    pipeline = Pipeline(cfg, Roles(actor, reward, critic), logger, status)
+    asyncio.run(pipeline.run())
+    logger.close()
+    return pipeline, actor, logger.records
+
+
+def every_sample_once(cfg, pipeline):
+    n, prompts = cfg.train.samples_per_prompt, cfg.train.prompts_per_step
+    assert len(pipeline.trained) == len(set(pipeline.trained)) == cfg.train.total_steps * prompts * n
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_slow_reward_forces_lag_that_never_passes_the_bound(make_config, algorithm):
+    cfg = make_config(f"algorithm={algorithm}", "pipeline.mode=async", "pipeline.max_staleness=1",
+                      "train.total_steps=6", "train.samples_per_prompt=2")
+    pipeline, _, records = run(cfg, SlowReward(RewardCore(cfg.reward), delay_s=0.3))
+    lags = [r["pipeline/version_lag/max"] for r in records]
+    assert max(lags) == 1 and all(0 <= lag <= 1 for lag in lags), lags  # generation ran ahead, never too far
+    assert [r["policy_version"] for r in records] == list(range(1, 7))
+    assert cfg.actor.is_correction == "token_truncate" and "actor/is_weight_mean" in records[-1]
+    every_sample_once(cfg, pipeline)
+
+
+def test_staleness_zero_trains_each_batch_on_the_policy_that_generated_it(make_config):
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=0", "train.total_steps=4",
+                      "train.samples_per_prompt=2")
+    pipeline, actor, records = run(cfg, SlowReward(RewardCore(cfg.reward), delay_s=0.1))
+    assert all(r["pipeline/version_lag/max"] == 0 for r in records)
+    assert actor.outstanding == [0, 0, 0, 0]  # the next batch only after the last one was trained on
+    every_sample_once(cfg, pipeline)
+
+
+def test_a_failed_call_is_retried_and_no_sample_is_lost_or_trained_twice(make_config):
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=5",
+                      "train.samples_per_prompt=2")
+    pipeline, _, records = run(cfg, SlowReward(RewardCore(cfg.reward), fail=frozenset({2, 3})))
+    assert records[-1]["pipeline/retries"] == 2
+    every_sample_once(cfg, pipeline)
+
+
+def test_a_call_that_keeps_failing_ends_the_run_with_its_error(make_config):
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.retries=1", "train.total_steps=3",
+                      "train.samples_per_prompt=2")
+    with pytest.raises(Unavailable, match="restarting"):
+        run(cfg, SlowReward(RewardCore(cfg.reward), fail=frozenset({2, 3})))
+
+
+def test_backpressure_keeps_the_actor_from_running_ahead_of_a_slow_reward(make_config):
+    """A bound far above the queues: only backpressure holds generation back."""
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=100", "train.total_steps=8",
+                      "train.samples_per_prompt=2", "pipeline.queue_capacity=2", "actor.is_correction=none")
+    pipeline, actor, records = run(cfg, SlowReward(RewardCore(cfg.reward), delay_s=0.5))
+    # At most: one waiting in each queue (a second one pauses generation), one being scored, one
+    # being trained on, and the one starting.
+    assert max(actor.outstanding) <= 4, actor.outstanding
+    assert max(r["pipeline/queue/generated"] for r in records) <= 2
+    every_sample_once(cfg, pipeline)
+
+
+def test_stale_batches_are_counted_then_regenerated_or_dropped(make_config):
+    """A batch that aged past the bound (forced here by lowering the bound after generation)."""
+    for on_stale in ("regenerate", "drop"):
+        cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=4",
+                          "train.samples_per_prompt=2", f"pipeline.on_stale={on_stale}")
+        actor = InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, 1))
+        logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+        pipeline = Pipeline(cfg, Roles(actor, SlowReward(RewardCore(cfg.reward), delay_s=0.2), None), logger,
+                            RunStatus(cfg.run.name, cfg.train.total_steps))
+        original = pipeline._fresh
+
+        async def tightened(rollout):
+            pipeline.p = cfg.pipeline.model_copy(update={"max_staleness": 0})  # lag 1 is now too old
+            return await original(rollout)
+
+        pipeline._fresh = tightened
+        asyncio.run(pipeline.run())
+        logger.close()
+        last = logger.records[-1]
+        assert last["pipeline/stale_samples"] > 0 and last["pipeline/version_lag/max"] == 0
+        key = "pipeline/regenerated_batches" if on_stale == "regenerate" else "pipeline/dropped_batches"
+        assert last[key] > 0
+        assert len(pipeline.trained) == len(set(pipeline.trained)) == 4 * 8 * 2
+
+
+def test_async_mode_through_the_run_entry_point_finishes(make_config):
+    cfg = make_config("algorithm=ppo", "pipeline.mode=async", "train.total_steps=3")
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)),
+                  InProcessRewardClient(RewardCore(cfg.reward)), InProcessCriticClient(CriticCore(cfg.critic)))
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    status = asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, cfg.train.total_steps)))
+    logger.close()
+    assert status.state == RunState.FINISHED and status.step == 3
+    assert [r["step"] for r in logger.records] == [1, 2, 3]
