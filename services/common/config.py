@@ -285,6 +285,8 @@ class RewardSection(Endpoint):
     max_items_per_request: int = Field(65536, ge=1, description="samples one Score request may carry")
     max_item_bytes: int = Field(1 << 20, ge=1, description="UTF-8 bytes of one item's prompt + response + "
                                 "ground truth")
+    score_delay_s: float = Field(0.0, ge=0, le=600, description="seconds each Score call waits before "
+                                 "scoring: a stand-in for a slower reward (a reward model) in benchmarks and tests")
 
     @field_validator("function")
     @classmethod

@@ -26,6 +26,7 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
@@ -134,17 +135,20 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
     status.stepping = True
     if not status.stop_requested:
         status.state = RunState.RUNNING
+    clock = BusyClock()
+    roles = clock.track(roles)
     if cfg.pipeline.mode == "async":
         from rolefleet.coordinator.pipeline import Pipeline
 
-        await Pipeline(cfg, roles, logger, status).run()
+        await Pipeline(cfg, roles, logger, status, clock).run()
     else:
-        await train_sync(cfg, roles, logger, status)
+        await train_sync(cfg, roles, logger, status, clock)
     status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
     return status
 
 
-async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus) -> None:
+async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
+                     clock: BusyClock) -> None:
     dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
     s, t = cfg.sampling, cfg.train
     kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
@@ -188,6 +192,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         record = step_record(step, actor_result, critic_result, batch, samples, scores, values, logprobs,
                              targets, timer.seconds)
         record["kl_coef"] = step_kl_coef
+        record.update(clock.fractions())
         logger.log(record)
         status.step, status.policy_version = step, actor_result.model_version
         status.last_reward_mean = record["reward/mean"]

@@ -34,6 +34,7 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import Unavailable
+from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
@@ -72,8 +73,12 @@ class Rollout:
 
 
 class Pipeline:
-    def __init__(self, cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus):
-        self.cfg, self.roles, self.logger, self.status = cfg, roles, logger, status
+    def __init__(self, cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
+                 clock: BusyClock | None = None):
+        if clock is None:  # run directly, not through `loop.train`: time the roles here
+            clock = BusyClock()
+            roles = clock.track(roles)
+        self.cfg, self.roles, self.logger, self.status, self.clock = cfg, roles, logger, status, clock
         self.p = cfg.pipeline
         self.dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
         self.generated: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
@@ -157,6 +162,7 @@ class Pipeline:
                                  rollout.values, logprobs, targets, seconds)
             record["kl_coef"] = step_kl_coef
             record.update(self._pipeline_stats(lag, now))
+            record.update(self.clock.fractions())
             self.logger.log(record)
             self.status.step, self.status.policy_version = step, actor_result.model_version
             self.status.last_reward_mean = record["reward/mean"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from numbers import Real
 
 import torch
@@ -30,6 +31,8 @@ class RewardCore:
         NaN or inf) refuses the request, naming the sample: a silent NaN would poison the step's
         advantages, and a made-up score would train on a reward nobody defined."""
         self._check_sizes(items)
+        if self.cfg.score_delay_s:  # a stand-in for a slower reward (benchmarks, tests)
+            time.sleep(self.cfg.score_delay_s)
         scores = torch.tensor([self._score_one(i, item) for i, item in enumerate(items)], dtype=torch.float32)
         self.scored += len(items)
         metrics.SAMPLES_SCORED.labels(ROLE).inc(len(items))

@@ -120,29 +120,29 @@ def test_backpressure_keeps_the_actor_from_running_ahead_of_a_slow_reward(make_c
     every_sample_once(cfg, pipeline)
 
 
-def test_stale_batches_are_counted_then_regenerated_or_dropped(make_config):
+@pytest.mark.parametrize("on_stale", ["regenerate", "drop"])
+def test_stale_batches_are_counted_then_regenerated_or_dropped(make_config, on_stale):
     """A batch that aged past the bound (forced here by lowering the bound after generation)."""
-    for on_stale in ("regenerate", "drop"):
-        cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=4",
-                          "train.samples_per_prompt=2", f"pipeline.on_stale={on_stale}")
-        actor = InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, 1))
-        logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
-        pipeline = Pipeline(cfg, Roles(actor, SlowReward(RewardCore(cfg.reward), delay_s=0.2), None), logger,
-                            RunStatus(cfg.run.name, cfg.train.total_steps))
-        original = pipeline._fresh
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=4",
+                      "train.samples_per_prompt=2", f"pipeline.on_stale={on_stale}")
+    actor = InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, 1))
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    pipeline = Pipeline(cfg, Roles(actor, SlowReward(RewardCore(cfg.reward), delay_s=0.2), None), logger,
+                        RunStatus(cfg.run.name, cfg.train.total_steps))
+    original = pipeline._fresh
 
-        async def tightened(rollout):
-            pipeline.p = cfg.pipeline.model_copy(update={"max_staleness": 0})  # lag 1 is now too old
-            return await original(rollout)
+    async def tightened(rollout):
+        pipeline.p = cfg.pipeline.model_copy(update={"max_staleness": 0})  # lag 1 is now too old
+        return await original(rollout)
 
-        pipeline._fresh = tightened
-        asyncio.run(pipeline.run())
-        logger.close()
-        last = logger.records[-1]
-        assert last["pipeline/stale_samples"] > 0 and last["pipeline/version_lag/max"] == 0
-        key = "pipeline/regenerated_batches" if on_stale == "regenerate" else "pipeline/dropped_batches"
-        assert last[key] > 0
-        assert len(pipeline.trained) == len(set(pipeline.trained)) == 4 * 8 * 2
+    pipeline._fresh = tightened
+    asyncio.run(pipeline.run())
+    logger.close()
+    last = logger.records[-1]
+    assert last["pipeline/stale_samples"] > 0 and last["pipeline/version_lag/max"] == 0
+    assert last["pipeline/regenerated_batches" if on_stale == "regenerate" else "pipeline/dropped_batches"] > 0
+    assert [r["step"] for r in logger.records] == [1, 2, 3, 4]
+    assert len(pipeline.trained) == len(set(pipeline.trained)) == 4 * 8 * 2
 
 
 def test_async_mode_through_the_run_entry_point_finishes(make_config):

@@ -34,10 +34,11 @@ def test_stop_after_the_run_ended_keeps_its_final_state():
 def test_status_lists_each_role_and_says_which_did_not_answer(monkeypatch):
     """A reward server that answers (its GPUs from CUDA_VISIBLE_DEVICES) and a critic address where
     nothing listens: the status names both, and the silent one's error."""
+    import socket
+
     from rolefleet.common.config import RewardSection
     from rolefleet.reward import server as reward_server
     from rolefleet.reward.core import RewardCore
-    import socket
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     status = RunStatus("r3", total_steps=1, state=RunState.RUNNING)

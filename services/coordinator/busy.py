@@ -1,0 +1,61 @@
+"""How busy each role is, seen from the coordinator: the wall time during which at least one call
+to the role was in flight (overlapping calls count once: a role with work queued behind its model
+lock is busy). Both loops wrap their role clients in `BusyClock.track`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import fields, replace
+
+
+class BusyClock:
+    def __init__(self):
+        self.start = time.perf_counter()
+        self._active: dict[str, int] = defaultdict(int)
+        self._since: dict[str, float] = {}
+        self._total: dict[str, float] = defaultdict(float)
+
+    def enter(self, role: str) -> None:
+        if self._active[role] == 0:
+            self._since[role] = time.perf_counter()
+        self._active[role] += 1
+
+    def leave(self, role: str) -> None:
+        self._active[role] -= 1
+        if self._active[role] == 0:
+            self._total[role] += time.perf_counter() - self._since.pop(role)
+
+    def fractions(self) -> dict[str, float]:
+        """`busy/<role>`: the share of the run's wall time so far that the role was busy."""
+        now = time.perf_counter()
+        wall = max(now - self.start, 1e-9)
+        busy = dict(self._total)
+        for role, since in self._since.items():  # calls in flight count up to now
+            busy[role] = busy.get(role, 0.0) + now - since
+        return {f"busy/{role}": seconds / wall for role, seconds in sorted(busy.items())}
+
+    def track(self, roles):
+        """The same Roles, each client's coroutine methods timed under its field name."""
+        return replace(roles, **{f.name: _Tracked(getattr(roles, f.name), f.name, self)
+                                 for f in fields(roles) if getattr(roles, f.name) is not None})
+
+
+class _Tracked:
+    def __init__(self, inner, role: str, clock: BusyClock):
+        self._inner, self._role, self._clock = inner, role, clock
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not asyncio.iscoroutinefunction(attr):
+            return attr
+
+        async def timed(*args, **kwargs):
+            self._clock.enter(self._role)
+            try:
+                return await attr(*args, **kwargs)
+            finally:
+                self._clock.leave(self._role)
+
+        return timed
