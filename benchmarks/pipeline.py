@@ -2,8 +2,8 @@
 demo's tiny model) in `pipeline.mode: sync` and `async`, with the reward made as slow as the actor
 (`reward.score_delay_s`, calibrated by a first sync run: the median of the actor's seconds per step),
 so that overlapping the two can pay. Prints seconds per step, generated tokens per second, the
-ratio, and each role's busy fraction (`busy/<role>` of the last step: the share of the run's wall
-time a call to it was in flight).
+ratio, and each role's busy fraction (`busy/<role>`: the share of a step's time a call to the role
+was in flight).
 
     python benchmarks/pipeline.py --out OUT_DIR [--steps 30] [--max-staleness 1] [--reward-delay S]
 
@@ -43,7 +43,7 @@ def summary(records: list[dict]) -> dict:
     return {"step_s": step_s, "tokens_per_s": median("throughput/tokens_per_s"),
             "reward_first10": statistics.mean(r["reward/mean"] for r in records[:10]),
             "reward_last10": statistics.mean(r["reward/mean"] for r in records[-10:]),
-            **{k: v for k, v in records[-1].items() if k.startswith("busy/")},
+            **{k: median(k) for k in records[-1] if k.startswith("busy/")},
             **{k: v for k, v in records[-1].items() if k.startswith("pipeline/version_lag")}}
 
 

@@ -1,5 +1,5 @@
-"""How busy each role is, seen from the coordinator: the wall time during which at least one call
-to the role was in flight (overlapping calls count once: a role with work queued behind its model
+"""How busy each role is, seen from the coordinator: the time during which at least one call to
+the role was in flight (overlapping calls count once: a role with work queued behind its model
 lock is busy). Both loops wrap their role clients in `BusyClock.track`."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import fields, replace
 
 class BusyClock:
     def __init__(self):
-        self.start = time.perf_counter()
+        self._mark = time.perf_counter()
+        self._marked: dict[str, float] = {}  # busy seconds per role at the mark
         self._active: dict[str, int] = defaultdict(int)
         self._since: dict[str, float] = {}
         self._total: dict[str, float] = defaultdict(float)
@@ -28,13 +29,16 @@ class BusyClock:
             self._total[role] += time.perf_counter() - self._since.pop(role)
 
     def fractions(self) -> dict[str, float]:
-        """`busy/<role>`: the share of the run's wall time so far that the role was busy."""
+        """`busy/<role>`: the share of the time since the last call (the previous step's record)
+        during which the role was busy."""
         now = time.perf_counter()
-        wall = max(now - self.start, 1e-9)
         busy = dict(self._total)
         for role, since in self._since.items():  # calls in flight count up to now
             busy[role] = busy.get(role, 0.0) + now - since
-        return {f"busy/{role}": seconds / wall for role, seconds in sorted(busy.items())}
+        window = max(now - self._mark, 1e-9)
+        out = {f"busy/{role}": (seconds - self._marked.get(role, 0.0)) / window for role, seconds in sorted(busy.items())}
+        self._mark, self._marked = now, busy
+        return out
 
     def track(self, roles):
         """The same Roles, each client's coroutine methods timed under its field name."""
