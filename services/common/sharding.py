@@ -32,16 +32,19 @@ def sharding_wanted(setting: str) -> bool:
 
 
 def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.device, dtype: torch.dtype | None,
-          offload: bool = False) -> None:
+          offload: bool = False, full_precision: tuple[torch.nn.Module, ...] = ()) -> None:
     """FSDP2 over the group: each of `layers` a unit, `root` (holding them) the outer one.
-    `dtype`: the compute dtype of the gathered parameters (None: as stored); `offload`: the shards
-    live in CPU memory (for a frozen reference model) and visit the GPU per forward."""
+    `dtype`: the compute dtype of the gathered parameters (None: as stored); `full_precision`:
+    units gathered as stored whatever `dtype` (a value head); `offload`: the shards live in CPU
+    memory (for a frozen reference model) and visit the GPU per forward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     where = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
     for layer in layers:
         fully_shard(layer, mp_policy=policy, offload_policy=where)
+    for module in full_precision:
+        fully_shard(module, mp_policy=MixedPrecisionPolicy(), offload_policy=where)
     fully_shard(root, mp_policy=policy, offload_policy=where)
 
 

@@ -42,7 +42,8 @@ class CriticCore:
         # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
         self.sharded = sharding_wanted(cfg.sharding)
         if self.sharded:
-            shard(self.model, decoder_layers(self.model.backbone), self.device, self.dtype)
+            shard(self.model, decoder_layers(self.model.backbone), self.device, self.dtype,
+                  full_precision=(self.model.head,))
         if cfg.compile_layers:
             compile_decoder_layers(self.model.backbone, hooks_outside=self.sharded)
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)  # over the shards, if sharded

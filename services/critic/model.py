@@ -31,7 +31,7 @@ class ValueModel(torch.nn.Module):
         """V(state before each response token), packed [N] fp32: read at the position that predicts it.
         Callers call the module (not a part of it): sharded, its forward hook gathers the root's weights."""
         hidden = response_hidden(self.backbone, batch, device, packed)
-        # The scalar head in fp32 even under bf16 autocast or bf16-gathered shards: a value rounded
-        # to bf16 is off by ~0.4%.
+        # The scalar head in fp32 even under bf16 autocast (sharded, it is its own fp32 unit): a
+        # value rounded to bf16 is off by ~0.4%.
         with torch.autocast(device.type, enabled=False):
-            return hidden.float() @ self.head.weight.float()[0] + self.head.bias.float()  # [N], not a view
+            return self.head(hidden.float()).squeeze(-1).clone()  # not a view: FSDP hooks the output
