@@ -4,6 +4,7 @@ gRPC one (real deployments). The coordinator cannot tell them apart."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -14,6 +15,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
+from rolefleet.common.server import iterate_in_thread
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.actor.core import ActorCore
@@ -22,6 +24,10 @@ if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator nev
 class ActorClient(Protocol):
     async def generate(self, prompts: list[str], sampling: SamplingParams,
                        first_group_id: int = 0) -> list[Sample]: ...
+    def generate_stream(self, prompts: list[str], sampling: SamplingParams,
+                        first_group_id: int = 0) -> AsyncIterator[list[Sample]]:
+        """The samples of `generate`, in the same order, as they finish (a list per arrival)."""
+        ...
     async def compute_logprobs(self, batch: SequenceBatch, temperature: float,
                                include_reference: bool) -> LogProbs: ...
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
@@ -36,6 +42,10 @@ class InProcessActorClient:
 
     async def generate(self, prompts, sampling, first_group_id=0):
         return await asyncio.to_thread(self.core.generate, prompts, sampling, first_group_id)
+
+    async def generate_stream(self, prompts, sampling, first_group_id=0):
+        async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling, first_group_id)):
+            yield chunk
 
     async def compute_logprobs(self, batch, temperature, include_reference):
         return await asyncio.to_thread(self.core.compute_logprobs, batch, temperature, include_reference)
@@ -54,10 +64,14 @@ class GrpcActorClient(GrpcRoleClient):
     stub_class = actor_pb2_grpc.ActorServiceStub
 
     async def generate(self, prompts, sampling, first_group_id=0):
+        return [sample async for chunk in self.generate_stream(prompts, sampling, first_group_id) for sample in chunk]
+
+    async def generate_stream(self, prompts, sampling, first_group_id=0):
         request = actor_pb2.GenerateRequest(prompts=prompts, sampling=wire.sampling_to_proto(sampling),
                                             first_group_id=first_group_id)
         try:
-            return [wire.sample_from_proto(m) async for m in self.stub.Generate(request, timeout=self.timeout_s)]
+            async for message in self.stub.Generate(request, timeout=self.timeout_s):
+                yield [wire.sample_from_proto(message)]
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
 

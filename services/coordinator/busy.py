@@ -5,6 +5,7 @@ lock is busy). Both loops wrap their role clients in `BusyClock.track`."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections import defaultdict
 from dataclasses import fields, replace
@@ -52,6 +53,16 @@ class _Tracked:
 
     def __getattr__(self, name: str):
         attr = getattr(self._inner, name)
+        if inspect.isasyncgenfunction(attr):  # a stream: busy from the call to its last item
+            async def streamed(*args, **kwargs):
+                self._clock.enter(self._role)
+                try:
+                    async for item in attr(*args, **kwargs):
+                        yield item
+                finally:
+                    self._clock.leave(self._role)
+
+            return streamed
         if not asyncio.iscoroutinefunction(attr):
             return attr
 

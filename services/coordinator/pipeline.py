@@ -7,8 +7,10 @@ stages that run at once, joined by bounded queues.
    in time (the batch for step k is trained at actor version k - 1, so it waits until
    k - 1 - version <= max_staleness) and while no queue downstream is filled past
    `backpressure_threshold`.
-2. score: reward.Score and critic.ComputeValues of a batch while the actor generates the next one
-   or trains on the previous one.
+   Samples stream from the actor as they finish; each chunk of them (`actor.rollout.batch_size`
+   samples, one engine call's worth) goes to reward.Score at once, while the actor generates on.
+2. score: the batch's reward scores (most of them in already) and critic.ComputeValues of the
+   whole batch, while the actor generates the next batch or trains on the previous one.
 3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
    again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
    proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
@@ -24,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +65,7 @@ class Rollout:
     samples: list[Sample]
     batch: SequenceBatch
     generate_s: float
+    scoring: list[asyncio.Task] = field(default_factory=list)  # reward calls of the streamed chunks, in order
     scores: torch.Tensor | None = None
     values: torch.Tensor | None = None
     score_s: float = 0.0
@@ -170,21 +173,46 @@ class Pipeline:
     # --- stage work --------------------------------------------------------------------------------
 
     async def _rollout(self, index: int) -> Rollout:
+        """Generate batch `index`, sending each chunk of samples to the reward as it arrives (the
+        reward scores while the actor still generates); a transient failure restarts the batch
+        (generation is seeded: the same samples)."""
         records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
-        start = time.perf_counter()
-        samples = await self._call(self.roles.actor.generate, [r.prompt for r in records],
-                                   sampling_for(self.cfg, index), first_group_id(self.cfg, index))
+        sampling = sampling_for(self.cfg, index)
+        chunk = min(self.cfg.actor.rollout.batch_size, len(records) * sampling.n)
+        for attempt in range(self.p.retries + 1):
+            start, samples, pending, scoring = time.perf_counter(), [], [], []
+            try:
+                async for part in self.roles.actor.generate_stream([r.prompt for r in records], sampling,
+                                                                   first_group_id(self.cfg, index)):
+                    pending += part
+                    if len(pending) >= chunk:
+                        scoring.append(self._score_soon(records, pending))
+                        samples, pending = samples + pending, []
+                if pending:
+                    scoring.append(self._score_soon(records, pending))
+                    samples += pending
+                break
+            except Unavailable as exc:
+                for task in scoring:
+                    task.cancel()
+                await self._retry_or_raise(attempt, exc)
         seconds = time.perf_counter() - start
         self.busy["generate"] += seconds
         metrics.STAGE_SECONDS.labels("coordinator", "generate").inc(seconds)
-        return Rollout(index, records, samples, to_batch(samples), seconds)
+        return Rollout(index, records, samples, to_batch(samples), seconds, scoring=scoring)
+
+    def _score_soon(self, records: list[PromptRecord], samples: list[Sample]) -> asyncio.Task:
+        return asyncio.create_task(self._call(self.roles.reward.score, score_items(records, samples)))
 
     async def _score(self, rollout: Rollout) -> None:
+        """The reward's scores of the streamed chunks (most already done) and the critic's values
+        of the whole batch."""
         start = time.perf_counter()
-        rollout.scores, rollout.values = await asyncio.gather(
-            self._call(self.roles.reward.score, score_items(rollout.records, rollout.samples)),
+        scores, rollout.values = await asyncio.gather(
+            asyncio.gather(*rollout.scoring),
             self._call(self.roles.critic.compute_values, rollout.batch) if self.roles.critic else _none(),
         )
+        rollout.scores = torch.cat(scores)
         if rollout.values is None:
             rollout.values = torch.zeros(rollout.batch.num_response_tokens)
         rollout.score_s = time.perf_counter() - start
@@ -242,11 +270,14 @@ class Pipeline:
             try:
                 return await method(*args)
             except Unavailable as exc:
-                if attempt == self.p.retries:
-                    raise
-                self.counts["retries"] += 1
-                log.warning("transient failure, retrying (%d of %d): %s", attempt + 1, self.p.retries, exc)
-                await asyncio.sleep(min(2.0 ** attempt * 0.1, 5.0))
+                await self._retry_or_raise(attempt, exc)
+
+    async def _retry_or_raise(self, attempt: int, exc: Unavailable) -> None:
+        if attempt == self.p.retries:
+            raise exc
+        self.counts["retries"] += 1
+        log.warning("transient failure, retrying (%d of %d): %s", attempt + 1, self.p.retries, exc)
+        await asyncio.sleep(min(2.0 ** attempt * 0.1, 5.0))
 
     def _pipeline_stats(self, lag: torch.Tensor, now: float) -> dict[str, float]:
         wall = max(now - self.start, 1e-9)

@@ -45,10 +45,11 @@ class CountingActor(InProcessActorClient):
         self.generated = self.updated = 0
         self.outstanding: list[int] = []
 
-    async def generate(self, prompts, sampling, first_group_id=0):
+    async def generate_stream(self, prompts, sampling, first_group_id=0):
         self.outstanding.append(self.generated - self.updated)
         self.generated += 1
-        return await super().generate(prompts, sampling, first_group_id)
+        async for chunk in super().generate_stream(prompts, sampling, first_group_id):
+            yield chunk
 
     async def update(self, *args):
         result = await super().update(*args)
@@ -105,7 +106,7 @@ def test_a_call_that_keeps_failing_ends_the_run_with_its_error(make_config):
     cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.retries=1", "train.total_steps=3",
                       "train.samples_per_prompt=2")
     with pytest.raises(Unavailable, match="restarting"):
-        run(cfg, SlowReward(RewardCore(cfg.reward), fail=frozenset({2, 3})))
+        run(cfg, SlowReward(RewardCore(cfg.reward), fail=frozenset(range(2, 100))))
 
 
 def test_backpressure_keeps_the_actor_from_running_ahead_of_a_slow_reward(make_config):
@@ -154,3 +155,37 @@ def test_async_mode_through_the_run_entry_point_finishes(make_config):
     logger.close()
     assert status.state == RunState.FINISHED and status.step == 3
     assert [r["step"] for r in logger.records] == [1, 2, 3]
+
+
+def test_the_reward_scores_chunks_of_samples_while_the_actor_still_generates(make_config):
+    """Four engine calls per rollout batch (`actor.rollout.batch_size=4`): four Score calls, the
+    first made before the batch's last sample arrived."""
+    import time
+
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=0", "train.total_steps=1",
+                      "train.samples_per_prompt=2", "actor.rollout.batch_size=4")
+
+    class Timed(SlowReward):
+        sizes, started = [], []
+
+        async def score(self, items):
+            self.sizes.append(len(items))
+            self.started.append(time.perf_counter())
+            return await super().score(items)
+
+    class StreamEnd(CountingActor):
+        ended = 0.0
+
+        async def generate_stream(self, prompts, sampling, first_group_id=0):
+            async for chunk in super().generate_stream(prompts, sampling, first_group_id):
+                yield chunk
+            StreamEnd.ended = time.perf_counter()
+
+    reward = Timed(RewardCore(cfg.reward))
+    actor = StreamEnd(ActorCore(cfg.actor, cfg.run.seed, 0))
+    logger = RunLogger(cfg.run.out, 1, progress=False)
+    pipeline = Pipeline(cfg, Roles(actor, reward, None), logger, RunStatus(cfg.run.name, 1))
+    asyncio.run(pipeline.run())
+    logger.close()
+    assert reward.sizes == [4, 4, 4, 4] and reward.started[0] < StreamEnd.ended
+    every_sample_once(cfg, pipeline)
