@@ -8,9 +8,10 @@ stages that run at once, joined by bounded queues.
    k - 1 - version <= max_staleness) and while no queue downstream is filled past
    `backpressure_threshold`.
    Samples stream from the actor as they finish; each chunk of them (`actor.rollout.batch_size`
-   samples, one engine call's worth) goes to reward.Score at once, while the actor generates on.
-2. score: the batch's reward scores (most of them in already) and critic.ComputeValues of the
-   whole batch, while the actor generates the next batch or trains on the previous one.
+   samples, one engine call's worth) goes to reward.Score and critic.ComputeValues at once, while
+   the actor generates on.
+2. score: the batch's scores and values, chunk by chunk (most of them in already), while the actor
+   generates the next batch or trains on the previous one.
 3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
    again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
    proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
@@ -65,7 +66,7 @@ class Rollout:
     samples: list[Sample]
     batch: SequenceBatch
     generate_s: float
-    scoring: list[asyncio.Task] = field(default_factory=list)  # reward calls of the streamed chunks, in order
+    scoring: list[asyncio.Future] = field(default_factory=list)  # reward + critic calls per streamed chunk, in order
     scores: torch.Tensor | None = None
     values: torch.Tensor | None = None
     score_s: float = 0.0
@@ -201,20 +202,19 @@ class Pipeline:
         metrics.STAGE_SECONDS.labels("coordinator", "generate").inc(seconds)
         return Rollout(index, records, samples, to_batch(samples), seconds, scoring=scoring)
 
-    def _score_soon(self, records: list[PromptRecord], samples: list[Sample]) -> asyncio.Task:
-        return asyncio.create_task(self._call(self.roles.reward.score, score_items(records, samples)))
+    def _score_soon(self, records: list[PromptRecord], samples: list[Sample]) -> asyncio.Future:
+        """Reward scores (and critic values) of a streamed chunk, started now."""
+        return asyncio.gather(
+            self._call(self.roles.reward.score, score_items(records, samples)),
+            self._call(self.roles.critic.compute_values, to_batch(samples)) if self.roles.critic else _none(),
+        )
 
     async def _score(self, rollout: Rollout) -> None:
-        """The reward's scores of the streamed chunks (most already done) and the critic's values
-        of the whole batch."""
+        """The scores and values of the streamed chunks (most already done), in sample order."""
         start = time.perf_counter()
-        scores, rollout.values = await asyncio.gather(
-            asyncio.gather(*rollout.scoring),
-            self._call(self.roles.critic.compute_values, rollout.batch) if self.roles.critic else _none(),
-        )
+        scores, values = zip(*await asyncio.gather(*rollout.scoring))
         rollout.scores = torch.cat(scores)
-        if rollout.values is None:
-            rollout.values = torch.zeros(rollout.batch.num_response_tokens)
+        rollout.values = torch.cat(values) if self.roles.critic else torch.zeros(rollout.batch.num_response_tokens)
         rollout.score_s = time.perf_counter() - start
         self.busy["score"] += rollout.score_s
         metrics.STAGE_SECONDS.labels("coordinator", "score").inc(rollout.score_s)
