@@ -88,6 +88,7 @@ class Pipeline:
         self.generated: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.scored: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.version = 0            # the actor's policy version: updates applied this run
+        self.generated_batches = 0  # rollout batches the generate stage finished
         self.changed = asyncio.Condition()  # the version moved or a queue drained
         self.busy = dict.fromkeys(STAGES, 0.0)
         self.counts = {"stale_samples": 0, "dropped_batches": 0, "regenerated_batches": 0, "retries": 0}
@@ -114,7 +115,11 @@ class Pipeline:
         while True:
             index += 1
             await self._wait(lambda i=index: self._may_generate(i))
-            await self.generated.put(await self._rollout(index))
+            rollout = await self._rollout(index)
+            async with self.changed:
+                self.generated_batches += 1
+                self.changed.notify_all()
+            await self.generated.put(rollout)
             self._depths()
 
     async def _score_stage(self) -> None:
@@ -145,6 +150,11 @@ class Pipeline:
                                    logprobs.logprobs, logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
             step_kl_coef = kl_coef
             kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
+            # Every batch that may be generated from the policy before this update is, first: each
+            # batch then lags by exactly what the bound allows, whatever the timing (runs repeat
+            # for a fixed seed). Backed-up queues let the update go first (generation waits on them).
+            ahead = min(step + self.p.max_staleness, t.total_steps) + self.counts["dropped_batches"]
+            await self._wait(lambda n=ahead: self.generated_batches >= n or self._backed_up())
             update_start = time.perf_counter()
             actor_result, critic_result = await asyncio.gather(
                 self._call(self.roles.actor.update, step, rollout.oldest_version, batch,

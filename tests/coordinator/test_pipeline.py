@@ -189,3 +189,15 @@ def test_the_reward_scores_chunks_of_samples_while_the_actor_still_generates(mak
     logger.close()
     assert reward.sizes == [4, 4, 4, 4] and reward.started[0] < StreamEnd.ended
     every_sample_once(cfg, pipeline)
+
+
+def test_async_runs_repeat_for_a_fixed_seed_whatever_the_timing(make_config):
+    """Each batch lags by exactly the bound (the update waits for the batches that may precede it),
+    so a slower reward changes nothing but the time."""
+    rewards = []
+    for delay in (0.0, 0.3):
+        cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=4",
+                          "train.samples_per_prompt=2")
+        _, _, records = run(cfg, SlowReward(RewardCore(cfg.reward), delay_s=delay))
+        rewards.append([(r["reward/mean"], r["actor/loss"], r["pipeline/version_lag/max"]) for r in records])
+    assert rewards[0] == rewards[1]
