@@ -15,7 +15,9 @@ stages that run at once, joined by bounded queues.
 3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
    again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
    proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
-   `actor.is_correction`); advantages; actor.Update | critic.Update; the step's record.
+   `actor.is_correction`); advantages; actor.Update | critic.Update, once the batches the bound lets
+   precede this update have been generated (so each batch lags by exactly the bound, whatever the
+   timing: runs repeat for a fixed seed); the step's record.
 
 A transient failure (UNAVAILABLE, a deadline) of a role call is retried `pipeline.retries` times:
 every call is safe to repeat (generation is seeded, scoring pure, updates idempotent per step).
