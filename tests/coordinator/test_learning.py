@@ -37,7 +37,7 @@ def demo_model(tmp_path_factory):
     # Async: which policy version generates a batch depends on timing, so runs vary; lagged ones get
     # more steps (off-policy samples teach less per step).
     ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=0"]),
-    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=100"]),
+    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=80"]),
     ("demo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=2"]),
 ], ids=["ppo", "grpo", "rloo", "grpo-async-0", "grpo-async-1", "ppo-async-2"])
 def test_demo_learns(demo_model, tmp_path, config, overrides):
