@@ -1,11 +1,12 @@
 """Placement on two GPUs: the same PPO workload (Qwen2-0.5B dimensions for actor and critic, random
 weights, 64 prompts x 4 samples x 256 new tokens per step) with every role over both GPUs
 (`configs/2gpu_colocated.yaml`: two data-parallel workers per role) and split (`configs/2gpu.yaml`:
-actor on GPU 0, critic on GPU 1), sync; prints seconds per step, generated tokens per second of
-step time, each GPU's NVML busy fraction during the run, and the ratio; then the actor's update
+actor on GPU 0, critic on GPU 1), sync, and split in async mode (`pipeline.max_staleness: 1`);
+prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
+during the run, and the ratios to colocated sync; then the actor's update
 phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one GPU (scaling efficiency).
 
-    python benchmarks/placement.py --shape qwen2-0.5b --out OUT_DIR --steps 4
+    python benchmarks/placement.py --shape qwen2-0.5b --out OUT_DIR --steps 4 [--parts placement|scaling]
 
 Needs two GPUs (nvidia-h200-x2). Medians over the steps after the first (compilation).
 """
@@ -29,23 +30,35 @@ def main() -> None:
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--parts", default="placement,scaling", help="placement (colocated, split, split async) and/or "
+                   "scaling (the update on one GPU against two): one device call may not fit both")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     params = count_parameters(model)
     runs = Path(tempfile.mkdtemp())
-    results = {name: run("ppo", model, runs, args.steps, params, config=config) for name, config in CONFIGS.items()}
-    results["split_over_colocated"] = results["split"]["step_tokens_per_s"] / results["colocated"]["step_tokens_per_s"]
-    # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
-    # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
-    one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml")
-    results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
-    for sharding in ("fsdp", "replicate"):
-        two = run("grpo", model, runs, args.steps, params, config=CONFIGS["colocated"],
-                  overrides=(f"actor.sharding={sharding}",))
-        results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
-                                               "efficiency": one["update_s"] / (2 * two["update_s"])}
+    results: dict = {}
+    if "placement" in parts:
+        for name, config in CONFIGS.items():
+            results[name] = run("ppo", model, runs, args.steps, params, config=config)
+        results["split_over_colocated"] = results["split"]["step_tokens_per_s"] / results["colocated"]["step_tokens_per_s"]
+        # The async pipeline on the split map (target: ahead of colocated sync, each GPU >= 75% busy).
+        results["split_async"] = run("ppo", model, runs, args.steps, params, config=CONFIGS["split"],
+                                     overrides=("pipeline.mode=async", "pipeline.max_staleness=1"))
+        results["split_async_over_colocated"] = (results["split_async"]["step_tokens_per_s"]
+                                                 / results["colocated"]["step_tokens_per_s"])
+    if "scaling" in parts:
+        # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
+        # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
+        one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml")
+        results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
+        for sharding in ("fsdp", "replicate"):
+            two = run("grpo", model, runs, args.steps, params, config=CONFIGS["colocated"],
+                      overrides=(f"actor.sharding={sharding}",))
+            results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
+                                                   "efficiency": one["update_s"] / (2 * two["update_s"])}
     print(json.dumps(results, indent=2), flush=True)
     (out / "placement.json").write_text(json.dumps(results, indent=2))
 
