@@ -1,4 +1,5 @@
-"""The synchronous loop (DESIGN "One step"), one numbered call per role per phase.
+"""The run (`train`): the synchronous loop below (DESIGN "One step"), one numbered call per role per
+phase, or with `pipeline.mode: async` the same phases as overlapping stages (`pipeline.py`).
 
 1. actor.Generate                                    -> n samples per prompt
 2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently; all of it finite
