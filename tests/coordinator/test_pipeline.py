@@ -201,3 +201,24 @@ def test_async_runs_repeat_for_a_fixed_seed_whatever_the_timing(make_config):
         _, _, records = run(cfg, SlowReward(RewardCore(cfg.reward), delay_s=delay))
         rewards.append([(r["reward/mean"], r["actor/loss"], r["pipeline/version_lag/max"]) for r in records])
     assert rewards[0] == rewards[1]
+
+
+def test_a_stop_request_ends_an_async_run_after_the_step_in_flight(make_config):
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=20",
+                      "train.samples_per_prompt=2")
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+
+    class StopAfterTwo(CountingActor):
+        async def update(self, *args):
+            result = await super().update(*args)
+            if self.updated == 2:
+                status.request_stop()
+            return result
+
+    roles = Roles(StopAfterTwo(ActorCore(cfg.actor, cfg.run.seed, 1)), InProcessRewardClient(RewardCore(cfg.reward)),
+                  None)
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    assert status.state == RunState.STOPPED and status.step == 2
+    assert [r["step"] for r in logger.records] == [1, 2]
