@@ -318,8 +318,8 @@ class PipelineSection(_Section):
                                           "queues' capacity")
     on_stale: Literal["regenerate", "drop"] = Field("regenerate", description="async: a batch that aged past "
                                                     "max_staleness (a retried stage, say) is counted, logged "
-                                                    "and generated again, or dropped (its step is skipped)")
-
+                                                    "and generated again, or dropped (the step trains on the "
+                                                    "next batch)")
     retries: int = Field(2, ge=0, description="async: repeats of a role call that failed transiently "
                          "(UNAVAILABLE, a deadline), with backoff; every call is safe to repeat")
 
