@@ -69,6 +69,20 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def running_run(proc: subprocess.Popen, metrics: Path, timeout_s: float = 180) -> str:
+    """Wait until a `rolefleet up` prints its status address and logs its first step; returns the
+    coordinator's address."""
+    deadline = time.monotonic() + timeout_s
+    line = ""
+    while "rolefleet status --address" not in line:
+        assert time.monotonic() < deadline and proc.poll() is None
+        line = proc.stdout.readline()
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
+        time.sleep(0.2)
+    return line.split("--address ")[1].split("`")[0]
+
+
 
 
 def children_of(pid: int) -> list[int]:

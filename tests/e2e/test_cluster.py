@@ -11,7 +11,15 @@ from rolefleet.actor.client import GrpcActorClient
 from rolefleet.common.roles import fetch_status
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
-from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, terminate, wait_ready, write_config
+from tests.e2e.procs import (
+    processes_mentioning,
+    read_metrics,
+    rolefleet,
+    running_run,
+    terminate,
+    wait_ready,
+    write_config,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 REQUIRED_KEYS = {"step", "policy_version", "reward/mean", "kl", "timing/step_s", "throughput/tokens_per_s"}
@@ -102,16 +110,8 @@ def test_status_of_a_running_run_then_sigterm_stops_every_role(make_config, tmp_
     resolved = str(cfg.run.out / "config.yaml")
     proc = rolefleet("up", str(config))
     try:
-        line = ""
-        deadline = time.monotonic() + 180
-        while "rolefleet status --address" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None
-            line = proc.stdout.readline()
-        address = line.split("--address ")[1].split("`")[0]
         metrics = cfg.run.out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
+        address = running_run(proc, metrics)
         status = rolefleet("status", "--address", address)
         output, _ = status.communicate(timeout=60)
         assert status.returncode == 0, output

@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from tests.e2e.procs import children_of, processes_mentioning, read_metrics, rolefleet, write_config
+from tests.e2e.procs import children_of, processes_mentioning, read_metrics, rolefleet, running_run, write_config
 
 
 def actor_pid(config_path: str) -> int:
@@ -33,16 +33,7 @@ def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
     resolved = str(cfg.run.out / "config.yaml")
     proc = rolefleet("up", str(config))
     try:
-        deadline = time.monotonic() + 180
-        line = ""
-        while "rolefleet status --address" not in line:
-            assert time.monotonic() < deadline and proc.poll() is None
-            line = proc.stdout.readline()
-        address = line.split("--address ")[1].split("`")[0]
-        metrics = cfg.run.out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
-            time.sleep(0.2)
+        address = running_run(proc, cfg.run.out / "metrics.jsonl")
         status = rolefleet("status", "--address", address)
         shown, _ = status.communicate(timeout=60)
         [row] = [line for line in shown.splitlines() if line.split()[:1] == ["actor"]]
