@@ -147,7 +147,7 @@ class PolicyTrainer:
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
                                     + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
         self.optimizer.zero_grad(set_to_none=True)
-        scale = loss_scale(self.model)
+        scale = loss_scale(self.sharded)
         # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
         # sharding needs every rank to run as many).
         for ((rows, part), weight), real in my_share(list(zip(micro, parts)), self.sharded):
@@ -157,7 +157,7 @@ class PolicyTrainer:
             (loss * (share * scale)).backward()
             for name, value in micro_stats.items():
                 stats[name] = stats.get(name, 0.0) + value * share
-        reduce_gradients(self.model)
+        reduce_gradients(self.model, self.sharded)
         stats = sum_over_ranks(stats)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
         grad_norm = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)

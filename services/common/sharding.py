@@ -48,10 +48,6 @@ def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.de
     fully_shard(root, mp_policy=policy, offload_policy=where)
 
 
-def is_sharded(module: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
 def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every parameter; on a sharded module each is gathered from every rank
     (a collective: all ranks iterate together)."""
@@ -59,14 +55,14 @@ def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.
         yield name, param.full_tensor() if isinstance(param, DTensor) else param
 
 
-def loss_scale(module: torch.nn.Module) -> float:
+def loss_scale(sharded: bool) -> float:
     """The factor on a rank's share of the loss: FSDP averages the ranks' gradients where the
     trainers' shares are meant to add up (the replicated path sums them, `all_reduce_gradients`)."""
-    return float(rank_and_world()[1]) if is_sharded(module) else 1.0
+    return float(rank_and_world()[1]) if sharded else 1.0
 
 
-def reduce_gradients(module: torch.nn.Module) -> None:
+def reduce_gradients(module: torch.nn.Module, sharded: bool) -> None:
     """After the last backward of a step: sum the replicas' gradients (a sharded module's were
     reduce-scattered in its backward already)."""
-    if not is_sharded(module):
+    if not sharded:
         all_reduce_gradients(module)

@@ -100,7 +100,7 @@ class CriticCore:
         value loss is a token mean, so each micro-batch weighs by its share of the tokens."""
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        scale = loss_scale(self.model)
+        scale = loss_scale(self.sharded)
         # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
         # sharding needs every rank to run as many).
         for rows, real in my_share(mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed), self.sharded):
@@ -114,7 +114,7 @@ class CriticCore:
             (loss * (share * scale)).backward()
             stats["vf_loss"] += loss.item() * share
             stats["vf_clipfrac"] += micro["vf_clipfrac"].item() * share
-        reduce_gradients(self.model)
+        reduce_gradients(self.model, self.sharded)
         stats = sum_over_ranks(stats)
         stats["vf_lr"] = self.optimizer.param_groups[0]["lr"]
         stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"],
