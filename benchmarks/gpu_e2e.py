@@ -25,10 +25,13 @@ from rolefleet.common.tiny_model import make_tiny_model
 
 
 class BusySampler(threading.Thread):
-    """Mean utilization of each GPU (NVML, percent of time a kernel ran) over the samples taken."""
+    """Mean utilization of each GPU (NVML, percent of time a kernel ran) over the samples taken:
+    with `metrics` and `steps`, only while the run trains its later steps (after the first step's
+    record, before the last one's), so start-up, compilation and shutdown do not count."""
 
-    def __init__(self, period_s: float = 0.2):
+    def __init__(self, period_s: float = 0.2, metrics: Path | None = None, steps: int = 0):
         super().__init__(daemon=True)
+        self.metrics, self.steps = metrics, steps
         import pynvml
 
         pynvml.nvmlInit()
@@ -38,7 +41,15 @@ class BusySampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
+            if self.metrics is not None and not 1 <= self.steps_done() < self.steps:
+                continue
             self.samples.append([self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles])
+
+    def steps_done(self) -> int:
+        try:
+            return self.metrics.read_bytes().count(b"\n")
+        except FileNotFoundError:
+            return 0
 
     def busy_per_gpu(self) -> list[float]:
         return [statistics.mean(col) / 100 for col in zip(*self.samples)] if self.samples else []
@@ -58,7 +69,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", config, f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
            f"actor.rollout.backend={backend}", *overrides]
-    sampler = BusySampler()
+    sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=steps)
     sampler.start()
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -40,27 +40,34 @@ def main() -> None:
     params = count_parameters(model)
     runs = Path(tempfile.mkdtemp())
     results: dict = {}
+
+    def save() -> None:  # after every run: a device call cut short still returns what finished
+        (out / "placement.json").write_text(json.dumps(results, indent=2))
+
     if "placement" in parts:
         for name, config in CONFIGS.items():
             results[name] = run("ppo", model, runs, args.steps, params, config=config)
+            save()
         results["split_over_colocated"] = results["split"]["step_tokens_per_s"] / results["colocated"]["step_tokens_per_s"]
         # The async pipeline on the split map (target: ahead of colocated sync, each GPU >= 75% busy).
         results["split_async"] = run("ppo", model, runs, args.steps, params, config=CONFIGS["split"],
                                      overrides=("pipeline.mode=async", "pipeline.max_staleness=1"))
         results["split_async_over_colocated"] = (results["split_async"]["step_tokens_per_s"]
                                                  / results["colocated"]["step_tokens_per_s"])
+        save()
     if "scaling" in parts:
         # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
         # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
         one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml")
         results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
+        save()
         for sharding in ("fsdp", "replicate"):
             two = run("grpo", model, runs, args.steps, params, config=CONFIGS["colocated"],
                       overrides=(f"actor.sharding={sharding}",))
             results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
                                                    "efficiency": one["update_s"] / (2 * two["update_s"])}
+            save()
     print(json.dumps(results, indent=2), flush=True)
-    (out / "placement.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -193,7 +193,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # By the class's ancestry: FSDP2 swaps a sharded module's class for a subclass (FSDP<name>).
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise NotImplementedError(f"{type(model).__name__} names no decoder layer class")
     return layers
