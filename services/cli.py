@@ -58,26 +58,72 @@ def cmd_train(args) -> int:
 
 def cmd_status(args) -> int:
     from rolefleet.common.errors import RoleFleetError
+
+    where = args.http or args.address
+    try:
+        status, roles = _http_status(args.http) if args.http else asyncio.run(_grpc_status(args.address))
+    except (RoleFleetError, OSError, ValueError) as e:  # no coordinator there (yet, or any more)
+        print(f"rolefleet: no run status from {where}: {e}", file=sys.stderr)
+        return 1
+    print(f"run {status['run_name']}: {status['state']}, step {status['step']}/{status['total_steps']}, "
+          f"policy version {status['policy_version']}, last mean reward {status['last_reward_mean']:.3f}"
+          + (f", error: {status['error']}" if status["error"] else ""))
+    for r in roles:
+        if r.get("workers") is None:
+            print(f"  {r['role']:<7} {r['address']:<21} not answering ({r['error']})")
+            continue
+        gpus = "no GPU" if r["devices"] == "" else f"CUDA_VISIBLE_DEVICES={r['devices']}"
+        print(f"  {r['role']:<7} {r['address']:<21} {gpus}, {r['workers']} worker{'s' if r['workers'] != 1 else ''}"
+              + (f", version {r['model_version']}, last step {r['last_step']}" if r["role"] in ("actor", "critic") else "")
+              + (f", broken: {r['broken']}" if r["broken"] else "")
+              + (f", health {r['health']}" if r.get("health", "SERVING") != "SERVING" else ""))
+    return 0
+
+
+async def _grpc_status(address: str) -> tuple[dict, list[dict]]:
     from rolefleet.coordinator.client import run_status
     from rolefleet.coordinator.state import RunState
 
-    try:
-        s = asyncio.run(run_status(args.address))
-    except RoleFleetError as e:  # no coordinator there (yet, or any more): a message, not a crash
-        print(f"rolefleet: no run status from {args.address}: {e}", file=sys.stderr)
-        return 1
-    print(f"run {s.run_name}: {RunState(s.state).name}, step {s.step}/{s.total_steps}, "
-          f"policy version {s.policy_version}, last mean reward {s.last_reward_mean:.3f}"
-          + (f", error: {s.error}" if s.error else ""))
+    s = await run_status(address)
+    status = {"run_name": s.run_name, "state": RunState(s.state).name, "step": s.step, "total_steps": s.total_steps,
+              "policy_version": s.policy_version, "last_reward_mean": s.last_reward_mean, "error": s.error}
+    roles = []
     for view in s.roles:
-        if not view.HasField("status"):
-            print(f"  {view.address}: not answering ({view.error})")
-            continue
-        r = view.status
-        gpus = "no GPU" if r.devices == "" else f"CUDA_VISIBLE_DEVICES={r.devices}"
-        print(f"  {r.role:<7} {view.address:<21} {gpus}, {r.workers} worker{'s' if r.workers != 1 else ''}"
-              + (f", version {r.model_version}, last step {r.last_step}" if r.role in ("actor", "critic") else "")
-              + (f", broken: {r.broken}" if r.broken else ""))
+        if view.HasField("status"):
+            r = view.status
+            roles.append({"role": r.role, "address": view.address, "devices": r.devices, "workers": r.workers,
+                          "model_version": r.model_version, "last_step": r.last_step, "broken": r.broken})
+        else:
+            roles.append({"role": view.error.split(":", 1)[0], "address": view.address, "error": view.error})
+    return status, roles
+
+
+def _http_status(url: str) -> tuple[dict, list[dict]]:
+    """The same view from the HTTP control plane (`/v1/status`, `/v1/roles`)."""
+    import json
+    import urllib.request
+
+    def get(path: str):
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=10) as reply:
+            return json.load(reply)
+
+    return get("/v1/status"), get("/v1/roles")
+
+
+def cmd_deploy(args) -> int:
+    """Deployment files from a run config's devices map (one source of truth with `up`)."""
+    cfg = load_config(args.config, [])
+    try:
+        if args.target == "compose":
+            from rolefleet.deploy.compose import render_compose
+
+            sys.stdout.write(render_compose(cfg, args.config))
+        else:
+            from rolefleet.deploy.helm import render_values
+
+            sys.stdout.write(render_values(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return 0
 
 
@@ -134,8 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("status", help="show a running coordinator's run status")
-    p.add_argument("--address", required=True, help="coordinator gRPC address (printed when the run starts)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="coordinator gRPC address (printed when the run starts)")
+    where.add_argument("--http", help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("deploy", help="print deployment files generated from a config's devices map")
+    p.add_argument("target", choices=["compose", "helm-values"],
+                   help="compose: docker-compose.yml for one node; helm-values: the chart's placement values")
+    p.add_argument("config")
+    p.set_defaults(fn=cmd_deploy)
 
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")
     p.add_argument("out")

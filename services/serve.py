@@ -12,6 +12,7 @@ from typing import Optional
 import grpc
 
 from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.gpu_metrics import GpuSampler
 from rolefleet.common.server import (
     StartupError,
     check_ports_free,
@@ -95,8 +96,11 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     handle = await start_server(role, section, add_servicers)
     if ready_file:
         write_ready_file(ready_file, handle)
+    gpu_sampler = GpuSampler.start_for(role, getattr(cfg.devices, role))  # None without NVIDIA GPUs
 
     def close() -> None:
+        if gpu_sampler is not None:
+            gpu_sampler.stop()
         core.close()
         if group is not None:
             group.stop()

@@ -297,7 +297,10 @@ class RewardSection(Endpoint):
 
 
 class CoordinatorSection(Endpoint):
-    pass
+    http_enabled: bool = Field(True, description="serve the HTTP control plane (FastAPI: status, steps, roles, "
+                               "pause, resume, stop; OpenAPI at /openapi.json)")
+    http_host: str = Field("127.0.0.1", description="interface the HTTP control plane binds (loopback unless set)")
+    http_port: int = Field(0, ge=0, le=65535, description="HTTP control plane port; 0 picks a free one")
 
 
 ASYNC_IS_CORRECTION = "token_truncate"

@@ -42,3 +42,15 @@ PIPELINE_QUEUE_DEPTH = Gauge("rolefleet_pipeline_queue_depth", "Rollout batches 
                              "async pipeline", ["role", "queue"])
 PIPELINE_STALE_SAMPLES = Counter("rolefleet_pipeline_stale_samples", "Samples that aged past "
                                  "pipeline.max_staleness before training (then regenerated or dropped)", ["role"])
+
+# Per GPU of the role's group, from NVML (sampled in the background by rolefleet.common.gpu_metrics);
+# `group` is the role's GPUs as CUDA_VISIBLE_DEVICES names them ("0,1,2,3"), `gpu` one physical
+# index. Never exported on a machine without NVIDIA GPUs (absent, not zero).
+GPU_LABELS = ["role", "group", "gpu"]
+GPU_UTILIZATION = Gauge("rolefleet_gpu_utilization_ratio", "Share of the last sample period a kernel ran on "
+                        "the GPU (NVML)", GPU_LABELS)
+GPU_MEMORY_USED = Gauge("rolefleet_gpu_memory_used_bytes", "GPU memory in use by every process (NVML)", GPU_LABELS)
+GPU_MEMORY_TOTAL = Gauge("rolefleet_gpu_memory_total_bytes", "GPU memory installed (NVML)", GPU_LABELS)
+GPU_MEMORY_FRAGMENTATION = Gauge(
+    "rolefleet_gpu_memory_fragmentation_ratio", "Share of the memory the role's PyTorch allocator reserved "
+    "that holds no tensor (reserved - allocated) / reserved, on the GPU of the serving process", GPU_LABELS)

@@ -308,5 +308,6 @@ def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             how = "is not set" if visible is None else f"is {visible!r}"
             problems.append(f"devices.{role}: lists {wanted} GPUs but this process sees {seen} "
-                            f"(CUDA_VISIBLE_DEVICES {how}; compose and Helm set it to the role's GPUs)")
+                            f"(CUDA_VISIBLE_DEVICES {how}; compose's device reservations and Helm's "
+                            "nvidia.com/gpu requests give a role its GPUs)")
     return problems

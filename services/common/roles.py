@@ -101,6 +101,17 @@ async def call(awaitable: Awaitable[T]) -> T:
         raise error_from_rpc(e) from None
 
 
+async def check_health(address: str, timeout_s: float) -> str:
+    """What the standard health service at `address` answers (SERVING, NOT_SERVING, ...), or
+    UNREACHABLE when nothing answers within `timeout_s`."""
+    async with open_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 async def wait_healthy(role: str, address: str, timeout_s: float,
                        give_up: Callable[[], bool] = lambda: False) -> None:
     """Poll the standard health service until `address` answers SERVING; raise Unavailable on

@@ -212,15 +212,15 @@ def check_ports_free(role: str, endpoint: Endpoint) -> None:
             try:
                 probe.bind((endpoint.host, port))
             except OSError as exc:
-                raise StartupError(_busy(role, kind, endpoint.host, port, exc)) from None
+                raise StartupError(busy_port_error(role, kind, endpoint.host, port, exc)) from None
 
 
-def _busy(role: str, kind: str, host: str, port: int, exc: BaseException) -> str:
+def busy_port_error(role: str, kind: str, host: str, port: int, exc: BaseException) -> str:
     # gRPC's bind error carries no errno; an OSError from the metrics server or the probe does.
     reason = getattr(exc, "strerror", None) or "the port is in use or the address is not available here"
     return (f"{role}: cannot listen for {kind} on {host}:{port}: {reason}. Another process holds the port "
             f"(a server left from an earlier run?); stop it or pick another {role}."
-            f"{'port' if kind == 'gRPC' else 'metrics_port'}")
+            f"{ {'gRPC': 'port', 'metrics': 'metrics_port'}.get(kind, kind + '_port')}")
 
 
 async def start_server(
@@ -240,7 +240,7 @@ async def start_server(
     try:
         httpd, _ = start_http_server(endpoint.metrics_port, addr=endpoint.host)
     except OSError as exc:
-        raise StartupError(_busy(role, "metrics", endpoint.host, endpoint.metrics_port, exc)) from None
+        raise StartupError(busy_port_error(role, "metrics", endpoint.host, endpoint.metrics_port, exc)) from None
     try:
         port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
         if port == 0:
@@ -248,7 +248,7 @@ async def start_server(
     except RuntimeError as exc:  # grpc raises this when the bind fails
         httpd.shutdown()
         httpd.server_close()
-        raise StartupError(_busy(role, "gRPC", endpoint.host, endpoint.port, exc)) from None
+        raise StartupError(busy_port_error(role, "gRPC", endpoint.host, endpoint.port, exc)) from None
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -257,12 +257,12 @@ async def start_server(
     return RoleServer(role, server, health_servicer, port, httpd.server_port, httpd)
 
 
-def write_ready_file(path: str | Path, handle: RoleServer) -> None:
+def write_ready_file(path: str | Path, handle: RoleServer, **extra: Any) -> None:
     """Publish the bound ports atomically, so a supervisor never reads a half-written file."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps({"role": handle.role, "pid": os.getpid(), "instance_id": INSTANCE_ID,
-                               "grpc_port": handle.grpc_port, "metrics_port": handle.metrics_port}))
+                               "grpc_port": handle.grpc_port, "metrics_port": handle.metrics_port, **extra}))
     tmp.replace(path)
 
 

@@ -134,7 +134,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
     await require_fresh(roles)
     status.stepping = True
-    if not status.stop_requested:
+    if status.state == RunState.STARTING:  # not when paused or stopping meanwhile
         status.state = RunState.RUNNING
     clock = BusyClock()
     roles = clock.track(roles)
@@ -154,6 +154,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
     s, t = cfg.sampling, cfg.train
     kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
     for step in range(1, t.total_steps + 1):
+        await status.wait_resumed()
         if status.stop_requested:
             break
         timer, start = Timer(), time.perf_counter()
@@ -195,5 +196,4 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         record["kl_coef"] = step_kl_coef
         record.update(clock.fractions())
         logger.log(record)
-        status.step, status.policy_version = step, actor_result.model_version
-        status.last_reward_mean = record["reward/mean"]
+        status.record_step(record, actor_result.model_version)

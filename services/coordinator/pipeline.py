@@ -116,6 +116,7 @@ class Pipeline:
         index = 0
         while True:
             index += 1
+            await self.status.wait_resumed()  # paused: no new batch starts
             await self._wait(lambda i=index: self._may_generate(i))
             rollout = await self._rollout(index)
             async with self.changed:
@@ -137,7 +138,10 @@ class Pipeline:
         kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
         last = time.perf_counter()
         step = 0
-        while step < t.total_steps and not self.status.stop_requested:
+        while step < t.total_steps:
+            await self.status.wait_resumed()  # paused: no update starts
+            if self.status.stop_requested:
+                break
             rollout = await self.scored.get()
             await self._notify()
             rollout = await self._fresh(rollout)
@@ -180,8 +184,7 @@ class Pipeline:
             record.update(self._pipeline_stats(lag, now))
             record.update(self.clock.fractions())
             self.logger.log(record)
-            self.status.step, self.status.policy_version = step, actor_result.model_version
-            self.status.last_reward_mean = record["reward/mean"]
+            self.status.record_step(record, actor_result.model_version)
 
     # --- stage work --------------------------------------------------------------------------------
 

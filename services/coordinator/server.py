@@ -12,7 +12,16 @@ from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError, Unavailable
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
 from rolefleet.common.roles import fetch_status, wait_healthy
-from rolefleet.common.server import RoleServicer, rpc, serve_until_stopped, start_server, write_ready_file
+from rolefleet.common.server import (
+    RoleServicer,
+    StartupError,
+    busy_port_error,
+    rpc,
+    serve_until_stopped,
+    start_server,
+    write_ready_file,
+)
+from rolefleet.coordinator.http import HttpControlPlane, make_app
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunState, RunStatus
@@ -92,14 +101,22 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     status = RunStatus(run_name=cfg.run.name, total_steps=cfg.train.total_steps)
-    handle = await start_server("coordinator", cfg.coordinator, lambda server: add_to_server(status, server, addresses))
+    http = start_http(cfg, status, addresses)
+    try:
+        handle = await start_server("coordinator", cfg.coordinator,
+                                    lambda server: add_to_server(status, server, addresses))
+    except BaseException:
+        if http is not None:
+            await http.stop()
+        raise
     if ready_file:
-        write_ready_file(ready_file, handle)
+        write_ready_file(ready_file, handle, **({"http_port": http.port} if http else {}))
 
     async def work() -> RunStatus:
         # Printed once the signal handlers are in place, so a stop right after it is handled.
         print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
-              f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress", flush=True)
+              f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress"
+              + (f"; HTTP control plane on http://{dial_host(http.host)}:{http.port}" if http else ""), flush=True)
         try:
             roles = await connect_roles(cfg, addresses, status)
         except Unavailable as exc:
@@ -119,4 +136,19 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
                 if client is not None:
                     await client.close()
 
-    return await serve_until_stopped(handle, work=work(), on_signal=status.request_stop)
+    try:
+        return await serve_until_stopped(handle, work=work(), on_signal=status.request_stop)
+    finally:
+        if http is not None:
+            await http.stop()
+
+
+def start_http(cfg: RoleFleetConfig, status: RunStatus, addresses: dict[str, str]) -> Optional[HttpControlPlane]:
+    """The HTTP control plane, bound (None when `coordinator.http_enabled` is false)."""
+    c = cfg.coordinator
+    if not c.http_enabled:
+        return None
+    try:
+        return HttpControlPlane(make_app(status, addresses), c.http_host, c.http_port)
+    except OSError as exc:
+        raise StartupError(busy_port_error("coordinator", "http", c.http_host, c.http_port, exc)) from None

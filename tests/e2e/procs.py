@@ -72,6 +72,15 @@ def read_metrics(path: Path) -> list[dict]:
 def running_run(proc: subprocess.Popen, metrics: Path, timeout_s: float = 180) -> str:
     """Wait until a `rolefleet up` prints its status address and logs its first step; returns the
     coordinator's address."""
+    return _started(proc, metrics, timeout_s).split("--address ")[1].split("`")[0]
+
+
+def running_run_http(proc: subprocess.Popen, metrics: Path, timeout_s: float = 180) -> str:
+    """As `running_run`; returns the URL of the coordinator's HTTP control plane."""
+    return _started(proc, metrics, timeout_s).split("HTTP control plane on ")[1].split()[0]
+
+
+def _started(proc: subprocess.Popen, metrics: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     line = ""
     while "rolefleet status --address" not in line:
@@ -80,7 +89,7 @@ def running_run(proc: subprocess.Popen, metrics: Path, timeout_s: float = 180) -
     while not (metrics.exists() and metrics.read_text().strip()):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
         time.sleep(0.2)
-    return line.split("--address ")[1].split("`")[0]
+    return line
 
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erolefleet/v1/coordinator.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"\x15\n\x13GetRunStatusRequest\"\xcf\x01\n\tRunStatus\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.rolefleet.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x18\n\x10last_reward_mean\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12%\n\x05roles\x18\x08 \x03(\x0b\x32\x16.rolefleet.v1.RoleView\"T\n\x08RoleView\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.rolefleet.v1.RoleStatus\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\r\n\x0bStopRequest\"5\n\x0cStopResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.rolefleet.v1.RunState*\xb1\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x32\x9f\x01\n\x12\x43oordinatorService\x12J\n\x0cGetRunStatus\x12!.rolefleet.v1.GetRunStatusRequest\x1a\x17.rolefleet.v1.RunStatus\x12=\n\x04Stop\x12\x19.rolefleet.v1.StopRequest\x1a\x1a.rolefleet.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erolefleet/v1/coordinator.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"\x15\n\x13GetRunStatusRequest\"\xcf\x01\n\tRunStatus\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.rolefleet.v1.RunState\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x18\n\x10last_reward_mean\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12%\n\x05roles\x18\x08 \x03(\x0b\x32\x16.rolefleet.v1.RoleView\"T\n\x08RoleView\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.rolefleet.v1.RoleStatus\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\r\n\x0bStopRequest\"5\n\x0cStopResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.rolefleet.v1.RunState*\xc7\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_STOPPING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x12\x15\n\x11RUN_STATE_STOPPED\x10\x06\x12\x14\n\x10RUN_STATE_PAUSED\x10\x07\x32\x9f\x01\n\x12\x43oordinatorService\x12J\n\x0cGetRunStatus\x12!.rolefleet.v1.GetRunStatusRequest\x1a\x17.rolefleet.v1.RunStatus\x12=\n\x04Stop\x12\x19.rolefleet.v1.StopRequest\x1a\x1a.rolefleet.v1.StopResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,7 +33,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.coordinator_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNSTATE']._serialized_start=465
-  _globals['_RUNSTATE']._serialized_end=642
+  _globals['_RUNSTATE']._serialized_end=664
   _globals['_GETRUNSTATUSREQUEST']._serialized_start=75
   _globals['_GETRUNSTATUSREQUEST']._serialized_end=96
   _globals['_RUNSTATUS']._serialized_start=99
@@ -44,6 +44,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPREQUEST']._serialized_end=407
   _globals['_STOPRESPONSE']._serialized_start=409
   _globals['_STOPRESPONSE']._serialized_end=462
-  _globals['_COORDINATORSERVICE']._serialized_start=645
-  _globals['_COORDINATORSERVICE']._serialized_end=804
+  _globals['_COORDINATORSERVICE']._serialized_start=667
+  _globals['_COORDINATORSERVICE']._serialized_end=826
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_FINISHED: _ClassVar[RunState]
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_STOPPED: _ClassVar[RunState]
+    RUN_STATE_PAUSED: _ClassVar[RunState]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_STARTING: RunState
 RUN_STATE_RUNNING: RunState
@@ -24,6 +25,7 @@ RUN_STATE_STOPPING: RunState
 RUN_STATE_FINISHED: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_STOPPED: RunState
+RUN_STATE_PAUSED: RunState
 
 class GetRunStatusRequest(_message.Message):
     __slots__ = ()

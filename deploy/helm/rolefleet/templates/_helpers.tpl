@@ -1,0 +1,360 @@
+{{/*
+Named templates shared by every manifest. Templates that concern one role take
+(dict "root" $ "role" ROLE), ROLE being actor, reward, critic or coordinator.
+*/}}
+
+{{- define "rolefleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release's resource-name prefix. Cut to 40 characters because the longest name built on it,
+"<fullname>-reward-headless", must stay a valid Service name (63 characters, DNS-1035).
+*/}}
+{{- define "rolefleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rolefleet.componentName" -}}
+{{- printf "%s-%s" (include "rolefleet.fullname" .root) .role }}
+{{- end }}
+
+{{- define "rolefleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "rolefleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rolefleet
+{{- end }}
+
+{{/* Selector labels stay free of versions: a Deployment's selector cannot change after install. */}}
+{{- define "rolefleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rolefleet.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+{{- end }}
+
+{{- define "rolefleet.componentLabels" -}}
+{{ include "rolefleet.labels" .root }}
+app.kubernetes.io/component: {{ .role }}
+{{- end }}
+
+{{- define "rolefleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rolefleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "rolefleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) }}
+{{- end }}
+
+{{/*
+The run config text. It is a string, not a map, so that a user's config replaces the default one
+whole (Helm deep-merges maps: keys of the default run would leak into a different run) and so that
+`--set-file config=run.yaml` passes a config file as it is.
+*/}}
+{{- define "rolefleet.configText" -}}
+{{- if not (kindIs "string" .Values.config) }}
+{{- fail "config must be the run config as YAML text (config: |, or --set-file config=run.yaml), not a map" }}
+{{- end }}
+{{- .Values.config }}
+{{- end }}
+
+{{/* The run config parsed, as YAML (callers read it with fromYaml); invalid YAML fails the render. */}}
+{{- define "rolefleet.config" -}}
+{{- $cfg := include "rolefleet.configText" . | fromYaml }}
+{{- if hasKey $cfg "Error" }}
+{{- fail (printf "config is not valid YAML: %s" (get $cfg "Error")) }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* The run's name, as the coordinator names its output directory (run.name, default rolefleet). */}}
+{{- define "rolefleet.runName" -}}
+{{- $cfg := include "rolefleet.config" . | fromYaml }}
+{{- dig "run" "name" "rolefleet" $cfg }}
+{{- end }}
+
+{{/*
+Algorithms that train a value model: the critic runs only for these (`RoleFleetConfig.roles()`;
+tests/deploy/test_helm.py keeps this list in step with the algorithm presets).
+*/}}
+{{- define "rolefleet.criticAlgorithms" -}}
+{{- list "ppo" | toJson }}
+{{- end }}
+
+{{/* The role servers this run starts, as a JSON list: the critic only for algorithms that use one. */}}
+{{- define "rolefleet.serverRoles" -}}
+{{- $cfg := include "rolefleet.config" . | fromYaml }}
+{{- $algorithm := dig "algorithm" "ppo" $cfg }}
+{{- if has $algorithm (include "rolefleet.criticAlgorithms" . | fromJsonArray) }}
+{{- list "actor" "reward" "critic" | toJson }}
+{{- else }}
+{{- list "actor" "reward" | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+GPUs a role's pod requests: <role>.gpus, or by default the number of entries in devices.<role> of
+the run config. `rolefleet serve` refuses to start when it sees fewer GPUs than its group lists, so
+a mismatch fails here, at install time, rather than in a crash-looping pod.
+*/}}
+{{- define "rolefleet.gpus" -}}
+{{- if eq .role "coordinator" }}
+{{- 0 }}
+{{- else }}
+{{- $cfg := include "rolefleet.config" .root | fromYaml }}
+{{- $devices := dig "devices" .role list $cfg | default list }}
+{{- $listed := len $devices }}
+{{- $set := (index .root.Values .role).gpus }}
+{{- if kindIs "invalid" $set }}
+{{- $listed }}
+{{- else if ne (int $set) $listed }}
+{{- fail (printf "%s.gpus is %d but devices.%s of the run config lists %d GPUs: `rolefleet serve %s` needs to see as many GPUs as its group lists (make them agree, or leave %s.gpus unset)" .role (int $set) .role $listed .role .role) }}
+{{- else }}
+{{- int $set }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The gRPC address the coordinator dials for a role: its Service's DNS name. */}}
+{{- define "rolefleet.dialAddress" -}}
+{{- $port := (index .root.Values .role).port }}
+{{- if eq .role "reward" }}
+{{- /* The headless Service resolves to every ready replica, not one virtual IP. */}}
+{{- printf "%s-headless:%v" (include "rolefleet.componentName" .) $port }}
+{{- else }}
+{{- printf "%s:%v" (include "rolefleet.componentName" .) $port }}
+{{- end }}
+{{- end }}
+
+{{/*
+The container's arguments: `serve ROLE --config FILE` and the dotted overrides the chart owns (bind
+address, ports, output directory, model, role addresses), then the role's extraArgs, which come last
+so that they win.
+*/}}
+{{- define "rolefleet.serveArgs" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $v := index $root.Values $role }}
+{{- $args := list "--log-level" $root.Values.logLevel "serve" $role "--config" "/etc/rolefleet/config.yaml" }}
+{{- $args = append $args (printf "%s.host=0.0.0.0" $role) }}
+{{- $args = append $args (printf "%s.port=%v" $role $v.port) }}
+{{- $args = append $args (printf "%s.metrics_port=%v" $role $v.metricsPort) }}
+{{- $args = append $args (printf "run.output_dir=%s/%s" (trimSuffix "/" $root.Values.persistence.mountPath) (include "rolefleet.runName" $root)) }}
+{{- if $root.Values.model.path }}
+{{- $args = append $args (printf "model.model_name_or_path=%s" $root.Values.model.path) }}
+{{- end }}
+{{- if eq $role "coordinator" }}
+{{- range $server := include "rolefleet.serverRoles" $root | fromJsonArray }}
+{{- $args = append $args (printf "%s.address=%s" $server (include "rolefleet.dialAddress" (dict "root" $root "role" $server))) }}
+{{- end }}
+{{- $args = append $args (printf "train.connect_timeout_s=%v" $v.connectTimeoutSeconds) }}
+{{- $args = append $args (printf "coordinator.http_enabled=%t" $v.http.enabled) }}
+{{- if $v.http.enabled }}
+{{- $args = append $args "coordinator.http_host=0.0.0.0" }}
+{{- $args = append $args (printf "coordinator.http_port=%v" $v.http.port) }}
+{{- end }}
+{{- end }}
+{{- $args = concat $args ($v.extraArgs | default list) }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/* The three gRPC health probes; only their timing comes from values. */}}
+{{- define "rolefleet.probes" -}}
+{{- $port := (index .root.Values .role).port }}
+{{- range $kind := list "startup" "readiness" "liveness" }}
+{{ $kind }}Probe:
+  grpc:
+    port: {{ $port }}
+  {{- toYaml (index $.root.Values.probes $kind) | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Resources from values, plus the role's GPU count under the GPU resource name. */}}
+{{- define "rolefleet.resources" -}}
+{{- $resources := deepCopy ((index .root.Values .role).resources | default dict) }}
+{{- $gpus := include "rolefleet.gpus" . | int }}
+{{- if gt $gpus 0 }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $_ := set $limits .root.Values.gpuResource $gpus }}
+{{- $_ = set $resources "limits" $limits }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/*
+The pod template of a role: one definition for the Deployments and the coordinator's Job, so the
+roles differ only where the values say so.
+*/}}
+{{- define "rolefleet.podTemplate" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $v := index $root.Values $role }}
+{{- $gpus := include "rolefleet.gpus" . | int }}
+{{- $loadsModel := and (ne $role "coordinator") (or $root.Values.model.existingClaim $root.Values.model.hostPath) -}}
+metadata:
+  labels:
+    {{- include "rolefleet.selectorLabels" . | nindent 4 }}
+    {{- with $root.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    # A changed run config restarts the roles that read it.
+    checksum/config: {{ include "rolefleet.configText" $root | sha256sum }}
+    {{- if $root.Values.monitoring.scrapeAnnotations }}
+    prometheus.io/scrape: "true"
+    prometheus.io/port: {{ $v.metricsPort | quote }}
+    prometheus.io/path: /metrics
+    {{- end }}
+    {{- with merge (deepCopy ($v.podAnnotations | default dict)) ($root.Values.podAnnotations | default dict) }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  {{- if eq $role "coordinator" }}
+  # The run is over when the coordinator exits; the Job keeps its pod (and exit status) for inspection.
+  restartPolicy: Never
+  {{- end }}
+  serviceAccountName: {{ include "rolefleet.serviceAccountName" $root }}
+  # The roles never call the Kubernetes API.
+  automountServiceAccountToken: false
+  # The roles find each other through the Service names in their arguments, not through env vars.
+  enableServiceLinks: false
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $root.Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  {{- with merge (deepCopy ($v.nodeSelector | default dict)) ($root.Values.nodeSelector | default dict) }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.affinity | default $root.Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with concat ($root.Values.tolerations | default list) ($v.tolerations | default list) }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ $role }}
+      image: {{ include "rolefleet.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      command: ["rolefleet"]
+      args:
+        {{- include "rolefleet.serveArgs" . | nindent 8 }}
+      ports:
+        - name: grpc
+          containerPort: {{ $v.port }}
+          protocol: TCP
+        - name: metrics
+          containerPort: {{ $v.metricsPort }}
+          protocol: TCP
+        {{- if and (eq $role "coordinator") $v.http.enabled }}
+        - name: http
+          containerPort: {{ $v.http.port }}
+          protocol: TCP
+        {{- end }}
+      env:
+        # The root filesystem is read-only: caches (torch.compile, Triton, Hugging Face) go to /tmp.
+        - name: HOME
+          value: /tmp
+        # torch.compile names its cache after the user: set, so that any podSecurityContext.runAsUser works,
+        # with or without a passwd entry in the image.
+        - name: USER
+          value: rolefleet
+        - name: PYTHONUNBUFFERED
+          value: "1"
+        {{- if eq $gpus 0 }}
+        # No GPU was allocated: a CUDA base image would otherwise expose every GPU of the node.
+        - name: NVIDIA_VISIBLE_DEVICES
+          value: void
+        - name: CUDA_VISIBLE_DEVICES
+          value: ""
+        {{- end }}
+        {{- with $root.Values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $v.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- include "rolefleet.probes" . | trim | nindent 6 }}
+      {{- with include "rolefleet.resources" . | fromYaml }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: /etc/rolefleet
+          readOnly: true
+        - name: runs
+          mountPath: {{ $root.Values.persistence.mountPath }}
+        - name: tmp
+          mountPath: /tmp
+        - name: shm
+          mountPath: /dev/shm
+        {{- if $loadsModel }}
+        - name: models
+          mountPath: {{ $root.Values.model.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- with $root.Values.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "rolefleet.fullname" $root }}-config
+    - name: runs
+      {{- if $root.Values.persistence.enabled }}
+      persistentVolumeClaim:
+        claimName: {{ $root.Values.persistence.existingClaim | default (printf "%s-runs" (include "rolefleet.fullname" $root)) }}
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ $root.Values.tmp.sizeLimit }}
+    # A role's worker processes (torch.distributed, NCCL) exchange tensors through shared memory;
+    # the container runtime's default /dev/shm is 64 MiB.
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $root.Values.shm.sizeLimit }}
+    {{- if $loadsModel }}
+    - name: models
+      {{- if $root.Values.model.existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ $root.Values.model.existingClaim }}
+        readOnly: true
+      {{- else }}
+      hostPath:
+        path: {{ $root.Values.model.hostPath }}
+        type: Directory
+      {{- end }}
+    {{- end }}
+    {{- with $root.Values.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end }}

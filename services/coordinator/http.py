@@ -1,0 +1,167 @@
+"""The coordinator's HTTP control plane (FastAPI, served by uvicorn in the coordinator's event loop
+beside its gRPC control service): run status, step history, the role map with each role's health,
+pause, resume and stop. OpenAPI schema at /openapi.json; every error is JSON `{"error": message}`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+
+from rolefleet.common.errors import RoleFleetError
+from rolefleet.common.roles import check_health, fetch_status
+from rolefleet.coordinator.state import ControlError, RunState, RunStatus
+
+STATES = tuple(s.name for s in RunState)
+ROLE_TIMEOUT_S = 2.0
+
+
+class StatusView(BaseModel):
+    run_name: str
+    state: Literal[STATES]  # type: ignore[valid-type]
+    step: int = Field(description="steps completed")
+    total_steps: int
+    policy_version: int
+    last_reward_mean: float
+    paused: bool
+    error: str = Field(description="why the run failed (state FAILED)")
+
+    @classmethod
+    def of(cls, s: RunStatus) -> StatusView:
+        return cls(run_name=s.run_name, state=s.state.name, step=s.step, total_steps=s.total_steps,
+                   policy_version=s.policy_version, last_reward_mean=s.last_reward_mean, paused=s.paused,
+                   error=s.error)
+
+
+class RoleView(BaseModel):
+    role: str
+    address: str
+    health: str = Field(description="the gRPC health service's answer (SERVING, NOT_SERVING) or UNREACHABLE")
+    devices: str | None = Field(None, description="the role's CUDA_VISIBLE_DEVICES ('' for none)")
+    workers: int | None = None
+    model_version: int | None = None
+    last_step: int | None = None
+    broken: str | None = Field(None, description="why the role refuses updates, if it does")
+    error: str | None = Field(None, description="why the role's status could not be read")
+
+
+class StepsPage(BaseModel):
+    steps: list[dict[str, Any]] = Field(description="step records, keys as in metrics.jsonl (docs/metrics.md)")
+    next_since: int = Field(description="pass as `since` to get the steps after these")
+
+
+class ErrorBody(BaseModel):
+    error: str
+
+
+# Declared on every route, so the schema says what the handlers below send (FastAPI would document
+# its own 422 body otherwise).
+INVALID = {422: {"model": ErrorBody, "description": "a parameter is invalid"}}
+ERRORS = {**INVALID, 409: {"model": ErrorBody, "description": "the run's state does not allow it"}}
+
+
+def make_app(status: RunStatus, addresses: dict[str, str]) -> FastAPI:
+    app = FastAPI(title="RoleFleet coordinator", version="1", responses=INVALID,
+                  description="Control plane of one RoleFleet run (docs/http-api.md).")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"error": problems}, status_code=422)
+
+    @app.exception_handler(ControlError)
+    async def conflict(request: Request, exc: ControlError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=409)
+
+    @app.get("/healthz", summary="liveness of the control plane")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/status", summary="the run's state and progress")
+    async def get_status() -> StatusView:
+        return StatusView.of(status)
+
+    @app.get("/v1/steps", summary="step records after `since`, oldest first")
+    async def get_steps(since: int = Query(0, ge=0, description="return steps numbered above this"),
+                        limit: int = Query(100, ge=1, le=1000, description="at most this many")) -> StepsPage:
+        # Records are appended in step order, so step k sits at index k - 1.
+        page = status.history[since:since + limit]
+        return StepsPage(steps=page, next_since=page[-1]["step"] if page else since)
+
+    @app.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")
+    async def get_roles() -> list[RoleView]:
+        return list(await asyncio.gather(*(role_view(role, address) for role, address in addresses.items())))
+
+    @app.post("/v1/pause", summary="start no new step until resumed (the step in flight finishes)",
+              responses=ERRORS)
+    async def pause() -> StatusView:
+        status.pause()
+        return StatusView.of(status)
+
+    @app.post("/v1/resume", summary="let steps start again", responses=ERRORS)
+    async def resume() -> StatusView:
+        status.resume()
+        return StatusView.of(status)
+
+    @app.post("/v1/stop", summary="end the run after the step in flight", responses=ERRORS)
+    async def stop() -> StatusView:
+        if status.state in (RunState.FINISHED, RunState.FAILED, RunState.STOPPED):
+            raise ControlError(f"the run already ended ({status.state.name.lower()})")
+        status.request_stop()
+        return StatusView.of(status)
+
+    return app
+
+
+async def role_view(role: str, address: str) -> RoleView:
+    health, view = await asyncio.gather(check_health(address, ROLE_TIMEOUT_S), _status(role, address))
+    return RoleView(role=role, address=address, health=health, **view)
+
+
+async def _status(role: str, address: str) -> dict[str, Any]:
+    try:
+        s = await fetch_status(role, address, ROLE_TIMEOUT_S)
+    except RoleFleetError as exc:
+        return {"error": str(exc)}
+    return {"devices": s.devices, "workers": s.workers, "model_version": s.model_version,
+            "last_step": s.last_step, "broken": s.broken}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside the coordinator's loop: the coordinator owns the process's signals (SIGTERM
+    stops the run in order), so uvicorn must not install its own handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpControlPlane:
+    """The app bound to `host:port` (0: a free port, known once bound) and served as a task."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))  # OSError when taken: the caller reports it
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-control-plane")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.socket.close()

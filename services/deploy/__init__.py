@@ -1,0 +1,1 @@
+"""Deployment artefacts derived from a run config: docker compose files, Helm chart values, health checks."""

@@ -1,0 +1,268 @@
+"""`rolefleet deploy compose CONFIG`: the docker-compose.yml of one GPU node, generated from a run config.
+
+One image runs every role (`rolefleet serve ROLE`); the config's devices map becomes each service's
+GPU reservation, so the placement is written once, in the config. Every service gets the same
+config file (mounted read-only) plus the overrides that only hold inside a container: bind 0.0.0.0,
+the fixed ports of the convention below, the container paths of the model, data and run output, and
+(for the coordinator) the compose service names it dials. Roles the algorithm does not use are left
+out. `render_compose` is a pure function of its arguments: the same config gives the same bytes, so
+a committed file can be compared with a fresh render.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from rolefleet import __version__
+from rolefleet.common.config import RoleFleetConfig, split_device
+from rolefleet.common.preflight import GPU_ROLES, MODEL_KEYS
+
+IMAGE = f"rolefleet:{__version__}"
+DOCKERFILE = "deploy/Dockerfile"
+PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
+GRAFANA_IMAGE = "grafana/grafana:11.6.1"
+# The port convention of every deployment (compose, Helm): one gRPC and one /metrics port per role.
+GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
+METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
+HTTP_PORT = 8080
+PROMETHEUS_PORT = 9090
+GRAFANA_PORT = 3000
+# Container paths: run output and checkpoints on a named volume, models and configs bind-mounted.
+RUNS_DIR, MODELS_DIR, CONFIGS_DIR = "/runs", "/models", "/configs"
+HOST_MODELS_DIR = "models"
+# SERVING comes after the model load (and vLLM's warm-up), which a large checkpoint stretches to
+# many minutes; failed probes inside the start period do not count against the retries.
+ROLE_START_PERIOD = "20m"
+COORDINATOR_START_PERIOD = "2m"
+# SIGTERM stops a run after the step in flight (minutes on a large batch); compose stops the
+# coordinator before the roles it depends on, so they serve that step to its end. Roles need less:
+# in-flight calls get 10 s, then they free their GPUs.
+COORDINATOR_STOP_GRACE, ROLE_STOP_GRACE = "10m", "1m"
+# NCCL and vLLM move tensors between a role's worker processes through /dev/shm (Docker gives 64 MB).
+SHM_SIZE = "16gb"
+ROLE_SUMMARY = {
+    "actor": "the policy: rollout engine, trainer and reference model",
+    "reward": "scores samples",
+    "critic": "the value model and its trainer",
+    "coordinator": "runs the loop: dataset, advantages, journal, control plane",
+}
+
+
+def render_compose(cfg: RoleFleetConfig, config_path: str) -> str:
+    """The whole docker-compose.yml for `cfg`, whose file is `config_path` (relative to the directory
+    the compose file lives in). Raises ValueError for a devices map that spans several nodes, and for
+    a model or data path that the mounts below cannot reach."""
+    roles = cfg.roles()
+    gpus = {role: gpu_ids(cfg, role) for role in roles}
+    config_path = str(PurePosixPath(config_path))  # ./configs/x.yaml and configs/x.yaml render alike
+    config_dir, config_name = _config_mount(config_path)
+    shared = _shared_overrides(cfg, config_dir)
+    parts = [_header(config_path, gpus, cfg.coordinator.http_enabled), "name: rolefleet\n", "services:\n"]
+    for role in roles:
+        service = _role_service(cfg, role, gpus[role], config_dir, config_name, shared)
+        parts.append(_service_yaml(role, service, _role_comment(role, gpus[role])))
+    parts.append(_service_yaml("prometheus", _prometheus(), [
+        "prometheus: scrapes every role's /metrics port (deploy/prometheus/prometheus.yml, alerts.yml)"]))
+    parts.append(_service_yaml("grafana", _grafana(), [
+        "grafana: the dashboards of deploy/grafana, over Prometheus"]))
+    parts.append(yaml.safe_dump({"volumes": {"runs": {}, "prometheus": {}}}, sort_keys=False))
+    return "".join(parts)
+
+
+def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
+    """The GPUs `role` reserves (compose device_ids are strings); none for the coordinator."""
+    if role not in GPU_ROLES:
+        return []
+    groups = [role, "rollout"] if role == "actor" else [role]
+    for group in groups:
+        remote = [str(d) for d in getattr(cfg.devices, group) if split_device(d)[0] is not None]
+        if remote:
+            raise ValueError(f"devices.{group}: {', '.join(remote)}: docker compose runs on one node; "
+                             "node-qualified entries are for the Helm chart (list GPU indices of this node)")
+    return [str(split_device(d)[1]) for d in getattr(cfg.devices, role)]
+
+
+# --- the role services ---------------------------------------------------------------------------
+
+def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_dir: str, config_name: str,
+                  shared: list[str]) -> dict[str, Any]:
+    command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *shared,
+               *_model_overrides(cfg, role), *_endpoint_overrides(cfg, role)]
+    volumes = ["runs:" + RUNS_DIR, f"{config_dir}:{CONFIGS_DIR}:ro"]
+    if role in MODEL_KEYS:
+        volumes.insert(1, f"./{HOST_MODELS_DIR}:{MODELS_DIR}:ro")
+    service: dict[str, Any] = {"image": IMAGE, "build": {"context": ".", "dockerfile": DOCKERFILE},
+                               "command": command}
+    if gpus:
+        service["deploy"] = {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "device_ids": _Flow(gpus), "capabilities": _Flow(["gpu"])}]}}}
+        service["shm_size"] = SHM_SIZE
+    else:
+        service["environment"] = {"NVIDIA_VISIBLE_DEVICES": "void"}
+    service.update({
+        "init": True,  # reaps the worker processes a role starts, and forwards SIGTERM to the role
+        "restart": "no" if role == "coordinator" else "unless-stopped",
+        "stop_grace_period": COORDINATOR_STOP_GRACE if role == "coordinator" else ROLE_STOP_GRACE,
+        "volumes": volumes,
+    })
+    if role == "coordinator":
+        grpc_port = GRPC_PORTS["coordinator"]
+        service["ports"] = ([f"127.0.0.1:{HTTP_PORT}:{HTTP_PORT}"] if cfg.coordinator.http_enabled else []) + [
+            f"127.0.0.1:{grpc_port}:{grpc_port}"]
+        service["depends_on"] = {r: {"condition": "service_healthy"} for r in cfg.roles() if r != "coordinator"}
+    service["healthcheck"] = _healthcheck(role)
+    return service
+
+
+def _healthcheck(role: str) -> dict[str, Any]:
+    return {
+        "test": _Flow(["CMD", "python", "-m", "rolefleet.deploy.healthcheck", f"127.0.0.1:{GRPC_PORTS[role]}",
+                       "--timeout", "5"]),
+        "interval": "10s",
+        "timeout": "10s",
+        "retries": 3,
+        "start_period": COORDINATOR_START_PERIOD if role == "coordinator" else ROLE_START_PERIOD,
+    }
+
+
+def _endpoint_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
+    own = [f"{role}.host=0.0.0.0", f"{role}.port={GRPC_PORTS[role]}", f"{role}.metrics_port={METRICS_PORTS[role]}"]
+    if role != "coordinator":
+        return own
+    # The control plane listens on every interface of the container; the host publishes it on
+    # loopback only (see the ports of the coordinator service).
+    http = ["coordinator.http_host=0.0.0.0", f"coordinator.http_port={HTTP_PORT}"]
+    if not cfg.coordinator.http_enabled:
+        http = []
+    dials = [f"{r}.address={r}:{GRPC_PORTS[r]}" for r in cfg.roles() if r != "coordinator"]
+    return own + http + dials
+
+
+def _shared_overrides(cfg: RoleFleetConfig, config_dir: str) -> list[str]:
+    """Overrides every service gets, so that all of them load the same config: every role validates
+    the whole file (a data.path must exist in each container)."""
+    shared = [f"run.output_dir={RUNS_DIR}/{cfg.run.name}"]
+    if cfg.data.path:
+        shared.append(f"data.path={_data_path(cfg.data.path, config_dir)}")
+    if (model := cfg.model.model_name_or_path) is not None:
+        shared.append(f"model.model_name_or_path={container_model_path('model.model_name_or_path', model)}")
+    return shared
+
+
+def _model_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
+    """Every model key the role loads, at its container path. Each key is set even when it equals
+    model.model_name_or_path: a key written out in the file would otherwise keep its host path."""
+    overrides = []
+    for key in MODEL_KEYS.get(role, ()):
+        section, field = key.split(".")
+        overrides.append(f"{key}={container_model_path(key, getattr(getattr(cfg, section), field))}")
+    return overrides
+
+
+def container_model_path(key: str, path: str) -> str:
+    """Where the model `key` names is seen in a container: ./models is mounted at /models. The image
+    reads no hub (HF_HUB_OFFLINE=1), so anything outside ./models is refused here, not at start."""
+    if path == MODELS_DIR or path.startswith(MODELS_DIR + "/"):
+        return path  # already a container path
+    parts = PurePosixPath(path).parts
+    if len(parts) > 1 and parts[0] == HOST_MODELS_DIR and ".." not in parts:
+        return str(PurePosixPath(MODELS_DIR, *parts[1:]))
+    raise ValueError(f"{key}: {path!r} is outside ./{HOST_MODELS_DIR}, the directory compose mounts at "
+                     f"{MODELS_DIR} (read-only; the image does not download from a hub): put the model "
+                     f"in ./{HOST_MODELS_DIR}/<name> and set {key}={HOST_MODELS_DIR}/<name>")
+
+
+def _data_path(path: str, config_dir: str) -> str:
+    parts = PurePosixPath(path).parts
+    host = PurePosixPath(config_dir.removeprefix("./") or ".").parts
+    if path.startswith(CONFIGS_DIR + "/"):
+        return path
+    if parts[:len(host)] == host and len(parts) > len(host) and ".." not in parts:
+        return str(PurePosixPath(CONFIGS_DIR, *parts[len(host):]))
+    raise ValueError(f"data.path: {path!r} is outside {config_dir}, the directory compose mounts at "
+                     f"{CONFIGS_DIR}: put the file beside the config")
+
+
+def _config_mount(config_path: str) -> tuple[str, str]:
+    """(the host directory mounted at /configs, the config's file name)."""
+    path = PurePosixPath(config_path)
+    if not path.name:
+        raise ValueError(f"config path {config_path!r} names no file")
+    parent = str(path.parent)
+    return (parent if path.is_absolute() or parent.startswith(".") else f"./{parent}"), path.name
+
+
+# --- monitoring ----------------------------------------------------------------------------------
+
+def _prometheus() -> dict[str, Any]:
+    return {
+        "image": PROMETHEUS_IMAGE,
+        "command": ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"],
+        "restart": "unless-stopped",
+        "volumes": ["./deploy/prometheus:/etc/prometheus:ro", "prometheus:/prometheus"],
+        "ports": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
+    }
+
+
+def _grafana() -> dict[str, Any]:
+    return {
+        "image": GRAFANA_IMAGE,
+        "restart": "unless-stopped",
+        "volumes": ["./deploy/grafana/provisioning:/etc/grafana/provisioning:ro",
+                    "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro"],
+        "ports": [f"127.0.0.1:{GRAFANA_PORT}:{GRAFANA_PORT}"],
+        "depends_on": ["prometheus"],
+    }
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+def _header(config_path: str, gpus: dict[str, list[str]], http: bool) -> str:
+    placement = "; ".join(f"{role} {'GPUs ' + ','.join(ids) if ids else 'no GPU'}" for role, ids in gpus.items())
+    published = [*([f"control plane http://127.0.0.1:{HTTP_PORT}"] if http else []),
+                 f"coordinator gRPC 127.0.0.1:{GRPC_PORTS['coordinator']} (rolefleet status)",
+                 f"Prometheus http://127.0.0.1:{PROMETHEUS_PORT}", f"Grafana http://127.0.0.1:{GRAFANA_PORT}"]
+    lines = [
+        f"Generated from {config_path} by `rolefleet deploy compose {config_path} > docker-compose.yml`.",
+        "Do not edit by hand: change the config (its devices map places the roles) and generate it again.",
+        f"Placement: {placement}.",
+        "Published on this host's loopback only (the control plane and the gRPC API ask for no credentials):",
+        *[f"  {p}" for p in published],
+        "Walk-through: docs/deploy-compose.md.",
+    ]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def _role_comment(role: str, gpus: list[str]) -> list[str]:
+    lines = [f"{role}: {ROLE_SUMMARY[role]}."]
+    if gpus:
+        lines.append(f"GPUs {','.join(gpus)} (devices.{role}): the only GPUs the container sees.")
+    else:
+        lines.append("No GPU: NVIDIA_VISIBLE_DEVICES=void hides them even where nvidia is the default runtime.")
+    if role == "coordinator":
+        lines += ["Starts once every role answers SERVING. Never restarted: a new start would run again over",
+                  "the outputs of a finished or failed run (its logs stay: docker compose logs coordinator).",
+                  f"SIGTERM stops the run after the step in flight (stop grace {COORDINATOR_STOP_GRACE})."]
+    else:
+        lines.append("Restarted when it dies; the coordinator carries the run on.")
+    return lines
+
+
+class _Flow(list):
+    """A list written on one line (`[a, b]`): GPU ids and probe commands read best that way."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_Flow, lambda dumper, data: dumper.represent_sequence(
+    "tag:yaml.org,2002:seq", data, flow_style=True))
+
+
+def _service_yaml(name: str, service: dict[str, Any], comment: list[str]) -> str:
+    body = yaml.dump({name: service}, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
+    return "".join(f"  # {line}\n" for line in comment) + "".join(f"  {line}\n" for line in body.splitlines())
