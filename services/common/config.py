@@ -306,6 +306,27 @@ class CoordinatorSection(Endpoint):
 ASYNC_IS_CORRECTION = "token_truncate"
 
 
+TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
+
+
+class TrackingSection(_Section):
+    backends: list[Literal[TRACKING_BACKENDS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["tensorboard"],
+        description="where step records go besides metrics.jsonl (always written): tensorboard, wandb, mlflow")
+    project: str = Field("rolefleet", min_length=1, description="W&B project and MLflow experiment name")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="offline: no network, the run is kept under the run directory for `wandb sync`")
+    mlflow_tracking_uri: Optional[str] = Field(
+        None, description="MLflow tracking URI (a server, a database); default a SQLite file in the run directory")
+
+    @field_validator("backends")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a backend is listed twice: {v}")
+        return v
+
+
 class PipelineSection(_Section):
     """How the coordinator schedules the stages (docs/architecture.md, "The asynchronous pipeline")."""
 
@@ -400,6 +421,7 @@ class RoleFleetConfig(_Section):
     reward: RewardSection = Field(default_factory=RewardSection)
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     devices: DevicesSection = Field(default_factory=DevicesSection)
 
     @field_validator("algorithm")

@@ -34,13 +34,22 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
         raise ValueError(f"unknown command {command!r}; valid: {', '.join(COMMANDS)}")
     problems = [*check_models(cfg, roles), *check_request_limits(cfg)]
     if "coordinator" in roles:  # the coordinator reads the data, writes the outputs, dials the roles
-        problems += check_data(cfg) + check_output_dir(cfg)
+        problems += check_data(cfg) + check_output_dir(cfg) + check_tracking(cfg)
         if command != "up":  # `up` fills the addresses in once the roles have bound their ports
             problems += check_role_addresses(cfg)
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
     problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
+
+
+# --- tracking -----------------------------------------------------------------------------------
+
+def check_tracking(cfg: RoleFleetConfig) -> list[str]:
+    """A chosen tracker must be importable: found missing after the models loaded, it would end the run."""
+    from rolefleet.coordinator.trackers import missing_backends
+
+    return [f"tracking.backends: {m} is not installed" for m in missing_backends(cfg.tracking.backends)]
 
 
 # --- data ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Per-step run metrics: metrics.jsonl, TensorBoard events, a console progress bar, and a
-reward-curve PNG when the run closes. One record per step, keys as in docs/metrics.md."""
+"""Per-step run metrics: metrics.jsonl, the experiment trackers (TensorBoard events by default;
+W&B, MLflow: coordinator/trackers.py), a console progress bar, and a reward-curve PNG when the run
+closes. One record per step, keys as in docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rolefleet.coordinator.trackers import TensorBoardTracker, Tracker, numeric
+
 log = logging.getLogger(__name__)
 
 
 class RunLogger:
-    def __init__(self, out_dir: Path, total_steps: int, progress: bool = True, report_every: int | None = None):
+    def __init__(self, out_dir: Path, total_steps: int, progress: bool = True, report_every: int | None = None,
+                 trackers: list[Tracker] | None = None):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(out_dir / "metrics.jsonl", "w")  # a run starts its own record (no resume yet)
         self.records: list[dict] = []
-        self.tb = _tensorboard(out_dir / "tensorboard")
+        self.trackers = _tensorboard(out_dir) if trackers is None else trackers
         # A live bar on a terminal only; logs and CI get the periodic summary lines alone.
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (progress and sys.stderr.isatty()))
@@ -30,10 +34,8 @@ class RunLogger:
         self.records.append(record)
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(numeric(record), record["step"])
         self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}",
                              step_s=f"{record['timing/step_s']:.2f}")
         self.bar.update(1)
@@ -46,8 +48,8 @@ class RunLogger:
     def close(self) -> None:
         self.bar.close()
         self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
         if self.records:
             plot_reward_curve(self.records, self.out_dir / "reward_curve.png")
 
@@ -62,13 +64,12 @@ class RunLogger:
                 f"curve: {self.out_dir / 'reward_curve.png'}")
 
 
-def _tensorboard(path: Path):
+def _tensorboard(out_dir: Path) -> list[Tracker]:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return [TensorBoardTracker(out_dir)]
     except ImportError:  # tensorboard is a dependency; stay useful if a slim install lacks it
         log.warning("tensorboard is not installed: no event files")
-        return None
-    return SummaryWriter(str(path))
+        return []
 
 
 def plot_reward_curve(records: list[dict], path: Path) -> None:

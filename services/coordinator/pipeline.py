@@ -175,6 +175,7 @@ class Pipeline:
                 self.changed.notify_all()
             now = time.perf_counter()
             self.busy["train"] += now - start
+            metrics.STAGE_SECONDS.labels("coordinator", "train").inc(now - start)
             seconds = {"generate": rollout.generate_s, "score": rollout.score_s, "update": now - update_start,
                        "step": now - last}
             last = now

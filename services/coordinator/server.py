@@ -25,6 +25,7 @@ from rolefleet.coordinator.http import HttpControlPlane, make_app
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
 
@@ -124,7 +125,11 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
                 status.state = RunState.STOPPED
                 return status
             return _failed(status, exc)
-        logger = RunLogger(out, cfg.train.total_steps, progress=progress)
+        try:
+            logger = run_logger(cfg, progress)
+        except Exception as exc:  # noqa: BLE001 - a tracker that cannot start (W&B without a login, say)
+            await close_clients(roles)
+            return _failed(status, exc)
         try:
             return await train(cfg, roles, logger, status)
         except Exception as exc:  # noqa: BLE001 - the run reports any failure through its status
@@ -132,15 +137,26 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
         finally:
             logger.close()
             print(f"rolefleet: {logger.summary()}", flush=True)
-            for client in (roles.actor, roles.reward, roles.critic):
-                if client is not None:
-                    await client.close()
+            await close_clients(roles)
 
     try:
         return await serve_until_stopped(handle, work=work(), on_signal=status.request_stop)
     finally:
         if http is not None:
             await http.stop()
+
+
+def run_logger(cfg: RoleFleetConfig, progress: bool) -> RunLogger:
+    t, out = cfg.tracking, cfg.run.out
+    trackers = open_trackers(t.backends, out, cfg.run.name, t.project, cfg.model_dump(mode="json"), t.wandb_mode,
+                             t.mlflow_tracking_uri)
+    return RunLogger(out, cfg.train.total_steps, progress=progress, trackers=trackers)
+
+
+async def close_clients(roles: Roles) -> None:
+    for client in (roles.actor, roles.reward, roles.critic):
+        if client is not None:
+            await client.close()
 
 
 def start_http(cfg: RoleFleetConfig, status: RunStatus, addresses: dict[str, str]) -> Optional[HttpControlPlane]:

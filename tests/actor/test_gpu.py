@@ -60,3 +60,44 @@ def test_graph_decode_matches_a_plain_forward(tiny_model_dir, dtype, tolerance):
     # The same seed gives the same samples through the replayed graph.
     again = actor.generate(["1+2=", "13+4=", "7="] * 4, sampling)
     assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in samples]
+
+
+def test_nvml_gpu_series_while_the_actor_generates(tiny_model_dir, monkeypatch, capsys):
+    """The NVML sampler on a real GPU: the series carry the role, group and gpu labels, and the
+    utilization is above zero while the actor generates (the figures are printed for the record)."""
+    import threading
+    import time
+
+    from prometheus_client import REGISTRY
+
+    from rolefleet.common.gpu_metrics import GpuSampler
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # as in a container: NVML's own order
+    actor, _ = cores(tiny_model_dir, "bfloat16")
+    sampler = GpuSampler.start_for("actor", [0], period_s=0.1)
+    assert sampler is not None
+    labels = {"role": "actor", "group": sampler.group, "gpu": "0"}
+    done, peak = threading.Event(), []
+
+    def generate():
+        while not done.is_set():
+            actor.generate(["1+2=", "13+4="] * 64, SamplingParams(max_new_tokens=32, n=4, seed=0))
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    try:
+        for _ in range(40):
+            time.sleep(0.1)
+            peak.append(REGISTRY.get_sample_value("rolefleet_gpu_utilization_ratio", labels))
+    finally:
+        done.set()
+        worker.join()
+        sampler.stop()
+    used = REGISTRY.get_sample_value("rolefleet_gpu_memory_used_bytes", labels)
+    total = REGISTRY.get_sample_value("rolefleet_gpu_memory_total_bytes", labels)
+    fragmentation = REGISTRY.get_sample_value("rolefleet_gpu_memory_fragmentation_ratio", labels)
+    with capsys.disabled():
+        print(f"\nNVML {labels}: utilization peak {max(peak):.2f}, median {sorted(peak)[len(peak) // 2]:.2f}; "
+              f"memory used {used / 2**30:.2f} of {total / 2**30:.1f} GiB; fragmentation {fragmentation}")
+    assert max(peak) > 0 and 0 < used <= total
+    assert fragmentation is not None and 0 <= fragmentation < 1
