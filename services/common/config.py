@@ -86,7 +86,23 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     task: Optional[str] = Field("addition", description="built-in prompt generator (rolefleet.tasks)")
-    path: Optional[str] = Field(None, description="JSONL of {prompt, ground_truth}; overrides task")
+    path: Optional[str] = Field(None, description="JSONL or Parquet file of prompts (docs/data.md); overrides task")
+    format: Optional[Literal["jsonl", "parquet"]] = Field(
+        None, description="format of data.path; default: from its extension (.jsonl/.ndjson, .parquet/.pq)")
+    prompt_key: str = Field("prompt", min_length=1, description="column of the prompt: text, or chat messages "
+                            "(a list of {role, content}); dotted to reach into a nested object")
+    answer_key: str = Field("ground_truth", min_length=1, description="column of the ground truth (a string "
+                            "or a number; optional); dotted to reach into a nested object")
+    extra_keys: Optional[list[str]] = Field(None, description="columns passed to the reward as the record's "
+                                            "extra; default: every column but the prompt and answer ones")
+    chat_template: Optional[bool] = Field(None, description="render prompts with the tokenizer chat template "
+                                          "of the actor's model; default: when the prompts are chat messages")
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="prompt length limit in tokens, after "
+                                             "the chat template; default: none")
+    overlong: Literal["filter", "truncate", "error"] = Field(
+        "filter", description="prompts over max_prompt_tokens: filter (drop), truncate (cut the start of the "
+        "last message), error (refuse the dataset); dropped and cut prompts are counted")
+    shuffle: bool = Field(True, description="a new order (by run.seed) every epoch; false: the file's order")
     size: int = Field(4096, ge=1, description="prompts drawn from a built-in task")
 
     @field_validator("task")
@@ -104,6 +120,12 @@ class DataSection(_Section):
             raise ValueError("set data.task or data.path")
         if self.path and not Path(self.path).is_file():
             raise ValueError(f"data.path {self.path} is not a file")
+        if self.path:
+            from rolefleet.tasks.files import file_format
+
+            file_format(self.path, self.format)  # an unknown extension without data.format is an error now
+        if self.prompt_key == self.answer_key:
+            raise ValueError(f"data.prompt_key and data.answer_key name the same column {self.prompt_key!r}")
         return self
 
 
@@ -127,6 +149,8 @@ class TrainSection(_Section):
     kl_controller: str = Field("fixed", description="fixed | adaptive (targets kl_target)")
     kl_target: float = Field(0.1, gt=0, description="adaptive controller: per-token KL to track")
     kl_horizon: int = Field(10000, ge=1, description="adaptive controller: samples to close the gap")
+    critic_warmup_steps: int = Field(0, ge=0, description="first steps that train only the critic (the actor "
+                                     "is not updated), so advantages start from useful values; PPO, sync mode")
     rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
     connect_timeout_s: float = Field(300.0, gt=0, description="wait this long for every role to be SERVING")
 
@@ -281,19 +305,114 @@ class CriticSection(_TrainerSection):
 
 
 class RewardSection(Endpoint):
-    function: str = Field("exact_match", description="name in the rule-based reward registry")
+    class Source(_Section):
+        """One entry of `reward.sources`. Keys other than these are options of a built-in function
+        (`pattern` of `format`), checked against that function's keyword-only parameters."""
+
+        model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+        name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="unique label of the "
+                                    "source's scores, errors and metrics; default the function name, the file's "
+                                    "stem, or `model`")
+        kind: Literal["function", "user", "model"] = Field("function", description="function: a built-in; user: "
+                                                           "a function from a Python file; model: a reward model")
+        function: Optional[str] = Field(None, description="kind function: the built-in's name")
+        path: Optional[str] = Field(None, description="kind user: path/to/file.py:function; kind model: the "
+                                    "reward model (a local directory or a hub id)")
+        weight: float = Field(1.0, description="the total adds weight x this source's score")
+        batched: bool = Field(False, description="kind user: the function takes lists (one per argument) and "
+                              "returns a list of scores")
+
+        @model_validator(mode="after")
+        def _kind(self) -> RewardSection.Source:
+            options = dict(self.model_extra or {})
+            if self.kind == "function":
+                from rolefleet.reward.functions import REWARD_FUNCTIONS, check_options
+
+                if self.function is None:
+                    raise ValueError(f"a function source needs `function`, one of: {', '.join(REWARD_FUNCTIONS.names())}")
+                _one_of(REWARD_FUNCTIONS, self.function)
+                for key in ("path", "batched"):
+                    if key in self.model_fields_set and getattr(self, key):
+                        raise ValueError(f"`{key}` is for user sources, not built-in functions")
+                self.__pydantic_extra__ = check_options(self.function, options)
+            else:
+                if options:
+                    raise ValueError(f"unknown key(s) {', '.join(sorted(options))}: options are for built-in "
+                                     f"functions, not {self.kind} sources")
+                if self.function is not None:
+                    raise ValueError(f"`function` names a built-in (kind function); a {self.kind} source takes `path`")
+                if self.kind == "model" and self.batched:
+                    raise ValueError("`batched` is for user sources")
+                if not self.path:
+                    form = "path/to/file.py:function" if self.kind == "user" else "a model directory or hub id"
+                    raise ValueError(f"a {self.kind} source needs `path` ({form})")
+                if self.kind == "user":
+                    self.user_function()  # the form only: the file is checked where it runs
+            if self.name is None:
+                self.name = {"function": self.function, "model": "model"}.get(self.kind) or \
+                    Path(self.user_function()[0]).stem
+                if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+                    raise ValueError(f"set `name`: the default {self.name!r} has characters other than letters, "
+                                     "digits and _.-")
+            return self
+
+        @property
+        def options(self) -> dict[str, Any]:
+            """A built-in function's options (keyword arguments), validated."""
+            return dict(self.model_extra or {})
+
+        def user_function(self) -> tuple[str, str]:
+            """(file, function name) of a user source's `path`."""
+            file, _, fn = (self.path or "").rpartition(":")
+            if not file or not fn.isidentifier():
+                raise ValueError(f"path {self.path!r} is not of the form path/to/file.py:function")
+            return file, fn
+
+    function: str = Field("exact_match", description="the built-in reward function (weight 1) when `sources` "
+                          "is empty")
+    sources: list[Source] = Field(default_factory=list, description="reward sources combined as the sum of "
+                                  "weight x score (docs/rewards.md); default [`function`]")
+    fallback_score: float = Field(0.0, description="the score a source counts for a sample it failed on")
+    user_workers: int = Field(2, ge=1, description="worker processes running user functions (and `math`)")
+    user_timeout_s: float = Field(10.0, gt=0, description="deadline of one call in a worker (a whole batch for "
+                                  "`batched` sources); past it the worker is killed and replaced")
+    user_memory_mb: int = Field(2048, ge=0, description="address-space limit of each worker (RLIMIT_AS); 0: none")
+    model_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="reward model compute dtype on a GPU (a CPU computes float32)")
+    model_max_tokens_per_batch: int = Field(16384, ge=1, description="reward model: rows x longest row per forward")
     max_items_per_request: int = Field(65536, ge=1, description="samples one Score request may carry")
     max_item_bytes: int = Field(1 << 20, ge=1, description="UTF-8 bytes of one item's prompt + response + "
-                                "ground truth")
+                                "ground truth + extra (JSON)")
+    replicas: list[str] = Field(default_factory=list, description="host:port of several reward servers: the "
+                                "coordinator spreads each batch across them (instead of reward.address)")
     score_delay_s: float = Field(0.0, ge=0, le=600, description="seconds each Score call waits before "
                                  "scoring: a stand-in for a slower reward (a reward model) in benchmarks and tests")
 
     @field_validator("function")
     @classmethod
     def _function(cls, v: str) -> str:
-        from rolefleet.reward.functions import REWARD_FUNCTIONS
+        from rolefleet.reward.functions import REWARD_FUNCTIONS, check_options
 
-        return _one_of(REWARD_FUNCTIONS, v)
+        _one_of(REWARD_FUNCTIONS, v)
+        try:
+            check_options(v, {})
+        except ValueError as e:
+            raise ValueError(f"{e}: list it in reward.sources with its options") from None
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RewardSection:
+        seen: dict[str, int] = {}
+        for i, source in enumerate(self.sources):
+            if source.name in seen:
+                raise ValueError(f"sources[{i}] and sources[{seen[source.name]}] are both named {source.name!r}: "
+                                 "give one a `name`")
+            seen[source.name] = i
+        return self
+
+    def scoring_sources(self) -> list[RewardSection.Source]:
+        """`sources`, or the one built-in `function` when there are none."""
+        return self.sources or [RewardSection.Source(kind="function", function=self.function)]
 
 
 class CoordinatorSection(Endpoint):
@@ -449,9 +568,18 @@ class RoleFleetConfig(_Section):
             self.train.norm_adv_by_std = preset.norm_adv_by_std
         if self.actor.loss_agg_mode is None:
             self.actor.loss_agg_mode = preset.loss_agg_mode
-        for section in (self.actor, self.critic):
+        warmup = self.train.critic_warmup_steps
+        if warmup and not preset.uses_critic:
+            raise ValueError(f"train.critic_warmup_steps: algorithm {self.algorithm} has no critic")
+        if warmup and self.pipeline.mode == "async":
+            raise ValueError("train.critic_warmup_steps needs pipeline.mode sync (async generation waits for "
+                             "actor updates the warm-up withholds)")
+        if warmup >= self.train.total_steps:
+            raise ValueError(f"train.critic_warmup_steps={warmup} leaves no actor step of train.total_steps="
+                             f"{self.train.total_steps}")
+        for section, updates in ((self.actor, self.train.total_steps - warmup), (self.critic, self.train.total_steps)):
             if section.lr_decay_steps is None:
-                section.lr_decay_steps = self.train.total_steps * section.ppo_epochs * section.num_mini_batches
+                section.lr_decay_steps = updates * section.ppo_epochs * section.num_mini_batches
         if self.actor.loss_norm_length is None:
             self.actor.loss_norm_length = self.sampling.max_new_tokens
         if self.pipeline.lagged and "is_correction" not in self.actor.model_fields_set:

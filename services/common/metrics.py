@@ -32,8 +32,9 @@ WEIGHT_SYNC_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 SAMPLES_SCORED = Counter("rolefleet_samples_scored", "Samples scored by the reward role", ["role"])
-REWARD_ERRORS = Counter("rolefleet_reward_errors", "Samples a reward function could not score (an "
-                        "exception, a non-number, NaN or inf)", ["role", "function"])
+REWARD_ERRORS = Counter("rolefleet_reward_errors", "Samples a reward source could not score (an exception, a "
+                        "timeout, a crashed worker, a non-number, NaN or inf): they got reward.fallback_score",
+                        ["role", "function"])
 STAGE_SECONDS = Counter(
     "rolefleet_stage_busy_seconds", "Time the coordinator spent in each step phase", ["role", "stage"]
 )

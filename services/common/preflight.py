@@ -37,8 +37,15 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
         problems += check_data(cfg) + check_output_dir(cfg) + check_tracking(cfg)
         if command != "up":  # `up` fills the addresses in once the roles have bound their ports
             problems += check_role_addresses(cfg)
+        elif cfg.reward.replicas:
+            problems.append("reward.replicas: `rolefleet up` starts one reward server of its own; replicas are "
+                            "for `rolefleet train` / `serve coordinator` against running servers (compose, Helm)")
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
     problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
+    if "reward" in roles:
+        from rolefleet.reward.sources import check_sources
+
+        problems += check_sources(cfg)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
 
@@ -55,14 +62,24 @@ def check_tracking(cfg: RoleFleetConfig) -> list[str]:
 # --- data ---------------------------------------------------------------------------------------
 
 def check_data(cfg: RoleFleetConfig) -> list[str]:
-    """A `data.path` file must parse (the coordinator would otherwise fail at step 1, after every
-    role has loaded its models)."""
-    if not cfg.data.path:
-        return []
-    from rolefleet.tasks import load_jsonl
+    """The prompts load as the coordinator will load them: the file parses, the chat template and
+    the token limit apply (otherwise the coordinator would fail at step 1, after every role has
+    loaded its models). The tokenizer is read only from a local model directory: a missing one
+    is check_models' finding, and a hub id would mean the network (the coordinator checks it)."""
+    from rolefleet.coordinator.data import PromptDataset
+    from rolefleet.tasks import DataError
+    from rolefleet.tasks.files import Columns, read_prompts
 
+    d = cfg.data
+    local = Path(cfg.actor.model_name_or_path).expanduser()
     try:
-        load_jsonl(cfg.data.path)
+        if local.is_dir() and model_problem(str(local)) is None:
+            PromptDataset.for_run(cfg)
+        elif d.path:
+            read_prompts(d.path, d.format, Columns(d.prompt_key, d.answer_key,
+                                                   None if d.extra_keys is None else tuple(d.extra_keys)))
+    except DataError as e:
+        return [str(e)]  # it names its key
     except (OSError, ValueError) as e:
         return [f"data.path: {e}"]
     return []
@@ -81,6 +98,11 @@ def check_models(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
             problems.append(f"{where}: {problem}")
         elif (problem := positions_problem(cfg.sampling.max_new_tokens, path)) is not None:
             problems.append(f"sampling.max_new_tokens: {problem} ({where})")
+        elif (limit := cfg.data.max_prompt_tokens) and (positions := max_positions(path)) is not None \
+                and limit + cfg.sampling.max_new_tokens > positions:
+            # Known before any load: a prompt at the limit plus a full response would be refused at step 1.
+            problems.append(f"data.max_prompt_tokens: {limit} + sampling.max_new_tokens "
+                            f"{cfg.sampling.max_new_tokens} exceed the {positions} positions of model {path} ({where})")
     return problems
 
 
@@ -228,7 +250,7 @@ def check_role_addresses(cfg: RoleFleetConfig) -> list[str]:
     """The coordinator dials every role from the config; port 0 without an address cannot work."""
     problems = []
     for role in cfg.roles():
-        if role == "coordinator":
+        if role == "coordinator" or (role == "reward" and cfg.reward.replicas):
             continue
         try:
             getattr(cfg, role).dial_address(role)

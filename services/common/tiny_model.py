@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from rolefleet.common.shapes import SHAPES, ModelShape
 from rolefleet.tasks import make_task
@@ -43,9 +43,8 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+def _llama_config(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, **extra) -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -58,8 +57,13 @@ def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **extra,
     )
-    return LlamaForCausalLM(config)
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(_llama_config(tokenizer, shape))
 
 
 def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: str, steps: int,
@@ -105,6 +109,36 @@ def make_tiny_model(out_dir: str | Path, task: str | None = None, warm_start_ste
     model = build_model(tokenizer, dims, seed=seed)
     if task and warm_start_steps > 0:
         warm_start(model, tokenizer, task, warm_start_steps, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# A two-turn chat template in the character alphabet, for reward-model tests of the templated path.
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
+
+
+def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, num_labels: int = 1, pad_token: bool = True,
+                           chat_template: str | None = None, positions: int | None = None) -> Path:
+    """A random sequence-classification reward model (the tiny Llama shape and tokenizer, a scalar
+    `score` head) saved like a real reward checkpoint, so it loads through AutoModelForSequenceClassification.
+    `pad_token=False` saves a tokenizer and config without a pad token (as many base checkpoints are);
+    `num_labels` other than 1 builds the classifier a reward model must refuse."""
+    out = Path(out_dir)
+    dims = SHAPES["tiny"]
+    if positions:
+        dims = dataclasses.replace(dims, positions=positions)
+    tokenizer = build_tokenizer(dims.vocab)
+    if not pad_token:
+        tokenizer.pad_token = None
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    torch.manual_seed(seed)
+    config = _llama_config(tokenizer, dims, num_labels=num_labels)
+    if not pad_token:
+        config.pad_token_id = None
+    model = LlamaForSequenceClassification(config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -125,7 +125,8 @@ def make_app(status: RunStatus, addresses: dict[str, str]) -> FastAPI:
     return app
 
 
-async def role_view(role: str, address: str) -> RoleView:
+async def role_view(label: str, address: str) -> RoleView:
+    role = label.split("#", 1)[0]  # reward#2: a further reward replica
     health, view = await asyncio.gather(check_health(address, ROLE_TIMEOUT_S), _status(role, address))
     return RoleView(role=role, address=address, health=health, **view)
 

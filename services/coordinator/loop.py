@@ -27,6 +27,7 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
@@ -65,6 +66,10 @@ class Timer:
             metrics.STAGE_SECONDS.labels("coordinator", phase).inc(elapsed)
 
 
+async def _unchanged(step: int, version: int) -> UpdateResult:
+    return UpdateResult(step=step, model_version=version, stats={})
+
+
 async def _nothing() -> None:
     return None
 
@@ -74,8 +79,8 @@ def to_batch(samples: list[Sample]) -> SequenceBatch:
 
 
 def score_items(records: list[PromptRecord], samples: list[Sample]) -> list[ScoreItem]:
-    return [ScoreItem(records[s.prompt_index].prompt, s.response_text, records[s.prompt_index].ground_truth)
-            for s in samples]
+    return [ScoreItem(records[s.prompt_index].prompt, s.response_text, records[s.prompt_index].ground_truth,
+                      records[s.prompt_index].extra) for s in samples]
 
 
 def policy_version_of(samples: list[Sample]) -> int:
@@ -150,7 +155,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
 
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
                      clock: BusyClock) -> None:
-    dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
+    dataset = PromptDataset.for_run(cfg)
     s, t = cfg.sampling, cfg.train
     kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
     for step in range(1, t.total_steps + 1):
@@ -166,7 +171,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         batch, version = to_batch(samples), policy_version_of(samples)
 
         # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
-        scores, values, logprobs = await timer("score", asyncio.gather(
+        reward, values, logprobs = await timer("score", asyncio.gather(
             roles.reward.score(score_items(records, samples)),
             roles.critic.compute_values(batch) if roles.critic else _nothing(),
             # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
@@ -174,6 +179,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         ))
         if values is None:
             values = torch.zeros(batch.num_response_tokens)
+        scores = reward.total
         require_finite(samples, scores, values, logprobs, cfg.reward.function)
 
         # 3. Advantages and returns; the KL controller sees this step's KL.
@@ -182,18 +188,25 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         step_kl_coef = kl_coef
         kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
 
-        # 4. Policy and value updates at once.
+        # 4. Policy and value updates at once; during the critic's warm-up the policy waits (the
+        # actor numbers its own steps from the first one it applies).
+        warming = step <= t.critic_warmup_steps
         actor_result, critic_result = await timer("update", asyncio.gather(
-            roles.actor.update(step, version, batch, policy_targets_for(cfg, targets, logprobs, samples),
-                               s.temperature),
+            _unchanged(step, version) if warming else roles.actor.update(
+                step - t.critic_warmup_steps, version, batch, policy_targets_for(cfg, targets, logprobs, samples),
+                s.temperature),
             roles.critic.update(step, batch, targets.returns, values) if roles.critic else _nothing(),
         ))
 
         # 5. Log.
         timer.seconds["step"] = time.perf_counter() - start
-        record = step_record(step, actor_result, critic_result, batch, samples, scores, values, logprobs,
+        record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs,
                              targets, timer.seconds)
+        if step == 1:
+            record.update(dataset.stats)  # what the load kept, filtered and truncated
         record["kl_coef"] = step_kl_coef
+        if warming:
+            record["critic_warmup"] = 1.0
         record.update(clock.fractions())
         logger.log(record)
         status.record_step(record, actor_result.model_version)

@@ -55,6 +55,7 @@ from rolefleet.coordinator.loop import (
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
 from rolefleet.coordinator.targets import step_targets
+from rolefleet.reward.types import ScoreResult
 from rolefleet.tasks import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Rollout:
     batch: SequenceBatch
     generate_s: float
     scoring: list[asyncio.Future] = field(default_factory=list)  # reward + critic calls per streamed chunk, in order
-    scores: torch.Tensor | None = None
+    reward: ScoreResult | None = None
     values: torch.Tensor | None = None
     score_s: float = 0.0
 
@@ -86,7 +87,7 @@ class Pipeline:
             roles = clock.track(roles)
         self.cfg, self.roles, self.logger, self.status, self.clock = cfg, roles, logger, status, clock
         self.p = cfg.pipeline
-        self.dataset = PromptDataset.from_config(cfg.data, cfg.run.seed)
+        self.dataset = PromptDataset.for_run(cfg)
         self.generated: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.scored: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.version = 0            # the actor's policy version: updates applied this run
@@ -151,8 +152,8 @@ class Pipeline:
             start = time.perf_counter()
             samples, batch = rollout.samples, rollout.batch
             logprobs = await self._call(self.roles.actor.compute_logprobs, batch, s.temperature, True)
-            require_finite(samples, rollout.scores, rollout.values, logprobs, self.cfg.reward.function)
-            targets = step_targets(self.cfg.preset.estimator, batch, rollout.scores, rollout.values,
+            require_finite(samples, rollout.reward.total, rollout.values, logprobs, self.cfg.reward.function)
+            targets = step_targets(self.cfg.preset.estimator, batch, rollout.reward.total, rollout.values,
                                    logprobs.logprobs, logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
             step_kl_coef = kl_coef
             kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
@@ -179,9 +180,11 @@ class Pipeline:
             seconds = {"generate": rollout.generate_s, "score": rollout.score_s, "update": now - update_start,
                        "step": now - last}
             last = now
-            record = step_record(step, actor_result, critic_result, batch, samples, rollout.scores,
+            record = step_record(step, actor_result, critic_result, batch, samples, rollout.reward,
                                  rollout.values, logprobs, targets, seconds)
             record["kl_coef"] = step_kl_coef
+            if step == 1:
+                record.update(self.dataset.stats)  # what the load kept, filtered and truncated
             record.update(self._pipeline_stats(lag, now))
             record.update(self.clock.fractions())
             self.logger.log(record)
@@ -228,8 +231,8 @@ class Pipeline:
     async def _score(self, rollout: Rollout) -> None:
         """The scores and values of the streamed chunks (most already done), in sample order."""
         start = time.perf_counter()
-        scores, values = zip(*await asyncio.gather(*rollout.scoring))
-        rollout.scores = torch.cat(scores)
+        rewards, values = zip(*await asyncio.gather(*rollout.scoring))
+        rollout.reward = ScoreResult.concat(list(rewards))
         rollout.values = torch.cat(values) if self.roles.critic else torch.zeros(rollout.batch.num_response_tokens)
         rollout.score_s = time.perf_counter() - start
         self.busy["score"] += rollout.score_s

@@ -28,6 +28,7 @@ from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
+from rolefleet.reward.replicas import ReplicatedRewardClient
 
 
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -46,8 +47,8 @@ class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceS
     @rpc
     async def GetRunStatus(self, request, context):
         message = self._message()
-        message.roles.extend(await asyncio.gather(*(role_view(role, address)
-                                                    for role, address in self.addresses.items())))
+        message.roles.extend(await asyncio.gather(*(role_view(role_of(label), address)
+                                                    for label, address in self.addresses.items())))
         return message
 
     @rpc
@@ -71,8 +72,20 @@ def add_to_server(status: RunStatus, server: grpc.aio.Server, addresses: dict[st
 
 
 def role_addresses(cfg: RoleFleetConfig) -> dict[str, str]:
-    """Where each role this run needs is dialled (ConfigError when one cannot be known)."""
-    return {role: getattr(cfg, role).dial_address(role) for role in cfg.roles() if role != "coordinator"}
+    """Where each role server this run needs is dialled (ConfigError when one cannot be known),
+    by label: the role's name, and `reward#2`, `reward#3`, ... for further reward replicas."""
+    addresses = {}
+    for role in cfg.roles():
+        if role == "reward" and cfg.reward.replicas:
+            addresses.update({"reward" if i == 0 else f"reward#{i + 1}": a for i, a in enumerate(cfg.reward.replicas)})
+        elif role != "coordinator":
+            addresses[role] = getattr(cfg, role).dial_address(role)
+    return addresses
+
+
+def role_of(label: str) -> str:
+    """The role of a `role_addresses` label (`reward#2` -> reward)."""
+    return label.split("#", 1)[0]
 
 
 async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status: RunStatus) -> Roles:
@@ -81,9 +94,10 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
     timeout = cfg.train.rpc_timeout_s
     for role, address in addresses.items():
         await wait_healthy(role, address, cfg.train.connect_timeout_s, give_up=lambda: status.stop_requested)
+    rewards = [GrpcRewardClient(a, timeout) for label, a in addresses.items() if role_of(label) == "reward"]
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
-        reward=GrpcRewardClient(addresses["reward"], timeout),
+        reward=rewards[0] if len(rewards) == 1 else ReplicatedRewardClient(rewards),
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
     )
 

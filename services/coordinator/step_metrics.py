@@ -11,6 +11,7 @@ from rolefleet.algos import logprob_mismatch
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.targets import Targets
+from rolefleet.reward.types import ScoreResult
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -25,17 +26,22 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
 
 
 def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], batch: SequenceBatch,
-                samples: list[Sample], scores: torch.Tensor, values: torch.Tensor, logprobs: LogProbs,
+                samples: list[Sample], reward: ScoreResult, values: torch.Tensor, logprobs: LogProbs,
                 targets: Targets, seconds: dict[str, float]) -> dict:
     rollout_logprobs = torch.cat([s.logprobs for s in samples])
     mismatch_mean, mismatch_max = logprob_mismatch(logprobs.logprobs, rollout_logprobs,
                                                    torch.ones_like(rollout_logprobs))
     lengths = batch.response_lengths.float()
+    scores = reward.total
     record = {
         "step": step,
         "policy_version": actor.model_version,
         "reward/mean": scores.mean().item(),
         "reward/std": scores.std().item() if scores.numel() > 1 else 0.0,
+        # Each source's raw score (before its weight; failed samples left out), and how many
+        # samples a source failed on (they got reward.fallback_score for it).
+        **{f"reward/{name}/mean": mean for name, mean in reward.source_means().items()},
+        "reward/errors": reward.failed,
         "kl": targets.kl.mean().item(),
         "entropy": logprobs.entropy.mean().item(),
         **_stats("response_length", lengths),

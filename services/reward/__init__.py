@@ -1,1 +1,2 @@
-"""The reward role: rule-based verifiable rewards from a registry (reward models come later)."""
+"""The reward role: built-in verifiable rewards, user reward functions run in worker processes,
+and reward models, combined per sample as weighted sources (docs/rewards.md)."""

@@ -11,14 +11,14 @@ from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
 from rolefleet.common.roles import GrpcRoleClient, RoleStatus, call
-from rolefleet.reward.types import ScoreItem
+from rolefleet.reward.types import ScoreItem, ScoreResult
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.reward.core import RewardCore
 
 
 class RewardClient(Protocol):
-    async def score(self, items: list[ScoreItem]) -> torch.Tensor: ...
+    async def score(self, items: list[ScoreItem]) -> ScoreResult: ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def close(self) -> None: ...
 
@@ -27,7 +27,7 @@ class InProcessRewardClient:
     def __init__(self, core: RewardCore):
         self.core = core
 
-    async def score(self, items):
+    async def score(self, items: list[ScoreItem]) -> ScoreResult:
         return await asyncio.to_thread(self.core.score, items)
 
     async def status(self, include_digest=False):
@@ -40,13 +40,24 @@ class InProcessRewardClient:
 class GrpcRewardClient(GrpcRoleClient):
     stub_class = reward_pb2_grpc.RewardServiceStub
 
-    async def score(self, items):
-        request = reward_pb2.ScoreRequest(
-            items=[reward_pb2.ScoreItem(prompt=i.prompt, response=i.response, ground_truth=i.ground_truth)
-                   for i in items]
-        )
+    async def score(self, items: list[ScoreItem]) -> ScoreResult:
+        request = reward_pb2.ScoreRequest(items=[
+            reward_pb2.ScoreItem(prompt=i.prompt, response=i.response, ground_truth=i.ground_truth,
+                                 extra_json=i.extra_json())
+            for i in items
+        ])
         response = await call(self.stub.Score(request, timeout=self.timeout_s))
-        scores = codec.decode_as(response.scores, "scores", torch.float32, 1)
-        if scores.numel() != len(items):
-            raise RoleFleetError(f"reward server returned {scores.numel()} scores for {len(items)} items")
-        return scores
+        return from_proto(response, len(items))
+
+
+def from_proto(response: reward_pb2.ScoreResponse, n: int) -> ScoreResult:
+    """The result of a ScoreResponse for `n` items; RoleFleetError when it does not describe them."""
+    try:
+        total = codec.decode_as(response.scores, "scores", torch.float32, 1).float()
+        sources = {s.name: codec.decode_as(s.scores, f"sources[{s.name!r}].scores", torch.float32, 1).float()
+                   for s in response.sources}
+        if len(sources) != len(response.sources):
+            raise ValueError("a source name appears twice")
+        return ScoreResult(total, sources, list(response.errors)).check(n)
+    except (RoleFleetError, ValueError) as e:
+        raise RoleFleetError(f"reward server sent a malformed result for {n} items: {e}") from None

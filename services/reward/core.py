@@ -1,10 +1,11 @@
-"""RewardCore: scores samples with the configured rule-based function. No gRPC here."""
+"""RewardCore: scores samples with the configured reward sources and combines them. No gRPC here."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from numbers import Real
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -12,31 +13,40 @@ from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.roles import RoleStatus
-from rolefleet.reward.functions import REWARD_FUNCTIONS
-from rolefleet.reward.types import ScoreItem
+from rolefleet.reward.sandbox_worker import FLOAT32_MAX, Outcome
+from rolefleet.reward.sources import Source, build_sources
+from rolefleet.reward.types import ScoreItem, ScoreResult
 
 ROLE = "reward"
-# float32 carries scores to the coordinator: a larger value would arrive as inf.
-_MAX_SCORE = float(torch.finfo(torch.float32).max)
+log = logging.getLogger(__name__)
 
 
 class RewardCore:
+    """`score(items)` -> ScoreResult. A source that cannot score a sample (it raised, timed out,
+    crashed its worker, or returned a non-number, NaN or inf) costs that sample that source's score:
+    it counts `reward.fallback_score` instead, the sample's error says why, and
+    rolefleet_reward_errors_total{function=<source>} counts it. The request itself succeeds: one
+    bad sample must not cost a whole step. Only malformed or oversized requests are refused."""
+
     def __init__(self, cfg: RewardSection):
         self.cfg = cfg
-        self.fn = REWARD_FUNCTIONS.get(cfg.function)  # the config schema already checked the name
+        self.sources, self.pool = build_sources(cfg)
+        # Sources run side by side (a reward model on its GPU while workers run user functions).
+        self._threads = ThreadPoolExecutor(len(self.sources), thread_name_prefix="reward-source") \
+            if len(self.sources) > 1 else None
         self.scored = 0
 
-    def score(self, items: list[ScoreItem]) -> torch.Tensor:
-        """float32 [len(items)]. One sample the function cannot score (an exception, a non-number,
-        NaN or inf) refuses the request, naming the sample: a silent NaN would poison the step's
-        advantages, and a made-up score would train on a reward nobody defined."""
+    def score(self, items: list[ScoreItem]) -> ScoreResult:
         self._check_sizes(items)
         if self.cfg.score_delay_s:  # a stand-in for a slower reward (benchmarks, tests)
             time.sleep(self.cfg.score_delay_s)
-        scores = torch.tensor([self._score_one(i, item) for i, item in enumerate(items)], dtype=torch.float32)
-        self.scored += len(items)
-        metrics.SAMPLES_SCORED.labels(ROLE).inc(len(items))
-        return scores
+        if self._threads is None:
+            outcomes = [self.sources[0].score(items)]
+        else:
+            outcomes = [f.result() for f in [self._threads.submit(s.score, items) for s in self.sources]]
+        result = combine(self.sources, outcomes, self.cfg.fallback_score)
+        self._count(result, len(items))
+        return result
 
     def _check_sizes(self, items: list[ScoreItem]) -> None:
         if not items:
@@ -49,23 +59,47 @@ class RewardCore:
                 raise LimitExceeded(f"items[{i}]", f"{size} bytes exceed reward.max_item_bytes="
                                     f"{self.cfg.max_item_bytes}")
 
-    def _score_one(self, index: int, item: ScoreItem) -> float:
-        name = self.cfg.function
-        try:
-            value = self.fn(item.prompt, item.response, item.ground_truth)
-        except Exception as exc:  # noqa: BLE001 - the function's failure is this sample's error
-            metrics.REWARD_ERRORS.labels(ROLE, name).inc()
-            raise InvalidArgument(f"items[{index}]", f"reward function {name!r} raised "
-                                  f"{type(exc).__name__}: {exc}") from None
-        # bool is a Real too, and a fine 0/1 score; strings, None and tensors are not.
-        if not isinstance(value, Real) or not math.isfinite(value) or abs(value) > _MAX_SCORE:
-            metrics.REWARD_ERRORS.labels(ROLE, name).inc()
-            raise InvalidArgument(f"items[{index}]", f"reward function {name!r} returned {value!r}, "
-                                  "not a finite number")
-        return float(value)
+    def _count(self, result: ScoreResult, n: int) -> None:
+        self.scored += n
+        metrics.SAMPLES_SCORED.labels(ROLE).inc(n)
+        for name, scores in result.sources.items():
+            if failed := int(scores.isnan().sum()):
+                metrics.REWARD_ERRORS.labels(ROLE, name).inc(failed)
+                first = next(e for e, s in zip(result.errors, scores.tolist()) if math.isnan(s))
+                log.warning("reward source %s failed on %d of %d samples; first: %s", name, failed, n, first)
 
     def status(self, include_digest: bool = False) -> RoleStatus:
         return RoleStatus(ROLE)  # stateless: nothing to version or hash
 
     def close(self) -> None:
-        pass
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.close()
+        for source in self.sources:
+            source.close()
+
+
+def combine(sources: list[Source], outcomes: list[list[Outcome]], fallback: float) -> ScoreResult:
+    """Per sample: total = sum of weight x score over the sources, a failed source counting
+    `fallback` as its score; raw scores per source with NaN where it failed; errors naming them."""
+    n = len(outcomes[0])
+    totals = [0.0] * n
+    errors: list[list[str]] = [[] for _ in range(n)]
+    raw: dict[str, torch.Tensor] = {}
+    for source, outs in zip(sources, outcomes):
+        values = []
+        for i, outcome in enumerate(outs):
+            if isinstance(outcome, str):
+                errors[i].append(f"{source.name}: {outcome}")
+                values.append(math.nan)
+                totals[i] += source.weight * fallback
+            else:
+                values.append(outcome)
+                totals[i] += source.weight * outcome
+        raw[source.name] = torch.tensor(values, dtype=torch.float32)
+    for i, total in enumerate(totals):
+        if not math.isfinite(total) or abs(total) > FLOAT32_MAX:  # weights times huge scores
+            errors[i].append(f"total: the weighted sum {total!r} is not a finite float32 number")
+            totals[i] = fallback
+    return ScoreResult(torch.tensor(totals, dtype=torch.float32), raw, ["; ".join(e) for e in errors])

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import grpc
 
 from rolefleet.common import codec
+from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
 from rolefleet.common.server import RoleServicer, rpc
 from rolefleet.reward.core import RewardCore
-from rolefleet.reward.types import ScoreItem
+from rolefleet.reward.types import ScoreItem, ScoreResult
 
 
 class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):
@@ -21,9 +24,32 @@ class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):
 
     @rpc
     async def Score(self, request: reward_pb2.ScoreRequest, context):
-        items = [ScoreItem(i.prompt, i.response, i.ground_truth) for i in request.items]
-        scores = await asyncio.to_thread(self.core.score, items)
-        return reward_pb2.ScoreResponse(scores=codec.encode(scores))
+        items = [ScoreItem(i.prompt, i.response, i.ground_truth, _extra(n, i.extra_json))
+                 for n, i in enumerate(request.items)]
+        result = await asyncio.to_thread(self.core.score, items)
+        return to_proto(result)
+
+
+def _extra(index: int, text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    field = f"items[{index}].extra_json"
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(field, f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, f"a JSON object is expected, got {type(value).__name__}")
+    return value
+
+
+def to_proto(result: ScoreResult) -> reward_pb2.ScoreResponse:
+    return reward_pb2.ScoreResponse(
+        scores=codec.encode(result.total),
+        sources=[reward_pb2.SourceScores(name=name, scores=codec.encode(scores))
+                 for name, scores in result.sources.items()],
+        errors=result.errors,
+    )
 
 
 def add_to_server(core: RewardCore, server: grpc.aio.Server) -> list[str]:

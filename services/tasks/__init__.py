@@ -1,18 +1,29 @@
-"""Built-in prompt datasets with verifiable answers, by name (`data.task` in the config)."""
+"""Prompt datasets with verifiable answers: built-in generators by name (`data.task`) and prompt
+files (`data.path`, JSONL or Parquet; see `files` and docs/data.md)."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolefleet.common.config import ConfigError
 
 
 @dataclass(frozen=True)
 class PromptRecord:
+    """One prompt as the actor receives it (chat template already applied), its ground truth, and
+    the dataset's other columns, passed through to the reward (JSON-serializable values)."""
+
     prompt: str
     ground_truth: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DataError(ConfigError):
+    """A data file, or a data setting, that cannot give prompts. The message starts with the
+    config key to change (`data.path: data.jsonl:3: ...`), as every config problem does."""
 
 
 def addition(size: int, seed: int) -> list[PromptRecord]:
@@ -32,34 +43,3 @@ def make_task(name: str, size: int, seed: int) -> list[PromptRecord]:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name](size, seed)
-
-
-def load_jsonl(path: str | Path) -> list[PromptRecord]:
-    """Records from a JSONL file of {"prompt": str, "ground_truth": str} objects (ground_truth
-    optional). A malformed line is a ValueError naming the file and the line."""
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    records.append(_record(line, f"{path}:{lineno}"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not records:
-        raise ValueError(f"{path} holds no records")
-    return records
-
-
-def _record(line: str, where: str) -> PromptRecord:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with a 'prompt', got {type(obj).__name__}")
-    prompt, truth = obj.get("prompt"), obj.get("ground_truth", "")
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
-    if truth is None or isinstance(truth, (dict, list)):
-        raise ValueError(f"{where}: 'ground_truth' must be a string or a number, got {truth!r}")
-    return PromptRecord(prompt, str(truth))

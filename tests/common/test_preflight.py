@@ -118,6 +118,12 @@ def test_responses_must_fit_the_models_positions(make_config, gpus):
     assert "; set it <= 127 (actor.model_name_or_path, actor.ref_model_name_or_path, critic" in message
 
 
+def test_the_prompt_limit_and_the_response_must_fit_the_positions_together(make_config, gpus):
+    assert problems(make_config("data.max_prompt_tokens=96", "sampling.max_new_tokens=32")) == ""
+    message = problems(make_config("data.max_prompt_tokens=100", "sampling.max_new_tokens=32"))
+    assert "data.max_prompt_tokens: 100 + sampling.max_new_tokens 32 exceed the 128 positions of model" in message
+
+
 def test_positions_are_read_from_a_cached_hub_model_too(make_config, hub_cache, tiny_model_dir, gpus):
     cache_model(hub_cache, "someorg/somemodel", tiny_model_dir)
     message = problems(make_config("model.model_name_or_path=someorg/somemodel", "sampling.max_new_tokens=500"))

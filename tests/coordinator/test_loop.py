@@ -32,11 +32,11 @@ class RecordingReward:
         self.returned: list[torch.Tensor] = []
 
     async def score(self, items):
-        scores = await self.inner.score(items)
+        result = await self.inner.score(items)
         if len(self.returned) + 1 in self.plant:
-            scores[0] = self.plant[len(self.returned) + 1]
-        self.returned.append(scores)
-        return scores
+            result.total[0] = self.plant[len(self.returned) + 1]
+        self.returned.append(result.total)
+        return result
 
     async def status(self):
         return await self.inner.status()
@@ -132,21 +132,20 @@ def test_a_step_with_a_non_finite_reward_is_refused_before_any_update(make_confi
     assert [r["step"] for r in read_records(cfg)] == [1]
 
 
-def test_a_reward_function_returning_nan_fails_the_step_naming_the_sample(make_config, monkeypatch):
-    from rolefleet.common.errors import InvalidArgument
+def test_a_reward_function_returning_nan_costs_its_samples_the_fallback_and_is_counted(make_config, monkeypatch):
     from rolefleet.reward.functions import REWARD_FUNCTIONS
 
-    monkeypatch.setitem(REWARD_FUNCTIONS._items, "exact_match", lambda p, r, t: float("nan"))
-    cfg = make_config()
+    monkeypatch.setitem(REWARD_FUNCTIONS._items, "exact_match", lambda p, r, t, extra: float("nan"))
+    cfg = make_config("reward.fallback_score=-1")
     actor = ActorCore(cfg.actor)
-    digest = actor.digest()
     roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
                   InProcessCriticClient(CriticCore(cfg.critic)))
-    status = RunStatus(cfg.run.name, cfg.train.total_steps)
-    with pytest.raises(InvalidArgument, match=r"items\[0\]: reward function 'exact_match' returned nan"):
-        run(cfg, roles, status)
-    assert status.step == 0 and actor.policy_version == 0 and actor.digest() == digest
-    assert read_records(cfg) == []
+    status, records = run(cfg, roles)
+    # Every sample failed: each scored the fallback, the run went on, the step says how many failed.
+    assert status.state == RunState.FINISHED and actor.policy_version == 2
+    n = cfg.train.prompts_per_step * cfg.train.samples_per_prompt
+    assert [r["reward/errors"] for r in records] == [n, n] and [r["reward/mean"] for r in records] == [-1, -1]
+    assert "reward/exact_match/mean" not in records[0]  # the source scored nothing
 
 
 def test_ppo_targets_put_the_score_on_the_last_token_and_penalise_kl():
@@ -220,3 +219,28 @@ def test_a_second_run_against_used_roles_is_refused(make_config):
         finally:
             logger.close()
     assert actor.policy_version == 1
+
+
+def test_critic_warmup_updates_only_the_critic_first(make_config):
+    cfg = make_config("train.total_steps=4", "train.critic_warmup_steps=2")
+    actor, critic = ActorCore(cfg.actor), CriticCore(cfg.critic)
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(critic))
+    status, records = run(cfg, roles)
+    assert status.state == RunState.FINISHED and critic.model_version == 4
+    # The actor applied its own steps 1 and 2 at run steps 3 and 4.
+    assert actor.policy_version == 2 and [r["policy_version"] for r in records] == [0, 0, 1, 2]
+    assert [r.get("critic_warmup") for r in records] == [1.0, 1.0, None, None]
+    assert "actor/loss" not in records[0] and "actor/loss" in records[2]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm=grpo", "train.samples_per_prompt=2"], "has no critic"),
+    (["pipeline.mode=async"], "needs pipeline.mode sync"),
+    (["train.total_steps=2"], "leaves no actor step"),
+])
+def test_critic_warmup_config_errors(make_config, overrides, message):
+    from rolefleet.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_config("train.critic_warmup_steps=2", *overrides)

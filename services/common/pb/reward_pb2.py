@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/reward.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"C\n\tScoreItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\"6\n\x0cScoreRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.rolefleet.v1.ScoreItem\"5\n\rScoreResponse\x12$\n\x06scores\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor2\x98\x01\n\rRewardService\x12@\n\x05Score\x12\x1a.rolefleet.v1.ScoreRequest\x1a\x1b.rolefleet.v1.ScoreResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/reward.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"W\n\tScoreItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x12\n\nextra_json\x18\x04 \x01(\t\"6\n\x0cScoreRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.rolefleet.v1.ScoreItem\"B\n\x0cSourceScores\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06scores\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"r\n\rScoreResponse\x12$\n\x06scores\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.rolefleet.v1.SourceScores\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t2\x98\x01\n\rRewardService\x12@\n\x05Score\x12\x1a.rolefleet.v1.ScoreRequest\x1a\x1b.rolefleet.v1.ScoreResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.reward_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREITEM']._serialized_start=70
-  _globals['_SCOREITEM']._serialized_end=137
-  _globals['_SCOREREQUEST']._serialized_start=139
-  _globals['_SCOREREQUEST']._serialized_end=193
-  _globals['_SCORERESPONSE']._serialized_start=195
-  _globals['_SCORERESPONSE']._serialized_end=248
-  _globals['_REWARDSERVICE']._serialized_start=251
-  _globals['_REWARDSERVICE']._serialized_end=403
+  _globals['_SCOREITEM']._serialized_end=157
+  _globals['_SCOREREQUEST']._serialized_start=159
+  _globals['_SCOREREQUEST']._serialized_end=213
+  _globals['_SOURCESCORES']._serialized_start=215
+  _globals['_SOURCESCORES']._serialized_end=281
+  _globals['_SCORERESPONSE']._serialized_start=283
+  _globals['_SCORERESPONSE']._serialized_end=397
+  _globals['_REWARDSERVICE']._serialized_start=400
+  _globals['_REWARDSERVICE']._serialized_end=552
 # @@protoc_insertion_point(module_scope)

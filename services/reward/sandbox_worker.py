@@ -1,0 +1,183 @@
+"""One reward worker process: `python -m rolefleet.reward.sandbox_worker FD` (started by
+rolefleet.reward.sandbox, never by hand).
+
+It imports the reward functions it is given (user files, and built-ins such as `math` that must be
+killable), then answers calls over the connection FD until the server closes it. It runs under an
+address-space limit, so it imports the standard library only (no torch, no RoleFleet config): what
+it maps before the limit is set counts against it too.
+
+Protocol (pickled tuples over a multiprocessing Connection; each request gets its reply):
+  server -> worker  {"memory_mb": int, "targets": {key: (kind, where, attr, options)}}
+  worker -> server  ("ok", None)                   limits set, nothing imported yet
+  server -> worker  ("load", key, None)            ("ok", load error or None) back
+                    ("each", key, rows)            one ("ok", outcome) back per row, as each finishes
+                    ("batch", key, rows)           one ("ok", [outcome per row] or why none) back
+  worker -> server  ("fatal", message)             instead of a reply; the worker exits (MemoryError)
+A row is (prompt, response, ground_truth, extra); an outcome is a float score or a str saying why
+the row has none. Targets load on request, so a worker that replaces a crashed one loads only what
+the next call needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import resource
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from numbers import Real
+from pathlib import Path
+from typing import Any, Union
+
+Outcome = Union[float, str]
+# Scores travel as float32: a larger magnitude would arrive as inf.
+FLOAT32_MAX = 3.4028234663852886e38
+_MESSAGE_CHARS = 300
+
+
+def one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS - 3] + "..."
+
+
+def as_score(value: Any) -> Outcome:
+    """`value` as a score, or why it is none. bool is a Real, and a fine 0/1 score; strings, None,
+    tensors and lists are not."""
+    if not isinstance(value, Real):
+        return f"returned {one_line(repr(value))}, not a number"
+    score = float(value)
+    if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
+        return f"returned {score!r}, not a finite float32 number"
+    return score
+
+
+def load(kind: str, where: str, attr: str) -> Callable:
+    """The function `attr` of a module (`kind` "module": a dotted name; "file": a .py path)."""
+    if kind == "module":  # a built-in; it may prepare itself before the first deadline runs
+        module = importlib.import_module(where)
+        if callable(warm_up := getattr(module, "warm_up", None)):
+            warm_up()
+    else:
+        path = Path(where)
+        if not path.is_file():
+            raise FileNotFoundError(f"{where} is not a file")
+        name = f"rolefleet_user_reward_{path.stem}_{zlib.crc32(str(path).encode()):08x}"
+        module = sys.modules.get(name)  # two sources from one file: it runs once
+        if module is None:
+            # Its directory first on the path, so the file can import the helpers beside it.
+            sys.path.insert(0, str(path.parent))
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+    if not hasattr(module, attr):
+        raise AttributeError(f"{where} defines no {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise TypeError(f"{where}:{attr} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+class _Fatal(Exception):
+    """The worker must not go on (its memory may be held by what the function left behind)."""
+
+
+def _raised(exc: BaseException, memory_mb: int) -> str:
+    if isinstance(exc, MemoryError):
+        raise _Fatal(f"ran out of memory (MemoryError, over reward.user_memory_mb={memory_mb})")
+    return one_line(f"raised {type(exc).__name__}: {exc}")
+
+
+def call_each(fn: Callable, options: dict, row: tuple, memory_mb: int) -> Outcome:
+    try:
+        return as_score(fn(*row, **options))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the function's failure is this row's outcome
+        return _raised(exc, memory_mb)
+
+
+def call_batch(fn: Callable, options: dict, rows: list[tuple], memory_mb: int) -> Union[list[Outcome], str]:
+    """A batched function takes the columns as lists and returns one value per row."""
+    try:
+        values = fn(*(list(column) for column in zip(*rows)), **options)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
+        return _raised(exc, memory_mb)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        return f"returned {one_line(repr(values))}, not a list of scores"
+    if len(values) != len(rows):
+        return f"returned {len(values)} values for {len(rows)} samples"
+    return [as_score(v) for v in values]
+
+
+def _limit_memory(memory_mb: int) -> None:
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # A crashing user function must not leave gigabytes of core files behind.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _exit_with_parent() -> None:
+    """A worker stuck in a function outlives a server that died without closing it (SIGKILL): it
+    notices that its parent changed and exits."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(conn: Connection) -> int:
+    init = conn.recv()
+    memory_mb, targets = init["memory_mb"], init["targets"]
+    _exit_with_parent()
+    _limit_memory(memory_mb)
+    conn.send(("ok", None))
+    functions: dict[str, tuple[Callable, dict]] = {}
+    while True:
+        try:
+            op, key, rows = conn.recv()
+        except EOFError:  # the server closed the pool
+            return 0
+        try:
+            if op == "load":
+                conn.send(("ok", _load_target(functions, key, targets[key], memory_mb)))
+            elif op == "batch":
+                fn, options = functions[key]  # the server loads a target before it calls it
+                conn.send(("ok", call_batch(fn, options, rows, memory_mb)))
+            else:
+                fn, options = functions[key]
+                for row in rows:
+                    conn.send(("ok", call_each(fn, options, row, memory_mb)))
+        except _Fatal as fatal:
+            conn.send(("fatal", str(fatal)))
+            return 1
+
+
+def _load_target(functions: dict, key: str, target: tuple, memory_mb: int) -> str | None:
+    kind, where, attr, options = target
+    try:
+        functions[key] = (load(kind, where, attr), options)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to the server, which names the source
+        error = one_line(f"{type(exc).__name__}: {exc}")
+        # The address-space limit shows as a MemoryError, or as a shared library that cannot be mapped.
+        if isinstance(exc, MemoryError) or "failed to map" in error or "Cannot allocate memory" in error:
+            error += f" (over reward.user_memory_mb={memory_mb}?)"
+        return error
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(serve(Connection(int(sys.argv[1]))))

@@ -1,0 +1,149 @@
+"""From file records to the prompt texts the actor receives: the chat template, and the token limit.
+
+The actor takes prompts as text and tokenizes them itself (`tokenizer(prompt)`), so prompts are
+rendered here to text with the actor model's tokenizer, and their length is counted the same way
+the actor will count it.
+
+An overlong prompt is cut from the left: the start of its last message (of a plain text prompt,
+the start of the text) goes, and the chat template is applied again around what is left. The end
+of a prompt is what the model answers (the question after a long context, the turn it replies
+to), and the template's own tokens (role headers, the generation prompt) stay intact, which
+cutting the rendered text would break.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rolefleet.tasks import DataError, PromptRecord
+from rolefleet.tasks.files import Messages, RawPrompt
+
+OVERLONG = ("filter", "truncate", "error")
+_COUNT_BATCH = 1024  # prompts per tokenizer call: fast tokenizers spread a batch over threads
+_NAMED_OVERLONG = 3  # overlong prompts an error names
+
+
+def load_tokenizer(path: str, key: str) -> Any:
+    """The tokenizer of the model at `path`; `key` is the setting that needs it (for the error)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"{key}: needs the transformers package where the coordinator runs, to load "
+                        f"the tokenizer of {path}") from None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any failure to load is the same problem for the user
+        raise DataError(f"{key}: cannot load the tokenizer of {path} (the coordinator renders and counts "
+                        f"prompts with the actor model's tokenizer): {e}") from None
+
+
+@dataclass
+class Rendered:
+    records: list[PromptRecord]
+    filtered: int = 0  # longer than the limit and dropped (data.overlong=filter, or no room to truncate)
+    truncated: int = 0
+
+
+class PromptRenderer:
+    """Applies `data.chat_template` and `data.max_prompt_tokens` / `data.overlong` to records."""
+
+    def __init__(self, tokenizer: Any, model: str, *, chat_template: bool, max_tokens: Optional[int] = None,
+                 overlong: str = "filter"):
+        if overlong not in OVERLONG:
+            raise ValueError(f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG)}")
+        if chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise DataError(f"data.chat_template: the tokenizer of {model} has no chat template; use a model "
+                            "whose tokenizer defines one (an instruct or chat model), or set "
+                            "data.chat_template=false and give plain text prompts")
+        self.tokenizer, self.model = tokenizer, model
+        self.chat_template, self.max_tokens, self.overlong = chat_template, max_tokens, overlong
+        self._bos_to_strip = _bos_added_by(tokenizer) if chat_template else None
+
+    def render_all(self, prompts: list[RawPrompt]) -> Rendered:
+        texts = [self.render(p.prompt, p.where) for p in prompts]
+        if self.max_tokens is None:
+            return Rendered([PromptRecord(t, p.ground_truth, p.extra) for t, p in zip(texts, prompts)])
+        out, too_long = Rendered([]), []
+        for p, text, n in zip(prompts, texts, self.count(texts)):
+            if n > self.max_tokens:
+                if self.overlong == "error":
+                    too_long.append(f"{p.where} ({n} tokens)")
+                    continue
+                text = self.truncate(p, n) if self.overlong == "truncate" else None
+                if text is None:
+                    out.filtered += 1
+                    continue
+                out.truncated += 1
+            out.records.append(PromptRecord(text, p.ground_truth, p.extra))
+        if too_long:
+            named = ", ".join(too_long[:_NAMED_OVERLONG]) + (", ..." if len(too_long) > _NAMED_OVERLONG else "")
+            raise DataError(f"data.max_prompt_tokens: {len(too_long)} of {len(prompts)} prompts are longer than "
+                            f"{self.max_tokens} tokens and data.overlong is error: {named}; raise the limit, or set "
+                            "data.overlong to filter or truncate")
+        return out
+
+    def render(self, prompt: str | Messages, where: str, last_content: Optional[str] = None) -> str:
+        """The text the actor receives; `last_content` replaces the last message's content (or the
+        text of a plain prompt)."""
+        if not self.chat_template:
+            if not isinstance(prompt, str):
+                raise DataError(f"data.chat_template: {where}: the prompt is a list of chat messages, which "
+                                "needs the chat template, and data.chat_template is false")
+            return prompt if last_content is None else last_content
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if last_content is not None:
+            messages = [*messages[:-1], {**messages[-1], "content": last_content}]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template raises whatever its author chose
+            raise DataError(f"data.chat_template: {where}: the chat template of {self.model} refused this "
+                            f"prompt: {e}") from None
+        if not isinstance(text, str):
+            raise DataError(f"data.chat_template: the chat template of {self.model} gave a "
+                            f"{type(text).__name__}, not text")
+        if self._bos_to_strip and text.startswith(self._bos_to_strip):
+            # The template writes the BOS token and the actor's tokenizer call adds one too: keep one.
+            text = text[len(self._bos_to_strip):]
+        return text
+
+    def count(self, texts: list[str]) -> list[int]:
+        """Tokens of each text as the actor's tokenizer call counts them (special tokens included)."""
+        counts = []
+        for start in range(0, len(texts), _COUNT_BATCH):
+            counts += [len(ids) for ids in self.tokenizer(texts[start:start + _COUNT_BATCH])["input_ids"]]
+        return counts
+
+    def truncate(self, p: RawPrompt, tokens: int) -> Optional[str]:
+        """The prompt cut from the left of its last message until it fits, or None when even an
+        empty last message does not fit."""
+        content = p.prompt if isinstance(p.prompt, str) else p.prompt[-1]["content"]
+        drop = tokens - self.max_tokens
+        while (rest := self._without_first_tokens(content, drop)) is not None:
+            text = self.render(p.prompt, p.where, last_content=rest)
+            tokens = self.count([text])[0]
+            if tokens <= self.max_tokens:
+                return text
+            # Tokens merge differently at the new start, and the template adds its own: cut again.
+            drop += tokens - self.max_tokens
+        return None
+
+    def _without_first_tokens(self, content: str, drop: int) -> Optional[str]:
+        """`content` without its first `drop` tokens, or None when it has no more than that."""
+        if self.tokenizer.is_fast:  # cut at a character offset: the kept text is the file's, unchanged
+            starts = [s for s, _ in self.tokenizer(content, add_special_tokens=False,
+                                                   return_offsets_mapping=True)["offset_mapping"]]
+            return content[starts[drop]:] if drop < len(starts) else None
+        ids = self.tokenizer(content, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.decode(ids[drop:]) if drop < len(ids) else None
+
+
+def _bos_added_by(tokenizer: Any) -> Optional[str]:
+    """The BOS token's text when tokenizing a text adds it (as the actor's `tokenizer(prompt)`
+    does), else None."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    added = len(ids) > len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    return bos if added and ids[0] == tokenizer.bos_token_id else None
