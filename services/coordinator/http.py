@@ -102,7 +102,7 @@ def make_app(status: RunStatus, addresses: dict[str, str]) -> FastAPI:
 
     @app.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")
     async def get_roles() -> list[RoleView]:
-        return list(await asyncio.gather(*(role_view(role, address) for role, address in addresses.items())))
+        return list(await asyncio.gather(*(role_view(label, address) for label, address in addresses.items())))
 
     @app.post("/v1/pause", summary="start no new step until resumed (the step in flight finishes)",
               responses=ERRORS)
@@ -125,8 +125,13 @@ def make_app(status: RunStatus, addresses: dict[str, str]) -> FastAPI:
     return app
 
 
+def role_of(label: str) -> str:
+    """The role of a role-map label: `reward#2` (a further reward replica) -> reward."""
+    return label.split("#", 1)[0]
+
+
 async def role_view(label: str, address: str) -> RoleView:
-    role = label.split("#", 1)[0]  # reward#2: a further reward replica
+    role = role_of(label)
     health, view = await asyncio.gather(check_health(address, ROLE_TIMEOUT_S), _status(role, address))
     return RoleView(role=role, address=address, health=health, **view)
 

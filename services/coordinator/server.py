@@ -21,7 +21,7 @@ from rolefleet.common.server import (
     start_server,
     write_ready_file,
 )
-from rolefleet.coordinator.http import HttpControlPlane, make_app
+from rolefleet.coordinator.http import HttpControlPlane, make_app, role_of
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunState, RunStatus
@@ -81,11 +81,6 @@ def role_addresses(cfg: RoleFleetConfig) -> dict[str, str]:
         elif role != "coordinator":
             addresses[role] = getattr(cfg, role).dial_address(role)
     return addresses
-
-
-def role_of(label: str) -> str:
-    """The role of a `role_addresses` label (`reward#2` -> reward)."""
-    return label.split("#", 1)[0]
 
 
 async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status: RunStatus) -> Roles:
