@@ -219,7 +219,13 @@ def test_tiny_model_sizes_are_checked_before_building(tmp_path, capsys, args, me
     ('{"prompt": "q", "ground_truth": null}\n', "'ground_truth' must be a string or a number"),
     (b"\xff\xfe{}\n", "is not UTF-8"),
 ])
-def test_a_bad_data_file_is_found_before_any_role_starts(config_file, tmp_path, content, message):
+def test_a_bad_data_file_is_found_before_any_role_starts(config_file, tmp_path, content, message, capsys):
     data = tmp_path / "data.jsonl"
     data.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert_config_error(rolefleet("up", str(config_file), f"data.path={data}"), "data.path: ", message)
+    if content == "":  # one case through the real command (a process): exit 2 at once, nothing started
+        assert_config_error(rolefleet("up", str(config_file), f"data.path={data}"), "data.path: ", message)
+        return
+    # The rest in-process, through the same entry point: preflight refuses before `up` starts a role.
+    assert cli.main(["up", str(config_file), f"data.path={data}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.path: " in err and message in err and "Traceback" not in err

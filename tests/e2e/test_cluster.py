@@ -41,20 +41,24 @@ def scored_samples(metrics_port: int) -> float:
     return float(line.split()[-1])
 
 
-def test_four_servers_two_ppo_steps(make_config, tmp_path):
+def test_role_servers_two_ppo_steps_with_two_reward_replicas(make_config, tmp_path):
+    """Five real servers (actor, critic, two reward replicas) and `rolefleet train`: two PPO steps,
+    both reward replicas scoring a share of them (`reward.replicas`)."""
     cfg = make_config("train.total_steps=2", "train.prompts_per_step=8")
     config = write_config(cfg, tmp_path / "config.yaml")
     servers, ports = {}, {}
     try:
-        for role in ("actor", "reward", "critic"):
-            servers[role] = rolefleet("serve", role, "--config", str(config), "--ready-file",
-                                      str(tmp_path / f"{role}.json"))
-        for role, proc in servers.items():
-            ports[role] = wait_ready(proc, tmp_path / f"{role}.json")
-        addresses = {role: f"127.0.0.1:{p['grpc_port']}" for role, p in ports.items()}
+        for name in ("actor", "reward", "reward2", "critic"):
+            servers[name] = rolefleet("serve", name.rstrip("2"), "--config", str(config), "--ready-file",
+                                      str(tmp_path / f"{name}.json"))
+        for name, proc in servers.items():
+            ports[name] = wait_ready(proc, tmp_path / f"{name}.json")
+        addresses = {name: f"127.0.0.1:{p['grpc_port']}" for name, p in ports.items()}
         actor0, critic0, _ = asyncio.run(statuses(addresses))
 
-        coordinator = rolefleet("train", str(config), *[f"{r}.address={a}" for r, a in addresses.items()])
+        coordinator = rolefleet("train", str(config), f"actor.address={addresses['actor']}",
+                                f"critic.address={addresses['critic']}",
+                                f"reward.replicas=[{addresses['reward']}, {addresses['reward2']}]")
         output, _ = coordinator.communicate(timeout=240)
         assert coordinator.returncode == 0, output
 
@@ -64,13 +68,14 @@ def test_four_servers_two_ppo_steps(make_config, tmp_path):
         assert (actor0.model_version, actor1.model_version, actor1.last_step) == (0, 2, 2)
         # The critic trained twice too.
         assert critic1.weights_digest != critic0.weights_digest and critic1.model_version == 2
-        # Rewards came from the reward server: it scored every sample of both steps.
-        assert scored_samples(ports["reward"]["metrics_port"]) == 2 * 8
+        # Rewards came from the two reward servers: each scored a share, together every sample.
+        scored = [scored_samples(ports[name]["metrics_port"]) for name in ("reward", "reward2")]
+        assert all(n > 0 for n in scored) and sum(scored) == 2 * 8, scored
         records = read_metrics(cfg.run.out / "metrics.jsonl")
         assert [r["policy_version"] for r in records] == [1, 2]
     finally:
-        codes = {role: terminate(proc) for role, proc in servers.items()}
-    assert codes == {"actor": 0, "reward": 0, "critic": 0}  # ordered shutdown on SIGTERM, exit 0
+        codes = {name: terminate(proc) for name, proc in servers.items()}
+    assert codes == {"actor": 0, "reward": 0, "reward2": 0, "critic": 0}  # ordered shutdown on SIGTERM, exit 0
     assert processes_mentioning(str(config)) == []
 
 
