@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
-from rolefleet.common.server import CHANNEL_OPTIONS, INSTANCE_ID
+from rolefleet.common.server import CLIENT_OPTIONS, INSTANCE_ID
 
 T = TypeVar("T")
 UNSET_DEVICES = "(unset)"  # no CUDA_VISIBLE_DEVICES: every GPU of the machine is visible
@@ -56,7 +56,7 @@ class UpdateResult:
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
 
 class GrpcRoleClient:

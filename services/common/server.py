@@ -40,6 +40,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients spread their calls over every address a name resolves to (a headless Kubernetes Service
+# of reward replicas); a name with one address behaves as before. Servers take no such option.
+CLIENT_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
 # gRPC sets SO_REUSEPORT by default, which lets a second server bind a busy port and silently share
 # (or steal) its traffic: a stale actor would keep answering a new run. A busy port must fail.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]

@@ -174,3 +174,22 @@ def test_a_real_reward_server_answers_misbehaving_user_functions_with_per_sample
         assert terminate(proc) == 0
     time.sleep(0.2)
     assert not [pid for pid in alive if Path(f"/proc/{pid}").exists()]  # its workers ended with it
+
+
+def test_a_name_with_several_addresses_spreads_score_calls_over_them():
+    """What a headless Kubernetes Service of reward replicas resolves to: the client's channels
+    balance round robin, so both servers get calls."""
+    cores = [RewardCore(RewardSection()), RewardCore(RewardSection())]
+
+    async def scenario():
+        async with serving("reward", lambda s: reward_server.add_to_server(cores[0], s)) as a, \
+                serving("reward", lambda s: reward_server.add_to_server(cores[1], s)) as b:
+            client = GrpcRewardClient(f"ipv4:{a},{b}", 10)
+            try:
+                for _ in range(8):
+                    await client.score([ScoreItem("1+1=", "2", "2")])
+            finally:
+                await client.close()
+
+    asyncio.run(scenario())
+    assert cores[0].scored > 0 and cores[1].scored > 0 and cores[0].scored + cores[1].scored == 8
