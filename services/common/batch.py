@@ -87,20 +87,7 @@ class SequenceBatch:
         longest). A sequence longer than the budget goes alone. Rows are sorted by length first, so
         sequences padded together are of similar length and little compute goes to padding."""
         lengths = (self.prompt_lengths + self.response_lengths).tolist()
-        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-        groups: list[list[int]] = []
-        size = 0
-        for i in order:
-            if groups:
-                # Descending order: a padded group's first row is its longest.
-                grown = size + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[groups[-1][0]]
-                if grown <= max_tokens:
-                    groups[-1].append(i)
-                    size = grown
-                    continue
-            groups.append([i])
-            size = lengths[i]
-        return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
+        return [torch.tensor(sorted(g), dtype=torch.int64) for g in token_budget_groups(lengths, max_tokens, packed)]
 
     def map_micro_batches(self, max_tokens: int, fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]],
                           packed: bool = False) -> tuple[torch.Tensor, ...]:
@@ -288,3 +275,23 @@ def mini_batches(batch_size: int, num_mini_batches: int, generator: torch.Genera
     """A random split of sequence indices into `num_mini_batches` nearly equal parts (none empty)."""
     order = torch.randperm(batch_size, generator=generator)
     return [part for part in torch.tensor_split(order, min(num_mini_batches, batch_size)) if len(part)]
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Indices of sequences grouped longest first, each group within `max_tokens`: the sum of its
+    lengths when `packed`, else its padded size (rows x longest). A sequence longer than the budget
+    goes alone. Sorting first keeps sequences padded together of similar length."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    size = 0
+    for i in order:
+        if groups:
+            # Descending order: a padded group's first row is its longest.
+            grown = size + lengths[i] if packed else (len(groups[-1]) + 1) * lengths[groups[-1][0]]
+            if grown <= max_tokens:
+                groups[-1].append(i)
+                size = grown
+                continue
+        groups.append([i])
+        size = lengths[i]
+    return groups

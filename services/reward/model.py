@@ -15,6 +15,7 @@ import threading
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from rolefleet.common.batch import token_budget_groups
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.modeling import check_model_path, disable_dropout, pick_device, release_memory
 from rolefleet.reward.types import ScoreItem
@@ -116,16 +117,9 @@ class RewardModelScorer:
     # --- batching ------------------------------------------------------------------------------------
 
     def plan(self, lengths: list[int]) -> list[list[int]]:
-        """Item indices per batch: longest first, rows added while rows x longest stays within the
-        token budget (a row longer than the budget goes alone). Sorting keeps padding small."""
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        batches: list[list[int]] = []
-        for i in order:
-            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= self.max_tokens_per_batch:
-                batches[-1].append(i)
-            else:
-                batches.append([i])
-        return batches
+        """Item indices per batch: padded size (rows x longest) within the token budget, as the
+        trainers' micro-batches are cut."""
+        return token_budget_groups(lengths, self.max_tokens_per_batch)
 
     def _batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids and attention mask. Decoder reward models read the score at the last

@@ -162,6 +162,7 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(variant):
 
 
 def test_placement_manifests_validate(placement):
+    assert placement[1]  # validate() raises on the first manifest outside the schema
     for doc in placement[1]:
         for version in KUBE_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
