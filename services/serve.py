@@ -31,7 +31,10 @@ def _actor(cfg: RoleFleetConfig):
     from rolefleet.actor import server
     from rolefleet.actor.core import ActorCore
 
-    core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound)
+    from rolefleet.actor.placement import rollout_ranks
+
+    core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound,
+                     rollout_ranks=rollout_ranks(cfg))
     return core, functools.partial(server.add_to_server, core)
 
 

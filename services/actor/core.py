@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
+from rolefleet.actor import weight_sync
+from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
@@ -30,46 +35,83 @@ from rolefleet.common.modeling import (
 from rolefleet.common.roles import RoleStatus, UpdateResult
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
-from rolefleet.common.workers import all_gather, rank_slice, spmd
+from rolefleet.common.workers import all_gather, new_subgroups, rank_slice, set_work_group, spmd
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
 
 
 class ActorCore:
-    def __init__(self, cfg: ActorSection, seed: int = 0, max_staleness: int = 0):
+    def __init__(self, cfg: ActorSection, seed: int = 0, max_staleness: int = 0, rollout_ranks: tuple[int, ...] = ()):
+        """`rollout_ranks`: the worker ranks that only generate (`placement.rollout_ranks`); empty:
+        every rank trains and generates."""
         self.cfg = cfg
         self.max_staleness = max_staleness  # updates an Update's oldest sample may lag (pipeline.max_staleness)
         self.device = pick_device()
         torch.manual_seed(seed)
+        self.placement = ActorPlacement(dist.get_world_size() if dist.is_initialized() else 1, tuple(rollout_ranks))
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.trains, self.generates = self.rank in self.placement.train_ranks, self.rank in self.placement.rollout_ranks
+        self.sync_group = self._join_part()
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
         self.model = load_causal_lm(cfg.model_name_or_path, self.device)
-        if cfg.ref_model_name_or_path == cfg.model_name_or_path:
-            self.ref_model = copy.deepcopy(self.model)  # same weights: skip a second read from disk
-        else:
-            self.ref_model = load_causal_lm(cfg.ref_model_name_or_path, self.device)
-        self.ref_model.requires_grad_(False).eval()
-        if cfg.ref_offload:
-            self.ref_model.to("cpu")  # the trainer brings it to the GPU for each ComputeLogProbs
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
-        self.engine: RolloutEngine = self._make_engine(seed)
+        # What a weight sync carries, in order (the full shapes: taken before the trainer shards).
+        self.weight_shapes = [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
+        self.engine: RolloutEngine | None = self._make_engine(seed) if self.generates else None
         self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
-        self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed)
-        # The model lock (generation and updates never interleave), step ledger and policy version.
+        self.ref_model, self.trainer = None, None
+        if self.trains:
+            self.ref_model = self._load_reference()
+            self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed)
+        else:  # a rollout worker: its engine has its own copy
+            self.model = None
+            release_memory()
+        # The trainer's lock, step ledger and policy version. Colocated, generation takes the same
+        # lock (one model, used by one at a time); split, the rollout workers have their own, and
+        # only a weight sync takes both.
         self.state = TrainerState(ROLE)
         self._lock = self.state.lock
+        self._rollout_lock = threading.Lock() if self.placement.split else self._lock
+        self.rollout_version = 0  # the policy version whose weights the engines hold
         metrics.MODEL_VERSION.labels(ROLE).set(0)
 
+    def _join_part(self):
+        """Split placement: the trainers and the rollout workers each do their collectives in their
+        own process group; returns the group a weight sync broadcasts in (None: colocated)."""
+        if not self.placement.split:
+            set_work_group(None)
+            return None
+        p = self.placement
+        trainers, rollout, sync = new_subgroups([p.train_ranks, p.rollout_ranks, p.sync_ranks])
+        set_work_group(trainers if self.trains else rollout)
+        if self.rank == 0:
+            log.info("actor placement: %s", p.describe())
+        return sync
+
+    def _load_reference(self):
+        cfg = self.cfg
+        if cfg.ref_model_name_or_path == cfg.model_name_or_path:
+            ref_model = copy.deepcopy(self.model)  # same weights: skip a second read from disk
+        else:
+            ref_model = load_causal_lm(cfg.ref_model_name_or_path, self.device)
+        ref_model.requires_grad_(False).eval()
+        if cfg.ref_offload:
+            ref_model.to("cpu")  # the trainer brings it to the GPU for each ComputeLogProbs
+        return ref_model
+
     def _make_engine(self, seed: int) -> RolloutEngine:
-        backend = choose_backend(self.cfg.rollout.backend, self.device.type == "cuda", vllm_installed())
+        backend = choose_backend(self.cfg.rollout.backend, self.device.type == "cuda", vllm_installed(),
+                                 self.placement.world)
         log.info("rollout backend: %s", backend)
         if backend == "vllm":
             try:
                 from rolefleet.actor.rollout_vllm import VllmRolloutEngine
 
-                return VllmRolloutEngine(self.model, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed)
+                policy = self.model if self.trains else None  # a rollout worker keeps no trainer copy
+                return VllmRolloutEngine(policy, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed)
             except Exception as exc:  # an installed vLLM that cannot start here (its torch pin, say)
                 if self.cfg.rollout.backend == "vllm":
                     raise
@@ -110,11 +152,13 @@ class ActorCore:
         return (with_ids(chunk, first_group_id) for chunk in self._locked_chunks(prompt_ids, sampling))
 
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
-        with self._lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
+        with self._rollout_lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
+            version = self.rollout_version
             if self.group is None:
-                chunks = self.engine.generate(prompt_ids, sampling, self.policy_version)
-            else:  # each worker generates its share of the prompts; one chunk when all are done
-                chunks = iter([spmd(self, "_generate_share", prompt_ids, sampling, self.policy_version)])
+                chunks = self.engine.generate(prompt_ids, sampling, version)
+            else:  # each rollout worker generates its share of the prompts; one chunk when all are done
+                chunks = iter([spmd(self, "_generate_share", prompt_ids, sampling, version,
+                                    ranks=self.placement.rollout_ranks)])
             for chunk in chunks:
                 metrics.TOKENS_GENERATED.labels(ROLE).inc(sum(len(s.response_ids) for s in chunk))
                 yield chunk
@@ -153,7 +197,8 @@ class ActorCore:
         batch.check_limits(self.limits, vocab_size=self.vocab_size)
         temperature = require_temperature(temperature)
         with self._lock:
-            return spmd(self, "_compute_logprobs", batch, temperature, include_reference, self.policy_version)
+            return spmd(self, "_compute_logprobs", batch, temperature, include_reference, self.policy_version,
+                        ranks=self.placement.train_ranks)
 
     def _compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
                           version: int) -> LogProbs:
@@ -167,15 +212,19 @@ class ActorCore:
         self._check_targets(batch, targets)
         temperature = require_temperature(temperature)
 
-        return self.state.update(step, policy_version, lambda: spmd(self, "_train", batch, targets, temperature),
+        return self.state.update(step, policy_version, lambda: self._train_and_publish(batch, targets, temperature),
                                  max_lag=self.max_staleness)
 
-    def _train(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
-        """SPMD: every rank steps its replica with the gradients summed over all ranks."""
-        self.engine.sleep()  # the trainer needs the memory more than the engine's caches
-        stats = self.trainer.update(batch, targets, temperature)
-        stats["weight_sync_s"] = self._sync_weights()
+    def _train_and_publish(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
+        stats = spmd(self, "_train", batch, targets, temperature, ranks=self.placement.train_ranks)
+        stats["weight_sync_s"] = self._publish_weights(self.state.version + 1)
         return stats
+
+    def _train(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
+        """SPMD over the trainers: every rank steps its shard or replica with the group's gradients."""
+        if self.engine is not None:
+            self.engine.sleep()  # colocated: the trainer needs the memory more than the engine's caches
+        return self.trainer.update(batch, targets, temperature)
 
     @property
     def policy_version(self) -> int:
@@ -185,21 +234,54 @@ class ActorCore:
     def ledger(self) -> StepLedger:
         return self.state.ledger
 
-    def _sync_weights(self) -> float:
-        """Move the new weights into the rollout engine; the next Generate samples from them. Inside
-        the ledger's `applying`: a failure here leaves the engine neither old nor new."""
+    def _publish_weights(self, version: int) -> float:
+        """Move the new weights into every rollout engine; the next Generate samples from them and
+        stamps `version`. Split placement waits for a generation in flight to finish first. Inside
+        the ledger's `applying`: a failure here leaves the engines neither old nor new."""
         start = time.perf_counter()
-        try:
-            self.engine.load_weights(full_named_parameters(self.model))  # sharded: gathered, every rank
-            self.engine.reset_cache()
-            self.engine.wake()
-        except Exception as exc:  # the trainer's weights moved: a retry must not apply the step again
-            raise PartialUpdate(f"moving the new weights into the rollout engine failed ({exc})") from exc
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the copies are asynchronous: time them whole
+        with self._rollout_lock if self.placement.split else contextlib.nullcontext():  # colocated: held
+            spmd(self, "_load_weights", version)
         seconds = time.perf_counter() - start
         metrics.WEIGHT_SYNC_SECONDS.labels(ROLE).observe(seconds)
         return seconds
+
+    def _load_weights(self, version: int) -> None:
+        """SPMD, every rank. Colocated: each rank loads its trainer's weights (gathered, if sharded)
+        into its engine. Split: the first trainer broadcasts them in buckets to the rollout workers."""
+        try:
+            if not self.placement.split:
+                self.engine.load_weights(full_named_parameters(self.model))
+                self.engine.reset_cache()
+                self.engine.wake()
+            elif self.trains:
+                self._send_weights()
+            else:
+                for part in weight_sync.receive(self.weight_shapes, self.placement.train_ranks[0], self.sync_group,
+                                                self._wire_dtype(), self.device, self._bucket_bytes()):
+                    self.engine.load_weights(part)
+                self.engine.reset_cache()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copies are asynchronous: time them whole
+        except Exception as exc:  # the trainer's weights moved: a retry must not apply the step again
+            raise PartialUpdate(f"moving the new weights into the rollout engine failed ({exc})") from exc
+        self.rollout_version = version
+
+    def _send_weights(self) -> None:
+        named = full_named_parameters(self.model)  # sharded: a gather every trainer takes part in
+        sender = self.placement.train_ranks[0]
+        if self.rank != sender:
+            for _ in named:
+                pass
+            return
+        weight_sync.send(named, self.weight_shapes, sender, self.sync_group, self._wire_dtype(), self.device,
+                         self._bucket_bytes())
+
+    def _wire_dtype(self) -> torch.dtype:
+        """The engines' dtype (what `load_weights` would cast to anyway): half the bytes of fp32."""
+        return compute_dtype(self.device, self.cfg.compute_dtype) or torch.float32
+
+    def _bucket_bytes(self) -> int:
+        return self.cfg.rollout.sync_bucket_mb << 20
 
     def _check_targets(self, batch: SequenceBatch, targets: PolicyTargets) -> None:
         batch.check_per_token(targets.advantages, "advantages", "target")
@@ -223,13 +305,13 @@ class ActorCore:
 
     def digest(self) -> str:
         with self._lock:
-            return spmd(self, "_digest")
+            return spmd(self, "_digest", ranks=self.placement.train_ranks)
 
     def _digest(self) -> str:
-        """SPMD: sharded weights are gathered on every rank."""
+        """SPMD over the trainers: sharded weights are gathered on every one."""
         return weights_digest(self.model)
 
     def close(self) -> None:
         with self._lock:
-            del self.engine, self.trainer, self.model, self.ref_model
+            self.engine = self.trainer = self.model = self.ref_model = None
         release_memory()

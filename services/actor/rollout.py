@@ -45,10 +45,14 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def backend_problem(backend: str, has_gpu: bool, installed: bool) -> str | None:
-    """Why `actor.rollout.backend` cannot run here, or None."""
+def backend_problem(backend: str, has_gpu: bool, installed: bool, workers: int = 1) -> str | None:
+    """Why `actor.rollout.backend` cannot run here, or None. `workers`: the actor's worker processes."""
     if backend != "vllm":
         return None
+    if workers > 1:
+        # vLLM sets up its own torch.distributed world, which the group's already is.
+        return (f"vllm runs in an actor of one worker process, this one has {workers} (devices.actor, "
+                "actor.workers): give the actor one GPU, or set actor.rollout.backend=hf")
     if not installed:
         return ("vllm is not installed in this environment: install it with `pip install 'rolefleet[vllm]'`, "
                 "or set actor.rollout.backend=hf")
@@ -57,11 +61,12 @@ def backend_problem(backend: str, has_gpu: bool, installed: bool) -> str | None:
     return None
 
 
-def choose_backend(backend: str, has_gpu: bool, installed: bool) -> str:
-    """The engine `actor.rollout.backend` selects: `auto` is vllm where it is installed and a GPU is
-    visible, else hf. Raises ValueError naming the key when `vllm` is asked for and cannot run."""
-    if (problem := backend_problem(backend, has_gpu, installed)) is not None:
+def choose_backend(backend: str, has_gpu: bool, installed: bool, workers: int = 1) -> str:
+    """The engine `actor.rollout.backend` selects: `auto` is vllm where it is installed, a GPU is
+    visible and the actor is one process, else hf. Raises ValueError naming the key when `vllm` is
+    asked for and cannot run."""
+    if (problem := backend_problem(backend, has_gpu, installed, workers)) is not None:
         raise ValueError(f"actor.rollout.backend: {problem}")
     if backend == "auto":
-        return "vllm" if installed and has_gpu else "hf"
+        return "vllm" if installed and has_gpu and workers == 1 else "hf"
     return backend

@@ -42,7 +42,7 @@ def truncation_refused(sampling: SamplingParams) -> None:
 
 
 class VllmRolloutEngine:
-    def __init__(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
+    def __init__(self, policy: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
                  model_path: str, seed: int = 0):
         # In-process engine core: weight loads pass GPU tensors directly (see the module docstring).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -98,6 +98,8 @@ class VllmRolloutEngine:
             self._wake_tags(["weights"])
             self._weights_awake = True
         if not self._weights_current:  # dropped (level 2) or a load failed: the trainer's are current
+            if self.policy is None:
+                raise RuntimeError("the engine lost its weights and has no trainer beside it to reload them from")
             self.load_weights(full_named_parameters(self.policy))
         self._wake_tags(["kv_cache"])
         self._asleep = False

@@ -235,6 +235,10 @@ class RolloutSection(_Section):
         "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
         "generate for a model whose attention the loop cannot serve)")
     vllm: VllmSection = Field(default_factory=VllmSection)
+    workers: Optional[int] = Field(None, ge=1, description="CPU groups: the first N of the actor's workers only "
+                                   "generate and the others only train (on GPUs devices.rollout says it)")
+    sync_bucket_mb: int = Field(256, ge=1, description="split placement: MiB of weights per broadcast "
+                                "from the trainers to the rollout workers")
 
 
 # Keys that moved: a config still using one gets the new name, not just "extra inputs are not permitted".

@@ -19,8 +19,11 @@ class InvalidArgument(RoleFleetError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):  # travels between worker processes whole
+        return type(self), (self.field, self.message)
 
 
 class LimitExceeded(RoleFleetError):
@@ -30,8 +33,11 @@ class LimitExceeded(RoleFleetError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):  # travels between worker processes whole
+        return type(self), (self.field, self.message)
 
 
 class FailedPrecondition(RoleFleetError):

@@ -306,6 +306,16 @@ def check_workers(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
         if role in roles and workers is not None and gpus and workers != gpus:
             problems.append(f"{role}.workers: {workers} workers, but devices.{role} lists {gpus} GPUs "
                             "(one worker per GPU; leave it unset)")
+    rollout = cfg.actor.rollout.workers
+    if "actor" in roles and rollout is not None:
+        from rolefleet.serve import worker_count
+
+        if cfg.devices.actor:
+            problems.append("actor.rollout.workers: the actor has GPUs; devices.rollout names the ones that "
+                            "generate (leave it unset)")
+        elif rollout >= (total := worker_count("actor", cfg)):
+            problems.append(f"actor.rollout.workers: {rollout} of the actor's {total} workers would generate, "
+                            "leaving none to train; at most actor.workers - 1")
     return problems
 
 
@@ -316,12 +326,14 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
         return []
     from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
 
+    from rolefleet.serve import worker_count
+
     has_gpu = bool(cfg.devices.actor) if command == "up" else gpu_count() > 0
-    backend, installed = cfg.actor.rollout.backend, vllm_installed()
-    if (problem := backend_problem(backend, has_gpu, installed)) is not None:
+    backend, installed, workers = cfg.actor.rollout.backend, vllm_installed(), worker_count("actor", cfg)
+    if (problem := backend_problem(backend, has_gpu, installed, workers)) is not None:
         return [f"actor.rollout.backend: {problem}"]
     truncating = [k for k, on in (("top_k", cfg.sampling.top_k > 0), ("top_p", cfg.sampling.top_p < 1)) if on]
-    if truncating and choose_backend(backend, has_gpu, installed) == "vllm":
+    if truncating and choose_backend(backend, has_gpu, installed, workers) == "vllm":
         chosen = "" if backend == "vllm" else " (auto chose it: vllm is installed and the actor has a GPU)"
         return [f"sampling.{truncating[0]}: the vllm rollout backend{chosen} cannot record the untruncated "
                 "logprob the project's convention needs (docs/algorithms.md) when top-k or top-p truncates; "

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from rolefleet.common.workers import all_reduce_gradients, rank_and_world
+from rolefleet.common.workers import all_reduce_gradients, rank_and_world, work_mesh
 
 
 def sharding_wanted(setting: str) -> bool:
@@ -41,11 +41,12 @@ def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.de
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     where = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
+    mesh = work_mesh(device)  # the ranks that train (the actor's rollout ranks hold no shards)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy, offload_policy=where)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=where)
     for module in full_precision:
-        fully_shard(module, mp_policy=MixedPrecisionPolicy(), offload_policy=where)
-    fully_shard(root, mp_policy=policy, offload_policy=where)
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(), offload_policy=where)
+    fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=where)
 
 
 def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,11 +2,18 @@
 workers.
 
 Rank 0 is the role's server process. `WorkerGroup.start` spawns ranks 1..N-1, each of which builds
-the same core and then waits for commands. For a request, rank 0 validates it, then
-`WorkerGroup.call(name, *args)` broadcasts (name, args) and every rank, rank 0 included, runs the
-core's method `name`: an SPMD method that splits its work by rank and meets the other ranks in
-collectives (`torch.distributed`: NCCL on CUDA, gloo on the CPU). Ranks keep replicated weights
-(the same checkpoint, seed and gradient all-reduce keep them equal).
+the same core and then waits for commands on its own pipe. For a request, rank 0 validates it, then
+`spmd(core, name, *args, ranks=...)` sends (name, args) to those ranks and every one of them, rank 0
+included when listed, runs the core's method `name`: an SPMD method that splits its work by rank
+and meets the other ranks in collectives (`torch.distributed`: NCCL on CUDA, gloo on the CPU).
+
+Work groups: a core may split its ranks into parts that work at the same time (the actor's
+trainers and its rollout engines, `actor/placement.py`). Each process then does its collectives in
+its part's process group (`set_work_group`): `rank_and_world`, `all_gather`, the gradient
+all-reduce and FSDP's mesh all speak of that part. Commands travel on per-rank pipes, not in a
+collective, so that two parts can be driven at once from two threads of rank 0 (the caller's locks
+keep any one rank's pipe to one thread at a time); a command for a part without rank 0 returns the
+result of that part's first rank.
 
 Failure: the result of a collective method must not depend on a rank, so an error that all ranks
 raise alike (a refused step, a non-finite gradient) is an ordinary error on each. Any other error
@@ -36,11 +43,39 @@ STOP = None
 WATCH_PERIOD_S = 0.5
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective that waits longer means a rank is gone
 
+_work_group: dist.ProcessGroup | None = None  # this process's part of the group (None: the whole group)
+
+
+def set_work_group(group: dist.ProcessGroup | None) -> None:
+    """The process group this process's SPMD work meets in from now on (None: every rank)."""
+    global _work_group
+    _work_group = group
+
+
+def new_subgroups(parts: list[list[int]]) -> list[dist.ProcessGroup | None]:
+    """A process group per list of ranks. Every rank must call this with the same parts in the same
+    order (creating a group is collective); a rank gets None for a group it is not in."""
+    groups = []
+    for ranks in parts:
+        group = dist.new_group(sorted(ranks))
+        groups.append(group if dist.get_rank() in ranks else None)
+    return groups
+
 
 def rank_and_world() -> tuple[int, int]:
+    """This process's rank and size within its work group (0, 1 outside a group)."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(_work_group), dist.get_world_size(_work_group)
     return 0, 1
+
+
+def work_mesh(device: torch.device):
+    """The device mesh FSDP shards over: the work group's (None: the default, every rank)."""
+    if _work_group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(_work_group, device.type)
 
 
 def rank_slice(n: int) -> torch.Tensor:
@@ -55,7 +90,7 @@ def all_gather(obj):
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_work_group)
     return out
 
 
@@ -98,22 +133,17 @@ def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep
     return tuple(batch.merge_rows([(rows, parts[i]) for rows, parts in done]) for i in range(width))
 
 
-def spmd(core, name: str, *args):
-    """Run the core's SPMD method `name` on every rank of its group (just here without one).
+def spmd(core, name: str, *args, ranks: list[int] | None = None):
+    """Run the core's SPMD method `name` on `ranks` of its group (default: every rank; just here
+    without a group) and return its result (rank 0's, or the first listed rank's).
 
-    A role error is raised alike on every rank (the ranks compute the same thing). Any other error
-    on rank 0 may have left the workers inside a collective this rank never reached: the next
+    A role error is raised alike on every rank of a part (they compute the same thing). Any other
+    error on rank 0 may have left the workers inside a collective this rank never reached: the next
     command would pair with it, so the group is over and the role ends."""
     group = getattr(core, "group", None)
     if group is None:
         return getattr(core, name)(*args)
-    try:
-        group.call(name, *args)
-        return getattr(core, name)(*args)
-    except RoleFleetError:
-        raise
-    except BaseException:
-        group.fail(f"{name} failed on rank 0")
+    return group.run(core, name, args, ranks)
 
 
 def all_reduce_gradients(module: torch.nn.Module) -> None:
@@ -129,7 +159,7 @@ def all_reduce_gradients(module: torch.nn.Module) -> None:
     for dtype in {p.grad.dtype for p in params}:
         grads = [p.grad for p in params if p.grad.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=_work_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 
@@ -151,9 +181,10 @@ def _init(rank: int, world: int, port: int) -> None:
 class WorkerGroup:
     """Rank 0's handle on its workers."""
 
-    def __init__(self, role: str, processes: list[multiprocessing.Process]):
+    def __init__(self, role: str, processes: list[multiprocessing.Process], pipes: list):
         self.role = role
         self.processes = processes
+        self._pipes = pipes  # rank r's command pipe is _pipes[r - 1]
         self._stopping = False
         self._watch = threading.Thread(target=self._watch_workers, name=f"{role}-workers", daemon=True)
         self._watch.start()
@@ -164,12 +195,16 @@ class WorkerGroup:
         join the group as rank 0."""
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        processes = [ctx.Process(target=worker_main, args=(role, raw_config, rank, world, port),
-                                 name=f"{role}-rank{rank}", daemon=False) for rank in range(1, world)]
+        pipes = [ctx.Pipe() for _ in range(1, world)]
+        processes = [ctx.Process(target=worker_main, args=(role, raw_config, rank, world, port, theirs),
+                                 name=f"{role}-rank{rank}", daemon=False)
+                     for rank, (_, theirs) in enumerate(pipes, start=1)]
         for p in processes:
             p.start()
-        group = cls(role, processes)  # watching first: a worker that dies before joining ends the wait
-        _init(0, world, port)
+        for _, theirs in pipes:
+            theirs.close()  # only the worker holds its end: a dead worker reads as EOF here
+        group = cls(role, processes, [ours for ours, _ in pipes])  # watching first: a worker that
+        _init(0, world, port)                                      # dies before joining ends the wait
         log.info("%s: %d worker processes joined (%s)", role, world, dist.get_backend())
         return group
 
@@ -178,20 +213,42 @@ class WorkerGroup:
         """Worker processes, rank 0 included."""
         return len(self.processes) + 1
 
-    def call(self, name: str, *args) -> None:
-        """Every worker runs `core.<name>(*args)`; the caller runs it on rank 0 right after."""
-        dist.broadcast_object_list([(name, args)], src=0)
+    def run(self, core, name: str, args: tuple, ranks: list[int] | None = None):
+        """`core.<name>(*args)` on `ranks` (default: all); see `spmd`."""
+        ranks = sorted(ranks) if ranks is not None else list(range(self.size))
+        workers = [r for r in ranks if r != 0]
+        try:
+            for r in workers:
+                self._pipes[r - 1].send((name, args, r == ranks[0]))
+            refused, result = None, None
+            if 0 in ranks:
+                try:
+                    result = getattr(core, name)(*args)
+                except RoleFleetError as exc:
+                    refused = exc
+            replies = {r: self._pipes[r - 1].recv() for r in workers}  # also: every rank is done
+        except BaseException:
+            self.fail(f"{name} failed on rank 0")
+        if 0 not in ranks:
+            result = replies[ranks[0]][1]
+        # A role error: rank 0's, or a worker's (one that only some ranks raised is still an error).
+        refused = refused or next((error for error, _ in replies.values() if error is not None), None)
+        if refused is not None:
+            raise refused
+        return result
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stopping = True
-        try:
-            dist.broadcast_object_list([STOP], src=0)
-        except Exception as exc:  # a dead worker: nothing left to tell
-            log.warning("%s: could not tell the workers to stop (%s)", self.role, exc)
+        for pipe in self._pipes:
+            try:
+                pipe.send(STOP)
+            except OSError as exc:  # a dead worker: nothing left to tell
+                log.warning("%s: could not tell a worker to stop (%s)", self.role, exc)
         for p in self.processes:
             p.join(timeout_s)
             if p.is_alive():
                 p.kill()
+        set_work_group(None)
         dist.destroy_process_group()
 
     def fail(self, what: str) -> NoReturn:
@@ -216,8 +273,10 @@ class WorkerGroup:
             time.sleep(WATCH_PERIOD_S)
 
 
-def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int) -> None:
-    """Ranks 1..N-1: build the core, then run each broadcast command until STOP."""
+def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int, pipe) -> None:
+    """Ranks 1..N-1: build the core, then run each command from the pipe until STOP. The reply is
+    (error, result): a role error raised here (alike on the part's every rank), and the result if
+    this rank was asked for it."""
     from rolefleet.common.config import parse_config
     from rolefleet.common.server import set_threads
     from rolefleet.serve import build_core
@@ -227,16 +286,14 @@ def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int) -
     set_threads(getattr(cfg, role).num_threads)
     _init(rank, world, port)
     core = build_core(role, cfg)
-    while True:
-        command = [None]
-        dist.broadcast_object_list(command, src=0)
-        if command[0] is STOP:
-            break
-        name, args = command[0]
+    while (command := pipe.recv()) is not STOP:
+        name, args, answer = command
         try:
-            getattr(core, name)(*args)
-        except RoleFleetError as exc:  # raised alike on every rank (rank 0 reports it to the client)
+            result = getattr(core, name)(*args)
+            pipe.send((None, result if answer else None))
+        except RoleFleetError as exc:  # raised alike on every rank of the part
             log.info("%s refused on this rank too: %s", name, exc)
+            pipe.send((exc, None))
         except Exception:
             log.exception("%s failed on rank %d; stopping the group", name, rank)
             os._exit(1)

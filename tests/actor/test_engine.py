@@ -184,3 +184,11 @@ def test_packed_micro_batches_count_real_tokens():
     assert sorted(i for g in groups for i in g.tolist()) == list(range(len(lengths)))
     assert all(len(g) == 1 or sum(lengths[i] + 1 for i in g.tolist()) <= 25 for g in groups)
     assert len(groups) < len(batch.micro_batches(25))  # padding no longer counts against the budget
+
+
+def test_weight_buckets_hold_consecutive_parameters_up_to_the_budget():
+    from rolefleet.actor.weight_sync import plan_buckets
+
+    assert plan_buckets([4, 4, 4, 10, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert plan_buckets([3], 100) == [[0]]
+    assert plan_buckets([], 8) == []

@@ -9,6 +9,7 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
+from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.core import CriticCore
 
@@ -90,3 +91,79 @@ def test_workers_must_match_the_gpus_of_the_group(tiny_model_dir):
                        ["actor.workers=3", "devices.actor=[0, 1]", "critic.workers=2"])
     assert check_workers(cfg, ["actor", "critic"]) == [
         "actor.workers: 3 workers, but devices.actor lists 2 GPUs (one worker per GPU; leave it unset)"]
+    gpus = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                        ["devices.actor=[0, 1]", "devices.rollout=[1]", "actor.rollout.workers=1"])
+    assert check_workers(gpus, ["actor"]) == ["actor.rollout.workers: the actor has GPUs; devices.rollout names "
+                                              "the ones that generate (leave it unset)"]
+    cpu = parse_config({"model": {"model_name_or_path": tiny_model_dir}}, ["actor.workers=2", "actor.rollout.workers=2"])
+    assert check_workers(cpu, ["actor"]) == ["actor.rollout.workers: 2 of the actor's 2 workers would generate, "
+                                             "leaving none to train; at most actor.workers - 1"]
+
+
+def test_rollout_ranks_follow_the_rollout_gpus_within_the_actor_group(tiny_model_dir):
+    from rolefleet.actor.placement import ActorPlacement, rollout_ranks
+
+    def ranks(*overrides):
+        return rollout_ranks(parse_config({"model": {"model_name_or_path": tiny_model_dir}}, list(overrides)))
+
+    assert ranks("devices.actor=[4, 5, 6, 7]", "devices.rollout=[6, 4]") == (0, 2)
+    assert ranks("devices.actor=[4, 5]") == ()
+    assert ranks("actor.workers=3", "actor.rollout.workers=1") == (0,)
+    split = ActorPlacement(4, (0, 2))
+    assert split.split and split.train_ranks == [1, 3] and split.sync_ranks == [0, 1, 2]
+    assert not ActorPlacement(2, (0, 1)).split and ActorPlacement(2, (0, 1)).train_ranks == [0, 1]
+
+
+def test_vllm_needs_an_actor_of_one_worker():
+    from rolefleet.actor.rollout import backend_problem, choose_backend
+
+    assert "vllm runs in an actor of one worker process, this one has 2" in backend_problem("vllm", True, True, 2)
+    assert choose_backend("auto", True, True, 2) == "hf"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_actor_trains_on_some_workers_and_generates_with_the_new_weights_on_others(tiny_model_dir, world):
+    """Rank 0 generates; the other ranks train (two of them: FSDP over their own process group) and
+    broadcast each update's weights to it in several buckets. The samples it draws afterwards carry
+    the logprobs of the one-process trainer's updated weights and the new version."""
+    from rolefleet.actor.placement import rollout_ranks
+
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir},
+                        "actor": {**COMMON, "kl_loss_coef": 0.1, "workers": world,
+                                  "rollout": {"workers": 1, "sync_bucket_mb": 1}}}, [])
+    assert rollout_ranks(cfg) == (0,)
+    prompts, sampling = ["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=5, n=2, seed=3)
+    single = ActorCore(cfg.actor)
+    samples = single.generate(prompts, sampling)
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    lp = single.compute_logprobs(batch, 1.0, include_reference=True)
+    targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
+    one = single.update(1, 0, batch, targets, 1.0)
+    digest_after = single.digest()
+
+    group = WorkerGroup.start("actor", world, cfg.model_dump(mode="json"))
+    try:
+        split = ActorCore(cfg.actor, rollout_ranks=rollout_ranks(cfg))
+        split.group = group
+        assert split.placement.split and split.trainer is None and split.model is None  # rank 0 only generates
+        before = split.generate(prompts, sampling)
+        assert all(s.policy_version == 0 for s in before)
+        assert torch.allclose(split.compute_logprobs(batch, 1.0, include_reference=True).logprobs, lp.logprobs,
+                              atol=1e-5)
+        two = split.update(1, 0, batch, targets, 1.0)
+        assert two.stats["loss"] == pytest.approx(one.stats["loss"], rel=1e-4, abs=1e-6)
+        assert two.stats["weight_sync_s"] > 0
+        if world == 2:  # one trainer: the very same weights (sharded, the sums run in another order)
+            assert split.digest() == digest_after
+        assert torch.allclose(split.compute_logprobs(batch, 1.0, include_reference=False).logprobs,
+                              single.compute_logprobs(batch, 1.0, include_reference=False).logprobs, atol=1e-5)
+        after = split.generate(prompts, sampling)
+        assert all(s.policy_version == 1 for s in after)
+        fresh = SequenceBatch.from_lists([s.prompt_ids for s in after], [s.response_ids for s in after])
+        recorded = torch.cat([s.logprobs for s in after])
+        assert torch.allclose(recorded, single.compute_logprobs(fresh, 1.0, include_reference=False).logprobs,
+                              atol=1e-4)
+        with pytest.raises(FailedPrecondition, match="expects step 2"):  # a trainer's refusal reaches rank 0
+            split.update(3, 1, batch, targets, 1.0)
+    finally:
+        group.stop()

@@ -13,16 +13,22 @@ def actor_pid(config_path: str) -> int:
     return pid
 
 
-def test_up_with_two_actor_workers_trains_and_leaves_no_process(make_config, tmp_path):
-    cfg = make_config("train.total_steps=3", "actor.workers=2", "critic.workers=2")
+def test_up_with_a_split_actor_trains_async_and_leaves_no_process(make_config, tmp_path):
+    """The actor's rank 0 generates while rank 1 trains, in async mode; each update's weights reach
+    the generating worker (the policy version moves with them)."""
+    cfg = make_config("train.total_steps=3", "actor.workers=2", "actor.rollout.workers=1", "critic.workers=2",
+                      "pipeline.mode=async", "pipeline.max_staleness=1")
     config = write_config(cfg, tmp_path / "config.yaml")
     proc = rolefleet("up", str(config))
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     records = read_metrics(cfg.run.out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["policy_version"] == 3
+    # Step 3 trains samples of version 1 or 2: generated after an update reached the rollout worker.
+    assert records[-1]["pipeline/version_lag/max"] <= 1
     log = (cfg.run.out / "logs" / "actor.log").read_text()
     assert "actor: 2 worker processes joined (gloo)" in log
+    assert "actor placement: 1 training workers (ranks [1]), 1 rollout workers (ranks [0])" in log
     assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
     assert processes_mentioning("spawn_main") == []  # the workers are gone too
 
