@@ -1,12 +1,19 @@
 """Placement on two GPUs: the same PPO workload (Qwen2-0.5B dimensions for actor and critic, random
-weights, 64 prompts x 4 samples x 256 new tokens per step) with every role over both GPUs
-(`configs/2gpu_colocated.yaml`: two data-parallel workers per role) and split (`configs/2gpu.yaml`:
-actor on GPU 0, critic on GPU 1), sync, and split in async mode (`pipeline.max_staleness: 1`);
-prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
-during the run, and the ratios to colocated sync; then the actor's update
-phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one GPU (scaling efficiency).
+weights, 64 prompts x 4 samples x 256 new tokens per step) under several `devices:` maps and
+pipeline modes (`--runs`, any of):
 
-    python benchmarks/placement.py --shape qwen2-0.5b --out OUT_DIR --steps 4 [--parts placement|scaling]
+- colocated: `configs/2gpu_colocated.yaml`, every role over both GPUs (two workers each), sync;
+- split / split_async: `configs/2gpu.yaml`, actor on GPU 0, critic on GPU 1, sync / async;
+- rollout / rollout_async / rollout_exact: `configs/2gpu_rollout.yaml`, the actor generating on GPU
+  0 and training on GPU 1 beside the critic (weights broadcast after each update), sync / async in
+  eager order / async in exact order.
+
+Prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
+during the run, and the ratios to colocated sync when it ran in the same call; with `--parts
+scaling`, the actor's update phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one
+GPU (scaling efficiency).
+
+    python benchmarks/placement.py --out OUT_DIR --steps 4 [--parts placement,scaling] [--runs colocated,rollout_async]
 
 Needs two GPUs (nvidia-h200-x2). Medians over the steps after the first (compilation).
 """
@@ -22,7 +29,16 @@ from gpu_e2e import count_parameters, run
 
 from rolefleet.common.tiny_model import make_tiny_model
 
-CONFIGS = {"colocated": "configs/2gpu_colocated.yaml", "split": "configs/2gpu.yaml"}
+ASYNC = ("pipeline.mode=async", "pipeline.max_staleness=1")
+SYNC = ("pipeline.mode=sync",)
+RUNS = {  # name: (config, overrides)
+    "colocated": ("configs/2gpu_colocated.yaml", ()),
+    "split": ("configs/2gpu.yaml", ()),
+    "split_async": ("configs/2gpu.yaml", ASYNC),
+    "rollout": ("configs/2gpu_rollout.yaml", SYNC),
+    "rollout_async": ("configs/2gpu_rollout.yaml", ()),  # async, eager order (the config's)
+    "rollout_exact": ("configs/2gpu_rollout.yaml", ("pipeline.order=exact",)),
+}
 
 
 def main() -> None:
@@ -30,8 +46,9 @@ def main() -> None:
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--parts", default="placement,scaling", help="placement (colocated, split, split async) and/or "
-                   "scaling (the update on one GPU against two): one device call may not fit both")
+    p.add_argument("--parts", default="placement,scaling", help="placement (the --runs) and/or scaling (the "
+                   "update on one GPU against two): one device call may not fit both")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"placement runs, any of {', '.join(RUNS)}")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     out = Path(args.out)
@@ -45,16 +62,13 @@ def main() -> None:
         (out / "placement.json").write_text(json.dumps(results, indent=2))
 
     if "placement" in parts:
-        for name, config in CONFIGS.items():
-            results[name] = run("ppo", model, runs, args.steps, params, config=config)
+        for name in args.runs.split(","):
+            config, overrides = RUNS[name]
+            results[name] = run("ppo", model, runs, args.steps, params, config=config, overrides=overrides)
+            if "colocated" in results and name != "colocated":
+                results[name]["over_colocated"] = (results[name]["step_tokens_per_s"]
+                                                   / results["colocated"]["step_tokens_per_s"])
             save()
-        results["split_over_colocated"] = results["split"]["step_tokens_per_s"] / results["colocated"]["step_tokens_per_s"]
-        # The async pipeline on the split map (target: ahead of colocated sync, each GPU >= 75% busy).
-        results["split_async"] = run("ppo", model, runs, args.steps, params, config=CONFIGS["split"],
-                                     overrides=("pipeline.mode=async", "pipeline.max_staleness=1"))
-        results["split_async_over_colocated"] = (results["split_async"]["step_tokens_per_s"]
-                                                 / results["colocated"]["step_tokens_per_s"])
-        save()
     if "scaling" in parts:
         # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
         # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
@@ -62,7 +76,7 @@ def main() -> None:
         results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
         save()
         for sharding in ("fsdp", "replicate"):
-            two = run("grpo", model, runs, args.steps, params, config=CONFIGS["colocated"],
+            two = run("grpo", model, runs, args.steps, params, config=RUNS["colocated"][0],
                       overrides=(f"actor.sharding={sharding}",))
             results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
                                                    "efficiency": one["update_s"] / (2 * two["update_s"])}

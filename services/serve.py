@@ -30,7 +30,6 @@ AddServicers = Callable[[grpc.aio.Server], list[str]]
 def _actor(cfg: RoleFleetConfig):
     from rolefleet.actor import server
     from rolefleet.actor.core import ActorCore
-
     from rolefleet.actor.placement import rollout_ranks
 
     core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound,

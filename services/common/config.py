@@ -467,6 +467,12 @@ class PipelineSection(_Section):
                                                     "max_staleness (a retried stage, say) is counted, logged "
                                                     "and generated again, or dropped (the step trains on the "
                                                     "next batch)")
+    order: Literal["exact", "eager"] = Field("exact", description="async: exact = each update waits until the "
+                                             "batches the bound lets precede it are generated, so every batch "
+                                             "lags by exactly max_staleness and runs repeat for a fixed seed; "
+                                             "eager = updates never wait for generation (on a split actor the "
+                                             "next batch generates while this one trains), lags vary with "
+                                             "timing within the bound")
     retries: int = Field(2, ge=0, description="async: repeats of a role call that failed transiently "
                          "(UNAVAILABLE, a deadline), with backoff; every call is safe to repeat")
 

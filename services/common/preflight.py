@@ -325,7 +325,6 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
     if "actor" not in roles:
         return []
     from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
-
     from rolefleet.serve import worker_count
 
     has_gpu = bool(cfg.devices.actor) if command == "up" else gpu_count() > 0

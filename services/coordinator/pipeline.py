@@ -16,8 +16,10 @@ stages that run at once, joined by bounded queues.
    again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
    proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
    `actor.is_correction`); advantages; actor.Update | critic.Update, once the batches the bound lets
-   precede this update have been generated (so each batch lags by exactly the bound, whatever the
-   timing: runs repeat for a fixed seed); the step's record.
+   precede this update have been generated (`pipeline.order: exact`: each batch lags by exactly the
+   bound, whatever the timing, so runs repeat for a fixed seed; `eager`: at once, so that a split
+   actor trains while it generates, each batch lagging by what the timing gives, within the bound);
+   the step's record.
 
 A transient failure (UNAVAILABLE, a deadline) of a role call is retried `pipeline.retries` times:
 every call is safe to repeat (generation is seeded, scoring pure, updates idempotent per step).
@@ -157,11 +159,13 @@ class Pipeline:
                                    logprobs.logprobs, logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
             step_kl_coef = kl_coef
             kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
-            # Every batch that may be generated from the policy before this update is, first: each
-            # batch then lags by exactly what the bound allows, whatever the timing (runs repeat
-            # for a fixed seed). Backed-up queues let the update go first (generation waits on them).
-            ahead = min(step + self.p.max_staleness, t.total_steps) + self.counts["dropped_batches"]
-            await self._wait(lambda n=ahead: self.generated_batches >= n or self._backed_up())
+            if self.p.order == "exact":
+                # Every batch that may be generated from the policy before this update is, first:
+                # each batch then lags by exactly what the bound allows, whatever the timing (runs
+                # repeat for a fixed seed). Backed-up queues let the update go first (generation
+                # waits on them). Eager order skips this: the update overlaps the next generation.
+                ahead = min(step + self.p.max_staleness, t.total_steps) + self.counts["dropped_batches"]
+                await self._wait(lambda n=ahead: self.generated_batches >= n or self._backed_up())
             update_start = time.perf_counter()
             actor_result, critic_result = await asyncio.gather(
                 self._call(self.roles.actor.update, step, rollout.oldest_version, batch,

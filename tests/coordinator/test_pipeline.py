@@ -222,3 +222,41 @@ def test_a_stop_request_ends_an_async_run_after_the_step_in_flight(make_config):
     logger.close()
     assert status.state == RunState.STOPPED and status.step == 2
     assert [r["step"] for r in logger.records] == [1, 2]
+
+
+class SlowGeneration(CountingActor):
+    """Generation `delay_s` slower; counts updates called while a generation is in flight."""
+
+    def __init__(self, core: ActorCore, delay_s: float):
+        super().__init__(core)
+        self.delay_s, self.generating, self.overlapped = delay_s, 0, 0
+
+    async def generate_stream(self, prompts, sampling, first_group_id=0):
+        self.generating += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+            async for chunk in super().generate_stream(prompts, sampling, first_group_id):
+                yield chunk
+        finally:
+            self.generating -= 1
+
+    async def update(self, *args):
+        self.overlapped += self.generating > 0
+        return await super().update(*args)
+
+
+@pytest.mark.parametrize("order", ["exact", "eager"])
+def test_eager_order_updates_while_the_next_batch_generates_within_the_bound(make_config, order):
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=5",
+                      "train.samples_per_prompt=2", f"pipeline.order={order}")
+    actor = SlowGeneration(ActorCore(cfg.actor, cfg.run.seed, 1), delay_s=0.3)
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    pipeline = Pipeline(cfg, Roles(actor, InProcessRewardClient(RewardCore(cfg.reward)), None), logger,
+                        RunStatus(cfg.run.name, cfg.train.total_steps))
+    asyncio.run(pipeline.run())
+    logger.close()
+    every_sample_once(cfg, pipeline)
+    assert max(r["pipeline/version_lag/max"] for r in logger.records) <= 1
+    # Exact order: an update waits for the batch the bound lets precede it, which is the only one
+    # generation may start before the update; eager: the next batch generates during updates.
+    assert (actor.overlapped > 0) == (order == "eager"), actor.overlapped
