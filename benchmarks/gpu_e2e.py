@@ -26,12 +26,12 @@ from rolefleet.common.tiny_model import make_tiny_model
 
 class BusySampler(threading.Thread):
     """Mean utilization of each GPU (NVML, percent of time a kernel ran) over the samples taken:
-    with `metrics` and `steps`, only while the run trains its later steps (after the first step's
-    record, before the last one's), so start-up, compilation and shutdown do not count."""
+    with `metrics` and `steps`, only while the run trains its later steps (after the record of
+    step `warmup`, before the last one's), so start-up, compilation and shutdown do not count."""
 
-    def __init__(self, period_s: float = 0.2, metrics: Path | None = None, steps: int = 0):
+    def __init__(self, period_s: float = 0.2, metrics: Path | None = None, steps: int = 0, warmup: int = 1):
         super().__init__(daemon=True)
-        self.metrics, self.steps = metrics, steps
+        self.metrics, self.steps, self.warmup = metrics, steps, warmup
         import pynvml
 
         pynvml.nvmlInit()
@@ -41,7 +41,7 @@ class BusySampler(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
-            if self.metrics is not None and not 1 <= self.steps_done() < self.steps:
+            if self.metrics is not None and not self.warmup <= self.steps_done() < self.steps:
                 continue
             self.samples.append([self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles])
 
@@ -64,12 +64,14 @@ PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine
 
 
 def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend: str = "hf",
-        config: str = "configs/gpu_1x.yaml", overrides: tuple[str, ...] = ()) -> dict:
+        config: str = "configs/gpu_1x.yaml", overrides: tuple[str, ...] = (), warmup: int = 1) -> dict:
+    """One `rolefleet up` run; medians and GPU busy time over the steps after the first `warmup`
+    (compilation: torch.compile specializes on the first shapes it meets, then on dynamic ones)."""
     run_dir = out / "-".join([algorithm, backend, Path(config).stem, *overrides]).replace("/", "_")
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", config, f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
            f"actor.rollout.backend={backend}", *overrides]
-    sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=steps)
+    sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=steps, warmup=warmup)
     sampler.start()
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -78,7 +80,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     if proc.returncode != 0:
         raise SystemExit(f"{algorithm}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    later = records[1:] or records
+    later = records[warmup:] or records
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in later)
@@ -94,6 +96,8 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
         "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),
         "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
         "step_tokens_per_s": median("throughput/tokens_per_s"),
+        "busy_trace": sampler.samples,  # per sample (0.2 s apart): each GPU's NVML busy percent
+        "run_dir": str(run_dir),
         # Update-phase MFU over the actor's forward + backward of the response tokens alone (the
         # prompts of the addition task are a few tokens), a lower bound: the critic's update shares
         # the phase in PPO.

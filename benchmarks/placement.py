@@ -4,18 +4,20 @@ pipeline modes (`--runs`, any of):
 
 - colocated: `configs/2gpu_colocated.yaml`, every role over both GPUs (two workers each), sync;
 - split / split_async: `configs/2gpu.yaml`, actor on GPU 0, critic on GPU 1, sync / async;
-- rollout / rollout_async / rollout_exact: `configs/2gpu_rollout.yaml`, the actor generating on GPU
-  0 and training on GPU 1 beside the critic (weights broadcast after each update), sync / async in
-  eager order / async in exact order.
+- rollout_async: `configs/2gpu_rollout.yaml`, the actor generating on GPU 0 beside the critic and
+  training on GPU 1 (weights broadcast after each update), async in eager order;
+- rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
+  eager / async exact / sync.
 
 Prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
 during the run, and the ratios to colocated sync when it ran in the same call; with `--parts
 scaling`, the actor's update phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one
 GPU (scaling efficiency).
 
-    python benchmarks/placement.py --out OUT_DIR --steps 4 [--parts placement,scaling] [--runs colocated,rollout_async]
+    python benchmarks/placement.py --out OUT_DIR [--steps 10 --warmup 3] [--parts placement,scaling] [--runs colocated,rollout_async]
 
-Needs two GPUs (nvidia-h200-x2). Medians over the steps after the first (compilation).
+Needs two GPUs (nvidia-h200-x2). Medians and busy time over the steps after the first `--warmup`
+(torch.compile recompiles for new shapes during the first few steps).
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ from gpu_e2e import count_parameters, run
 from rolefleet.common.tiny_model import make_tiny_model
 
 ASYNC = ("pipeline.mode=async", "pipeline.max_staleness=1")
-SYNC = ("pipeline.mode=sync",)
 RUNS = {  # name: (config, overrides)
     "colocated": ("configs/2gpu_colocated.yaml", ()),
     "split": ("configs/2gpu.yaml", ()),
     "split_async": ("configs/2gpu.yaml", ASYNC),
-    "rollout": ("configs/2gpu_rollout.yaml", SYNC),
+    # The actor generating on GPU 0 and training on GPU 1; the critic on GPU 0 (the config's) or 1.
     "rollout_async": ("configs/2gpu_rollout.yaml", ()),  # async, eager order (the config's)
-    "rollout_exact": ("configs/2gpu_rollout.yaml", ("pipeline.order=exact",)),
+    "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
+    "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
+    "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
 }
 
 
@@ -45,7 +48,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen2-0.5b")
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of medians and GPU busy time")
     p.add_argument("--parts", default="placement,scaling", help="placement (the --runs) and/or scaling (the "
                    "update on one GPU against two): one device call may not fit both")
     p.add_argument("--runs", default=",".join(RUNS), help=f"placement runs, any of {', '.join(RUNS)}")
@@ -64,7 +68,8 @@ def main() -> None:
     if "placement" in parts:
         for name in args.runs.split(","):
             config, overrides = RUNS[name]
-            results[name] = run("ppo", model, runs, args.steps, params, config=config, overrides=overrides)
+            results[name] = run("ppo", model, runs, args.steps, params, config=config, overrides=overrides,
+                                warmup=args.warmup)
             if "colocated" in results and name != "colocated":
                 results[name]["over_colocated"] = (results[name]["step_tokens_per_s"]
                                                    / results["colocated"]["step_tokens_per_s"])
