@@ -140,6 +140,19 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from rolefleet.export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype)
+    except ExportError as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # an unreadable checkpoint or an unwritable OUT is the user's argument, not a crash
+        raise ConfigError(f"export: {e}") from None
+    print(path)
+    return 0
+
+
 def _at_least(low: int, multiple_of: int = 1):
     """An argparse type: an int >= low (and a multiple of `multiple_of`), else a usage error (exit 2)
     instead of a traceback from the model builder later."""
@@ -202,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=_at_least(1), default=None, help="layers (default: the shape's)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
+
+    p = sub.add_parser("export", help="write a checkpoint's actor as a Hugging Face model directory")
+    p.add_argument("checkpoint", help="a run checkpoint (.../checkpoints/step-XXXXXXXX) or its actor/ directory")
+    p.add_argument("out", help="the model directory to create (new, or empty)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="dtype of the written weights (default auto: the model config's, else float32)")
+    p.set_defaults(fn=cmd_export)
     return parser
 
 

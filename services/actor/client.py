@@ -14,7 +14,7 @@ from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParam
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
-from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
+from rolefleet.common.roles import CheckpointInfo, GrpcTrainerClient, RoleStatus, UpdateResult, call
 from rolefleet.common.server import iterate_in_thread
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
@@ -33,6 +33,8 @@ class ActorClient(Protocol):
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                      temperature: float) -> UpdateResult: ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
+    async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo: ...
+    async def load_checkpoint(self, path: str) -> CheckpointInfo: ...
     async def close(self) -> None: ...
 
 
@@ -56,11 +58,17 @@ class InProcessActorClient:
     async def status(self, include_digest=False):
         return await asyncio.to_thread(self.core.status, include_digest)
 
+    async def save_checkpoint(self, step, path):
+        return await asyncio.to_thread(self.core.save_checkpoint, step, path)
+
+    async def load_checkpoint(self, path):
+        return await asyncio.to_thread(self.core.load_checkpoint, path)
+
     async def close(self):
         pass
 
 
-class GrpcActorClient(GrpcRoleClient):
+class GrpcActorClient(GrpcTrainerClient):
     stub_class = actor_pb2_grpc.ActorServiceStub
 
     async def generate(self, prompts, sampling, first_group_id=0):

@@ -9,11 +9,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rolefleet.actor import weight_sync
+from rolefleet.common import checkpoint
 from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
@@ -22,7 +24,7 @@ from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParam
 from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.errors import InvalidArgument, LimitExceeded
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import (
     compute_dtype,
     load_causal_lm,
@@ -32,10 +34,10 @@ from rolefleet.common.modeling import (
     require_temperature,
     weights_digest,
 )
-from rolefleet.common.roles import RoleStatus, UpdateResult
+from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
-from rolefleet.common.workers import all_gather, new_subgroups, rank_slice, set_work_group, spmd
+from rolefleet.common.workers import all_gather, new_subgroups, rank_slice, set_work_group, spmd, work_group
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
@@ -57,6 +59,7 @@ class ActorCore:
         self.model = load_causal_lm(cfg.model_name_or_path, self.device)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.model_config = self.model.config  # what a checkpoint's hf/ needs, on every rank
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
         # What a weight sync carries, in order (the full shapes: taken before the trainer shards).
         self.weight_shapes = [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
@@ -293,6 +296,38 @@ class ActorCore:
         for name in ("ref_logprobs", "rollout_logprobs"):
             if getattr(targets, name) is not None:
                 batch.check_per_token(getattr(targets, name), name, "logprob")
+
+    # --- checkpoints (common/checkpoint.py) ------------------------------------------------------
+
+    def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
+        """The trainer's state as of `step` (its last applied one) into `path`; a repeat answers
+        from disk."""
+        with self._lock:
+            return checkpoint.save_role(self, step, path, self.placement.train_ranks,
+                                        lambda work: checkpoint.save_hf_files(work, self.model_config, self.tokenizer))
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        """The trainer's state from `path`; the rollout engines take the loaded weights and version."""
+        with self._lock:
+            info = checkpoint.load_role(self, path, self.placement.train_ranks)
+            self._publish_weights(info.model_version)
+            return info
+
+    def _save_state(self, work: str) -> None:
+        """SPMD over the trainers: each its shards; the first one the scheduler and RNG states."""
+        try:
+            checkpoint.save_trainer(Path(work), self.model, self.trainer.optimizer, self.trainer.scheduler,
+                                    self.trainer.generator, work_group(), self.rank == self.placement.train_ranks[0])
+        except Exception as exc:  # alike on every rank: the save is refused, nothing changed
+            raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
+
+    def _load_state(self, path: str) -> None:
+        """SPMD over the trainers: the inverse of `_save_state`, resharded to this group."""
+        try:
+            checkpoint.load_trainer(Path(path), self.model, self.trainer.optimizer, self.trainer.scheduler,
+                                    self.trainer.generator, work_group())
+        except Exception as exc:
+            raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
 
     # --- status / lifecycle -----------------------------------------------------------------------
 

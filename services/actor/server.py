@@ -10,10 +10,10 @@ from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
-from rolefleet.common.server import RoleServicer, iterate_in_thread, rpc, rpc_stream
+from rolefleet.common.server import TrainerServicer, iterate_in_thread, rpc, rpc_stream
 
 
-class ActorServicer(RoleServicer, actor_pb2_grpc.ActorServiceServicer):
+class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):
     role = "actor"
 
     def __init__(self, core: ActorCore):

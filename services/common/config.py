@@ -74,10 +74,31 @@ class RunSection(_Section):
     name: str = Field("rolefleet", pattern=r"^[A-Za-z0-9_.-]+$")
     output_dir: Optional[str] = Field(None, description="default runs/<name>")
     seed: int = 0
+    resume: bool = Field(False, description="continue from the newest complete checkpoint of this run "
+                         "(checkpoint.dir): roles load it, the data order, RNG streams, policy version and "
+                         "KL controller carry on; no checkpoint yet: start from step 1")
 
     @property
     def out(self) -> Path:
         return Path(self.output_dir or f"runs/{self.name}")
+
+
+class CheckpointSection(_Section):
+    """Checkpoints of the run (docs/checkpoints.md)."""
+
+    every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end of the run)")
+    at_end: bool = Field(True, description="also save after the last step (and when a run is stopped)")
+    keep: int = Field(3, ge=1, description="complete checkpoints kept; older ones are removed after a new "
+                      "one is complete")
+    dir: Optional[str] = Field(None, description="default <run.output_dir>/checkpoints; the trainer roles "
+                               "write their parts there too, so it must be storage they share with the "
+                               "coordinator under the same path")
+
+    def root(self, run: RunSection) -> Path:
+        return Path(self.dir) if self.dir else run.out / "checkpoints"
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == total_steps)
 
 
 class ModelSection(_Section):
@@ -550,6 +571,7 @@ class RoleFleetConfig(_Section):
     reward: RewardSection = Field(default_factory=RewardSection)
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     devices: DevicesSection = Field(default_factory=DevicesSection)
 

@@ -55,6 +55,21 @@ class UpdateResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a trainer role answers to SaveCheckpoint and LoadCheckpoint."""
+
+    step: int           # the last applied step of the saved or loaded state
+    model_version: int
+
+    def to_proto(self) -> common_pb2.CheckpointResponse:
+        return common_pb2.CheckpointResponse(step=self.step, model_version=self.model_version)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.CheckpointResponse) -> CheckpointInfo:
+        return cls(msg.step, msg.model_version)
+
+
 def open_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
@@ -76,6 +91,18 @@ class GrpcRoleClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class GrpcTrainerClient(GrpcRoleClient):
+    """The calls of the roles that train (actor, critic): checkpoints."""
+
+    async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
+        request = common_pb2.SaveCheckpointRequest(step=step, path=path)
+        return CheckpointInfo.from_proto(await call(self.stub.SaveCheckpoint(request, timeout=self.timeout_s)))
+
+    async def load_checkpoint(self, path: str) -> CheckpointInfo:
+        request = common_pb2.LoadCheckpointRequest(path=path)
+        return CheckpointInfo.from_proto(await call(self.stub.LoadCheckpoint(request, timeout=self.timeout_s)))
 
 
 def _status_stubs() -> dict[str, type]:

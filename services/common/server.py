@@ -135,6 +135,20 @@ class RoleServicer:
         return message
 
 
+class TrainerServicer(RoleServicer):
+    """The RPCs every training role (actor, critic) answers alike: its checkpoints."""
+
+    @rpc
+    async def SaveCheckpoint(self, request, context):
+        info = await asyncio.to_thread(self.core.save_checkpoint, request.step, request.path)
+        return info.to_proto()
+
+    @rpc
+    async def LoadCheckpoint(self, request, context):
+        info = await asyncio.to_thread(self.core.load_checkpoint, request.path)
+        return info.to_proto()
+
+
 _DONE = object()
 
 

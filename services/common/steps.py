@@ -114,3 +114,24 @@ class TrainerState:
         metrics.MODEL_VERSION.labels(self.role).set(self.version)
         metrics.TRAIN_STEPS.labels(self.role).inc()
         return result
+
+    # --- checkpoints (common/checkpoint.py) ------------------------------------------------------
+
+    def to_json(self, keep: int = 16) -> dict:
+        """Version, last step and the newest recorded results: a retried update after a restart is
+        still answered from the ledger."""
+        results = list(self.ledger.results.items())[-keep:]
+        return {"model_version": self.version, "last_step": self.ledger.last_step,
+                "results": [{"step": step, "model_version": result.model_version, "stats": result.stats,
+                             "input_version": input_version} for step, (result, input_version) in results]}
+
+    def restore(self, saved: dict) -> None:
+        from rolefleet.common.roles import UpdateResult
+
+        self.ledger = StepLedger(self.role)
+        for entry in saved["results"]:
+            result = UpdateResult(step=entry["step"], model_version=entry["model_version"], stats=entry["stats"])
+            self.ledger.record(entry["step"], (result, entry["input_version"]))
+        self.ledger.last_step = saved["last_step"]
+        self.version = saved["model_version"]
+        metrics.MODEL_VERSION.labels(self.role).set(self.version)

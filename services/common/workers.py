@@ -52,6 +52,10 @@ def set_work_group(group: dist.ProcessGroup | None) -> None:
     _work_group = group
 
 
+def work_group() -> dist.ProcessGroup | None:
+    return _work_group
+
+
 def new_subgroups(parts: list[list[int]]) -> list[dist.ProcessGroup | None]:
     """A process group per list of ranks. Every rank must call this with the same parts in the same
     order (creating a group is collective); a rank gets None for a group it is not in."""

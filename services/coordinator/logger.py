@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rolefleet.common.checkpoint import write_atomic
 from rolefleet.coordinator.trackers import TensorBoardTracker, Tracker, numeric
 
 log = logging.getLogger(__name__)
@@ -18,11 +19,13 @@ log = logging.getLogger(__name__)
 
 class RunLogger:
     def __init__(self, out_dir: Path, total_steps: int, progress: bool = True, report_every: int | None = None,
-                 trackers: list[Tracker] | None = None):
+                 trackers: list[Tracker] | None = None, resume: bool = False):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out_dir / "metrics.jsonl", "w")  # a run starts its own record (no resume yet)
-        self.records: list[dict] = []
+        self.path = out_dir / "metrics.jsonl"
+        # A new run starts its own record; a resumed one appends (`rewind` drops what is redone).
+        self.records: list[dict] = _read_records(self.path) if resume else []
+        self.jsonl = open(self.path, "a" if resume else "w")
         self.trackers = _tensorboard(out_dir) if trackers is None else trackers
         # A live bar on a terminal only; logs and CI get the periodic summary lines alone.
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
@@ -44,6 +47,16 @@ class RunLogger:
             mean = sum(r["reward/mean"] for r in recent) / len(recent)
             self.bar.write(f"step {record['step']:>5}  reward {mean:.3f} (mean of last {len(recent)})  "
                            f"kl {record['kl']:.4f}  {record['timing/step_s']:.2f} s/step", file=sys.stdout)
+
+    def rewind(self, step: int) -> list[dict]:
+        """Resuming after checkpoint `step`: the records of later steps (run again now) leave the
+        file; the earlier ones stay, and are returned."""
+        self.records = [r for r in self.records if r.get("step", 0) <= step]
+        self.jsonl.close()
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        self.jsonl = open(self.path, "a")
+        self.bar.update(len(self.records))
+        return self.records
 
     def close(self) -> None:
         self.bar.close()
@@ -92,3 +105,15 @@ def plot_reward_curve(records: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The step records of a run's metrics.jsonl; a line cut short by a crash is left out."""
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                log.warning("%s: a line that is not JSON (a write cut short) is dropped", path)
+    return records

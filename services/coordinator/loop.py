@@ -29,6 +29,7 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
+from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
@@ -137,7 +138,13 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
     """The run: `pipeline.mode` sync (below) or async (`coordinator/pipeline.py`)."""
     if (roles.critic is not None) != cfg.preset.uses_critic:
         raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
-    await require_fresh(roles)
+    checkpointer = Checkpointer(cfg)
+    resumed = await checkpointer.restore(roles) if cfg.run.resume else None
+    if resumed is None:
+        await require_fresh(roles)
+    if cfg.run.resume:
+        for record in logger.rewind(resumed["step"] if resumed else 0):
+            status.record_step(record, record.get("policy_version", 0))
     status.stepping = True
     if status.state == RunState.STARTING:  # not when paused or stopping meanwhile
         status.state = RunState.RUNNING
@@ -146,19 +153,24 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
     if cfg.pipeline.mode == "async":
         from rolefleet.coordinator.pipeline import Pipeline
 
-        await Pipeline(cfg, roles, logger, status, clock).run()
+        await Pipeline(cfg, roles, logger, status, clock, checkpointer, resumed).run()
     else:
-        await train_sync(cfg, roles, logger, status, clock)
+        await train_sync(cfg, roles, logger, status, clock, checkpointer, resumed)
     status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
     return status
 
 
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
-                     clock: BusyClock) -> None:
+                     clock: BusyClock, checkpointer: Checkpointer, resumed: dict | None = None) -> None:
     dataset = PromptDataset.for_run(cfg)
     s, t = cfg.sampling, cfg.train
     kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
-    for step in range(1, t.total_steps + 1):
+    done = 0  # the last step applied (and saved, when resumed from it)
+    if resumed is not None:
+        done, kl_coef = resumed["step"], resumed["kl_coef"]
+        dataset.load_state_dict(resumed["data"])  # refuses prompts that changed since
+    saved = done
+    for step in range(done + 1, t.total_steps + 1):
         await status.wait_resumed()
         if status.stop_requested:
             break
@@ -210,3 +222,14 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         record.update(clock.fractions())
         logger.log(record)
         status.record_step(record, actor_result.model_version)
+        done = step
+        dataset.position = step * t.prompts_per_step  # the prompts of steps 1..step are used
+
+        # 6. Checkpoint, when due.
+        if checkpointer.due(step):
+            await checkpointer.save(roles, step, max(0, step - t.critic_warmup_steps),
+                                    {"kl_coef": kl_coef, "data": dataset.state_dict()})
+            saved = step
+    if status.stop_requested and done > saved and cfg.checkpoint.at_end:  # a stopped run can resume
+        await checkpointer.save(roles, done, max(0, done - t.critic_warmup_steps),
+                                {"kl_coef": kl_coef, "data": dataset.state_dict()})

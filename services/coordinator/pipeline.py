@@ -42,6 +42,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import Unavailable
 from rolefleet.coordinator.busy import BusyClock
+from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.logger import RunLogger
@@ -83,20 +84,29 @@ class Rollout:
 
 class Pipeline:
     def __init__(self, cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
-                 clock: BusyClock | None = None):
+                 clock: BusyClock | None = None, checkpointer: Checkpointer | None = None,
+                 resumed: dict | None = None):
         if clock is None:  # run directly, not through `loop.train`: time the roles here
             clock = BusyClock()
             roles = clock.track(roles)
         self.cfg, self.roles, self.logger, self.status, self.clock = cfg, roles, logger, status, clock
+        self.checkpointer = checkpointer or Checkpointer(cfg)
         self.p = cfg.pipeline
         self.dataset = PromptDataset.for_run(cfg)
         self.generated: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.scored: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
-        self.version = 0            # the actor's policy version: updates applied this run
-        self.generated_batches = 0  # rollout batches the generate stage finished
+        self.counts = {"stale_samples": 0, "dropped_batches": 0, "regenerated_batches": 0, "retries": 0}
+        # Resumed after checkpoint k: step k's update was the last; batches after it are generated
+        # again (from the loaded policy, so lags may differ from the interrupted run's).
+        self.done, self.kl_coef = 0, cfg.train.kl_coef
+        if resumed is not None:
+            self.done, self.kl_coef = resumed["step"], resumed["kl_coef"]
+            self.counts.update(resumed["counts"])
+            self.dataset.load_state_dict(resumed["data"])
+        self.version = self.done    # the actor's policy version: updates applied this run
+        self.generated_batches = self.done + self.counts["dropped_batches"]  # batches the generate stage finished
         self.changed = asyncio.Condition()  # the version moved or a queue drained
         self.busy = dict.fromkeys(STAGES, 0.0)
-        self.counts = {"stale_samples": 0, "dropped_batches": 0, "regenerated_batches": 0, "retries": 0}
         self.trained: list[int] = []  # sample ids in the order they were trained on
         self.start = time.perf_counter()
 
@@ -116,7 +126,7 @@ class Pipeline:
     # --- the stages --------------------------------------------------------------------------------
 
     async def _generate_stage(self) -> None:
-        index = 0
+        index = self.generated_batches
         while True:
             index += 1
             await self.status.wait_resumed()  # paused: no new batch starts
@@ -138,9 +148,9 @@ class Pipeline:
 
     async def _train_stage(self) -> None:
         t, s = self.cfg.train, self.cfg.sampling
-        kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
+        kl_coef, kl_controller = self.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
         last = time.perf_counter()
-        step = 0
+        step = saved = self.done
         while step < t.total_steps:
             await self.status.wait_resumed()  # paused: no update starts
             if self.status.stop_requested:
@@ -193,6 +203,17 @@ class Pipeline:
             record.update(self.clock.fractions())
             self.logger.log(record)
             self.status.record_step(record, actor_result.model_version)
+            if self.checkpointer.due(step):
+                await self._checkpoint(step, kl_coef)
+                saved = step
+        if self.status.stop_requested and step > saved and self.cfg.checkpoint.at_end:  # a stopped run can resume
+            await self._checkpoint(step, kl_coef)
+
+    async def _checkpoint(self, step: int, kl_coef: float) -> None:
+        """After step `step`'s update: the batches of steps 1..step (and dropped ones) are used."""
+        self.dataset.position = (step + self.counts["dropped_batches"]) * self.cfg.train.prompts_per_step
+        await self.checkpointer.save(self.roles, step, step, {"kl_coef": kl_coef, "data": self.dataset.state_dict(),
+                                                              "counts": dict(self.counts)})
 
     # --- stage work --------------------------------------------------------------------------------
 

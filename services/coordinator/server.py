@@ -159,7 +159,7 @@ def run_logger(cfg: RoleFleetConfig, progress: bool) -> RunLogger:
     t, out = cfg.tracking, cfg.run.out
     trackers = open_trackers(t.backends, out, cfg.run.name, t.project, cfg.model_dump(mode="json"), t.wandb_mode,
                              t.mlflow_tracking_uri)
-    return RunLogger(out, cfg.train.total_steps, progress=progress, trackers=trackers)
+    return RunLogger(out, cfg.train.total_steps, progress=progress, trackers=trackers, resume=cfg.run.resume)
 
 
 async def close_clients(roles: Roles) -> None:

@@ -10,7 +10,7 @@ import torch
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import critic_pb2, critic_pb2_grpc
-from rolefleet.common.roles import GrpcRoleClient, RoleStatus, UpdateResult, call
+from rolefleet.common.roles import CheckpointInfo, GrpcTrainerClient, RoleStatus, UpdateResult, call
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.critic.core import CriticCore
@@ -21,6 +21,8 @@ class CriticClient(Protocol):
     async def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor,
                      old_values: torch.Tensor) -> UpdateResult: ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
+    async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo: ...
+    async def load_checkpoint(self, path: str) -> CheckpointInfo: ...
     async def close(self) -> None: ...
 
 
@@ -37,11 +39,17 @@ class InProcessCriticClient:
     async def status(self, include_digest=False):
         return await asyncio.to_thread(self.core.status, include_digest)
 
+    async def save_checkpoint(self, step, path):
+        return await asyncio.to_thread(self.core.save_checkpoint, step, path)
+
+    async def load_checkpoint(self, path):
+        return await asyncio.to_thread(self.core.load_checkpoint, path)
+
     async def close(self):
         pass
 
 
-class GrpcCriticClient(GrpcRoleClient):
+class GrpcCriticClient(GrpcTrainerClient):
     stub_class = critic_pb2_grpc.CriticServiceStub
 
     async def compute_values(self, batch):

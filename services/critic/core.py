@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from rolefleet.algos import VALUE_LOSSES
@@ -17,11 +19,13 @@ from rolefleet.common.modeling import (
     release_memory,
     weights_digest,
 )
-from rolefleet.common.roles import RoleStatus, UpdateResult
+from rolefleet.common import checkpoint
+from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import map_micro_batches, my_share, spmd, sum_over_ranks
+from rolefleet.common.workers import map_micro_batches, my_share, spmd, sum_over_ranks, work_group
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -120,6 +124,36 @@ class CriticCore:
         stats["vf_grad_norm"] = apply_gradients(self.model, self.optimizer, self.cfg.max_grad_norm, stats["vf_loss"],
                                                 self.scheduler)
         return stats
+
+    # --- checkpoints (common/checkpoint.py) ------------------------------------------------------
+
+    def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
+        with self._lock:
+            return checkpoint.save_role(self, step, path, self._ranks(),
+                                        lambda work: checkpoint.save_hf_files(work, self.model.backbone.config))
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        with self._lock:
+            return checkpoint.load_role(self, path, self._ranks())
+
+    def _ranks(self) -> list[int]:
+        return list(range(self.group.size if self.group else 1))
+
+    def _save_state(self, work: str) -> None:
+        """SPMD: each rank its shards; rank 0 the scheduler and RNG states."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        try:
+            checkpoint.save_trainer(Path(work), self.model, self.optimizer, self.scheduler, self.generator,
+                                    work_group(), rank == 0)
+        except Exception as exc:  # alike on every rank: the save is refused, nothing changed
+            raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
+
+    def _load_state(self, path: str) -> None:
+        try:
+            checkpoint.load_trainer(Path(path), self.model, self.optimizer, self.scheduler, self.generator,
+                                    work_group())
+        except Exception as exc:
+            raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
 
     def status(self, include_digest: bool = False) -> RoleStatus:
         """A snapshot read without the model lock; the weight digest waits for it, only when asked."""

@@ -9,11 +9,11 @@ import grpc
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
-from rolefleet.common.server import RoleServicer, rpc
+from rolefleet.common.server import TrainerServicer, rpc
 from rolefleet.critic.core import CriticCore
 
 
-class CriticServicer(RoleServicer, critic_pb2_grpc.CriticServiceServicer):
+class CriticServicer(TrainerServicer, critic_pb2_grpc.CriticServiceServicer):
     role = "critic"
 
     def __init__(self, core: CriticCore):

@@ -55,6 +55,16 @@ class ActorServiceStub:
                 request_serializer=rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rolefleet_dot_v1_dot_common__pb2.RoleStatus.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/rolefleet.v1.ActorService/SaveCheckpoint',
+                request_serializer=rolefleet_dot_v1_dot_common__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/rolefleet.v1.ActorService/LoadCheckpoint',
+                request_serializer=rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ActorServiceServicer:
@@ -88,6 +98,19 @@ class ActorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Checkpoints (docs/checkpoints.md): save the state of the last applied step; load one back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ActorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +133,16 @@ def add_ActorServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.FromString,
                     response_serializer=rolefleet_dot_v1_dot_common__pb2.RoleStatus.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=rolefleet_dot_v1_dot_common__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +253,60 @@ class ActorService:
             '/rolefleet.v1.ActorService/GetStatus',
             rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
             rolefleet_dot_v1_dot_common__pb2.RoleStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.ActorService/SaveCheckpoint',
+            rolefleet_dot_v1_dot_common__pb2.SaveCheckpointRequest.SerializeToString,
+            rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.ActorService/LoadCheckpoint',
+            rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.SerializeToString,
+            rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,3 +68,25 @@ class TrainStats(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.ScalarMap[str, float]
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("step", "path")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("step", "model_version")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    model_version: int
+    def __init__(self, step: _Optional[int] = ..., model_version: _Optional[int] = ...) -> None: ...

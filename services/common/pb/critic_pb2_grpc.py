@@ -50,6 +50,16 @@ class CriticServiceStub:
                 request_serializer=rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rolefleet_dot_v1_dot_common__pb2.RoleStatus.FromString,
                 _registered_method=True)
+        self.SaveCheckpoint = channel.unary_unary(
+                '/rolefleet.v1.CriticService/SaveCheckpoint',
+                request_serializer=rolefleet_dot_v1_dot_common__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/rolefleet.v1.CriticService/LoadCheckpoint',
+                request_serializer=rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class CriticServiceServicer:
@@ -74,6 +84,19 @@ class CriticServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveCheckpoint(self, request, context):
+        """Checkpoints (docs/checkpoints.md): save the state of the last applied step; load one back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CriticServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +114,16 @@ def add_CriticServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.FromString,
                     response_serializer=rolefleet_dot_v1_dot_common__pb2.RoleStatus.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=rolefleet_dot_v1_dot_common__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +207,60 @@ class CriticService:
             '/rolefleet.v1.CriticService/GetStatus',
             rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
             rolefleet_dot_v1_dot_common__pb2.RoleStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.CriticService/SaveCheckpoint',
+            rolefleet_dot_v1_dot_common__pb2.SaveCheckpointRequest.SerializeToString,
+            rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.CriticService/LoadCheckpoint',
+            rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.SerializeToString,
+            rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,241 @@
+"""Checkpoints of the trainer roles and of the run (DESIGN "Checkpoints").
+
+One checkpoint is a directory `<run>/checkpoints/step-00000012/`:
+
+    actor/            the actor's trainer (below)
+    critic/           the critic's, the same way
+    coordinator.json  the coordinator's: step, data position, KL coefficient, counts
+    MANIFEST.json     written last, after every role confirmed: a directory without it is incomplete
+                      and never loaded
+
+A trainer's directory:
+
+    weights/          model and optimizer state through torch.distributed.checkpoint: one file per
+                      training rank (FSDP shards stay shards), loadable onto any number of ranks
+    trainer.pt        LR scheduler, mini-batch generator and torch RNG states
+    role.json         model version, last applied step and the ledger's recorded results
+    hf/               the model's config.json and tokenizer: with weights/, what `rolefleet export`
+                      turns into a Hugging Face directory
+
+Every file appears atomically: a role writes into `<dir>.partial` and renames it to `<dir>` when all
+its ranks are done; the coordinator writes its file and the manifest through a temporary name. A
+save interrupted anywhere leaves either no `<dir>` or no manifest, and resume takes the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from rolefleet.common.roles import CheckpointInfo
+
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds either its old content or all of `data`, whatever happens meanwhile."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def begin(path: Path) -> Path:
+    """Before a role writes its directory: a clean `<path>.partial` (a failed attempt's is removed)."""
+    work = partial(path)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
+def commit(path: Path) -> None:
+    """After every rank wrote into `<path>.partial`: it becomes `path` in one rename."""
+    os.replace(partial(path), path)
+    _fsync_dir(path.parent)
+
+
+# --- a trainer's state --------------------------------------------------------------------------
+
+def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                 generator: torch.Generator, group, first: bool) -> None:
+    """SPMD over the training ranks (`group`: their process group, None for all or no group):
+    weights and optimizer state, each rank its shards; the first rank writes trainer.pt."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _one_process_is_fine():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(work / "weights"),
+                 process_group=group)
+    if first:
+        torch.save({"scheduler": scheduler.state_dict(), "generator": generator.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   work / "trainer.pt")
+
+
+def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                 generator: torch.Generator, group) -> None:
+    """SPMD over the training ranks: the inverse of `save_trainer`, resharded to this group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=str(path / "weights"), process_group=group)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(path / "trainer.pt", weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    generator.set_state(extra["generator"])
+    torch.set_rng_state(extra["torch_rng"])
+    if extra["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extra["cuda_rng"][:torch.cuda.device_count()])
+
+
+@contextmanager
+def _one_process_is_fine():
+    """A role of one process saves and loads without torch.distributed, as meant: no warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_hf_files(work: Path, model_config, tokenizer=None) -> None:
+    """What export needs besides the weights: the architecture (and the tokenizer, for the actor)."""
+    model_config.save_pretrained(work / "hf")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(work / "hf")
+
+
+# --- the run's checkpoints ----------------------------------------------------------------------
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every checkpoint under `root` whose manifest was written, by step."""
+    found = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and (entry / MANIFEST).is_file():
+                try:
+                    manifest = json.loads((entry / MANIFEST).read_text())
+                except (OSError, ValueError):
+                    continue  # unreadable: treated as incomplete
+                if manifest.get("step") == int(match.group(1)):
+                    found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` complete checkpoints, and incomplete ones older than the
+    newest complete one (an interrupted save). Returns what was removed."""
+    done = complete_checkpoints(root)
+    removed = [path for _, path in done[:-keep]] if keep > 0 else []
+    newest = done[-1][0] if done else 0
+    for entry in root.iterdir() if root.is_dir() else []:
+        match = _STEP_DIR.match(entry.name.removesuffix(".partial"))
+        if match and int(match.group(1)) < newest and not (entry / MANIFEST).is_file() and entry not in removed:
+            removed.append(entry)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+# --- a trainer role's side of SaveCheckpoint / LoadCheckpoint -----------------------------------
+# The core's trainer lock is held by the caller; `ranks` are its training ranks, each of which runs
+# the core's SPMD `_save_state(work)` / `_load_state(path)`.
+
+def _role_dir(path: str) -> Path:
+    from rolefleet.common.errors import InvalidArgument
+
+    if not path:
+        raise InvalidArgument("path", "no checkpoint directory given")
+    return Path(path)
+
+
+def read_role_json(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "role.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> CheckpointInfo:
+    from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+    from rolefleet.common.roles import CheckpointInfo
+    from rolefleet.common.workers import spmd
+
+    target = _role_dir(path)
+    last = core.state.ledger.last_step
+    if step != last:
+        raise FailedPrecondition(f"a checkpoint of step {step} was asked for; the {core.state.role}'s last "
+                                 f"applied step is {last}")
+    saved = read_role_json(target)
+    if saved is not None and saved["last_step"] == step:  # a repeat: already on disk
+        return CheckpointInfo(step, saved["model_version"])
+    try:
+        work = begin(target)
+    except OSError as exc:
+        raise InvalidArgument("path", f"cannot write {target}: {exc}") from exc
+    spmd(core, "_save_state", str(work), ranks=ranks)
+    write_hf_files(work)
+    write_json(work / "role.json", core.state.to_json())
+    shutil.rmtree(target, ignore_errors=True)  # a save of another step at the same path
+    commit(target)
+    return CheckpointInfo(step, core.state.version)
+
+
+def load_role(core, path: str, ranks: list[int]) -> CheckpointInfo:
+    from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+    from rolefleet.common.roles import CheckpointInfo
+    from rolefleet.common.workers import spmd
+
+    source = _role_dir(path)
+    saved = read_role_json(source)
+    if saved is None:
+        raise InvalidArgument("path", f"no {core.state.role} checkpoint at {source} (role.json missing or unreadable)")
+    try:
+        spmd(core, "_load_state", str(source), ranks=ranks)
+    except Exception as exc:  # the weights may be half loaded: neither the old state nor the saved one
+        core.state.ledger.broken = f"loading the checkpoint {source} failed: {exc}"
+        raise FailedPrecondition(core.state.ledger.broken) from exc
+    core.state.restore(saved)
+    return CheckpointInfo(saved["last_step"], saved["model_version"])

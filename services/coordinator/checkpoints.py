@@ -1,0 +1,87 @@
+"""The coordinator's side of checkpoints (docs/checkpoints.md; the layout: common/checkpoint.py).
+
+Saving step k: the actor and the critic write their parts at once (SaveCheckpoint), then the
+coordinator writes its own state, then the manifest, the mark of a complete checkpoint; older ones
+beyond `checkpoint.keep` go after it. Resuming: the newest complete checkpoint is loaded into the
+roles (LoadCheckpoint), which report the version and step they hold, and its coordinator state
+comes back to the loop: the next step, the data position, the KL coefficient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from rolefleet.common.checkpoint import MANIFEST, latest_checkpoint, prune, step_dir, write_json
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.errors import FailedPrecondition
+
+log = logging.getLogger(__name__)
+STATE_FILE = "coordinator.json"
+STATE_VERSION = 1
+
+
+async def _nothing() -> None:
+    return None
+
+
+class Checkpointer:
+    def __init__(self, cfg: RoleFleetConfig):
+        self.cfg = cfg
+        self.root = cfg.checkpoint.root(cfg.run).resolve()  # roles are told absolute paths
+
+    def due(self, step: int) -> bool:
+        return self.cfg.checkpoint.due(step, self.cfg.train.total_steps)
+
+    async def save(self, roles, step: int, actor_step: int, state: dict[str, Any]) -> Path:
+        """Checkpoint `step` (`actor_step`: the actor's own step id, behind during critic warm-up);
+        `state`: the coordinator's part (JSON values)."""
+        start = time.perf_counter()
+        path = step_dir(self.root, step)
+        path.mkdir(parents=True, exist_ok=True)
+        actor, critic = await asyncio.gather(
+            roles.actor.save_checkpoint(actor_step, str(path / "actor")),
+            roles.critic.save_checkpoint(step, str(path / "critic")) if roles.critic else _nothing())
+        write_json(path / STATE_FILE, {"version": STATE_VERSION, "step": step, **state})
+        roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
+        if critic is not None:
+            roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
+        write_json(path / MANIFEST, {"step": step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm,
+                                     "created": time.time(), "roles": roles_done, "coordinator": STATE_FILE})
+        for old in prune(self.root, self.cfg.checkpoint.keep):
+            log.info("checkpoint %s removed (checkpoint.keep=%d)", old, self.cfg.checkpoint.keep)
+        log.info("checkpoint of step %d written to %s in %.1f s", step, path, time.perf_counter() - start)
+        return path
+
+    async def restore(self, roles) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint into the roles; its coordinator state (None: there
+        is none yet, the run starts at step 1)."""
+        path = latest_checkpoint(self.root)
+        if path is None:
+            log.warning("run.resume: no complete checkpoint under %s; starting from step 1", self.root)
+            return None
+        manifest = json.loads((path / MANIFEST).read_text())
+        if (manifest["roles"].get("critic") is not None) != (roles.critic is not None):
+            raise FailedPrecondition(f"run.resume: the checkpoint {path} was taken "
+                                     f"{'with' if 'critic' in manifest['roles'] else 'without'} a critic; "
+                                     f"algorithm {self.cfg.algorithm} runs {'with' if roles.critic else 'without'} one")
+        state = json.loads((path / STATE_FILE).read_text())
+        if state.get("version") != STATE_VERSION:
+            raise FailedPrecondition(f"run.resume: {path / STATE_FILE} is of state version {state.get('version')}, "
+                                     f"this coordinator reads {STATE_VERSION}")
+        actor, critic = await asyncio.gather(
+            roles.actor.load_checkpoint(str(path / "actor")),
+            roles.critic.load_checkpoint(str(path / "critic")) if roles.critic else _nothing())
+        for name, loaded in (("actor", actor), ("critic", critic)):
+            expected = manifest["roles"].get(name)
+            if loaded is not None and (loaded.step, loaded.model_version) != (expected["step"], expected["model_version"]):
+                raise FailedPrecondition(f"run.resume: the {name} loaded step {loaded.step} version "
+                                         f"{loaded.model_version}, the manifest of {path} says step "
+                                         f"{expected['step']} version {expected['model_version']}")
+        log.warning("run.resume: continuing after step %d from %s (policy version %d)", state["step"], path,
+                    actor.model_version)
+        return state

@@ -1,0 +1,108 @@
+"""Checkpoints and resume against in-process roles: a run stopped after 3 steps and resumed by new
+roles ends with the weights, data order and metrics of a run of 6 steps straight; an interrupted
+checkpoint is never loaded; async runs resume too."""
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from rolefleet.actor.client import InProcessActorClient
+from rolefleet.actor.core import ActorCore
+from rolefleet.common.checkpoint import MANIFEST, complete_checkpoints
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.loop import Roles, train
+from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.critic.client import InProcessCriticClient
+from rolefleet.critic.core import CriticCore
+from rolefleet.reward.client import InProcessRewardClient
+from rolefleet.reward.core import RewardCore
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(cfg, stop_after: int | None = None):
+    """A run on fresh roles (as new processes would be); stopped after `stop_after` updates."""
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+
+    class Actor(InProcessActorClient):
+        async def update(self, *args):
+            result = await super().update(*args)
+            if result.model_version == stop_after:
+                status.request_stop()
+            return result
+
+    actor = ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)
+    critic = CriticCore(cfg.critic, cfg.run.seed) if cfg.preset.uses_critic else None
+    roles = Roles(Actor(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  InProcessCriticClient(critic) if critic else None)
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False, resume=cfg.run.resume)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    return status, actor, critic
+
+
+def metrics(cfg):
+    return [json.loads(line) for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_step(a: dict, b: dict) -> bool:
+    keys = ("reward/mean", "actor/loss", "critic/vf_loss", "kl", "kl_coef", "policy_version")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def test_stop_after_three_and_resume_equals_six_steps_straight(make_config, tmp_path):
+    common = ("algorithm=ppo", "train.total_steps=6", "checkpoint.every=3", "train.samples_per_prompt=2",
+              "train.kl_controller=adaptive", "train.kl_coef=0.05")
+    straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
+    _, straight_actor, straight_critic = run(straight_cfg)
+
+    cfg = make_config(*common, f"run.output_dir={tmp_path / 'resumed'}")
+    status, _, _ = run(cfg, stop_after=3)
+    assert status.state == RunState.STOPPED and status.step == 3
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [3]
+
+    resumed_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
+    status, actor, critic = run(resumed_cfg)
+    assert status.state == RunState.FINISHED and status.step == 6
+    assert actor.digest() == straight_actor.digest() and critic.digest() == straight_critic.digest()
+    assert actor.policy_version == 6 and actor.ledger.last_step == 6
+    records, expected = metrics(cfg), metrics(straight_cfg)
+    assert [r["step"] for r in records] == list(range(1, 7))  # steps 1-3 kept, 4-6 appended, none twice
+    assert all(same_step(a, b) for a, b in zip(records, expected)), (records[3], expected[3])
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [3, 6]
+
+
+def test_an_interrupted_checkpoint_is_never_loaded(make_config, tmp_path):
+    cfg = make_config("algorithm=grpo", "train.total_steps=4", "checkpoint.every=2", "train.samples_per_prompt=2")
+    run(cfg)
+    root = cfg.run.out / "checkpoints"
+    assert [s for s, _ in complete_checkpoints(root)] == [2, 4]
+    (root / "step-00000004" / MANIFEST).unlink()  # killed before the manifest was written
+    shutil.rmtree(root / "step-00000004" / "actor")
+    (root / "step-00000004" / "actor.partial").mkdir()  # ... while the actor was writing
+    resumed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
+    status, actor, _ = run(resumed)
+    assert status.step == 4 and actor.policy_version == 4
+    assert [r["step"] for r in metrics(cfg)] == [1, 2, 3, 4]
+    assert [s for s, _ in complete_checkpoints(root)] == [2, 4]  # the new step 4 replaced the broken one
+
+
+def test_an_async_run_resumes_after_its_last_checkpoint(make_config, tmp_path):
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=5",
+                      "checkpoint.every=2", "train.samples_per_prompt=2")
+    status, _, _ = run(cfg, stop_after=3)
+    assert status.state == RunState.STOPPED and status.step == 3
+    # The stop saved step 3 too: nothing done is lost.
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [2, 3]
+    resumed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
+    status, actor, _ = run(resumed)
+    assert status.state == RunState.FINISHED and actor.policy_version == 5
+    assert [r["step"] for r in metrics(cfg)] == [1, 2, 3, 4, 5]
+
+
+def test_resume_without_a_checkpoint_starts_from_step_one(make_config, tmp_path):
+    cfg = make_config("algorithm=grpo", "train.total_steps=2", "run.resume=true", "train.samples_per_prompt=2")
+    status, actor, _ = run(cfg)
+    assert status.step == 2 and actor.policy_version == 2
