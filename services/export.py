@@ -4,8 +4,8 @@ The trainer saves its weights through torch.distributed.checkpoint (one file per
 FSDP shards staying shards, see common/checkpoint.py) beside `hf/`, the model's config and
 tokenizer. Export rebuilds the model from `hf/` without its weights, has DCP read every shard into
 it in this one process (DCP reshards; no process group is needed), and writes config, safetensors
-and tokenizer with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained(OUT)` and vLLM load it
-like any other checkpoint.
+and tokenizer with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it like
+any other model directory.
 """
 
 from __future__ import annotations
@@ -35,17 +35,13 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "auto") -> Path:
     """Write the actor's weights of `checkpoint` (a run checkpoint `.../step-XXXXXXXX/` or an actor
     directory) as a Hugging Face model directory `out` in `dtype` (auto: the config's dtype, else
     float32). `out` appears whole or not at all; an existing non-empty `out` is refused. Returns `out`."""
-    from transformers import AutoTokenizer
-
     actor = actor_dir(Path(checkpoint))
     out = Path(out)
     _check_out(out)
-    hf = actor / "hf"
-    config = _load_config(hf)
+    config, tokenizer = _read_hf(actor / "hf")  # before the weights: a bad hf/ costs no model load
     target = export_dtype(config, dtype)
     model = _empty_model(config, target)
     _load_weights(model, actor / "weights")
-    tokenizer = AutoTokenizer.from_pretrained(hf)
     work = begin(out)
     try:
         # Safetensors either way: the argument is for transformers 4 (5 writes nothing else).
@@ -107,13 +103,14 @@ def _check_out(out: Path) -> None:
         raise ExportError(f"output {out} exists and is not empty; choose a new directory")
 
 
-def _load_config(hf: Path):
-    from transformers import AutoConfig
+def _read_hf(hf: Path):
+    """The model config and the tokenizer saved in `hf`."""
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
-        return AutoConfig.from_pretrained(hf)
+        return AutoConfig.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
     except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot read the model config in {hf}: {exc}") from None
+        raise ExportError(f"cannot read the model config and tokenizer in {hf}: {exc}") from None
 
 
 def _empty_model(config, dtype: torch.dtype) -> torch.nn.Module:
@@ -121,8 +118,11 @@ def _empty_model(config, dtype: torch.dtype) -> torch.nn.Module:
     initialized (every tensor that export writes is then read from the checkpoint)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:  # not a causal LM (a critic's value model, say)
+        raise ExportError(f"hf/config.json describes no causal LM transformers knows: {exc}") from None
     model = model.to(dtype).to_empty(device="cpu")
     # to_empty gives each parameter its own storage, which unties shared ones (input and output
     # embeddings). Non-persistent buffers (rotary frequencies) stay unset: save_pretrained does not

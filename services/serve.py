@@ -99,6 +99,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if ready_file:
         write_ready_file(ready_file, handle)
     gpu_sampler = GpuSampler.start_for(role, getattr(cfg.devices, role))  # None without NVIDIA GPUs
+    watch = asyncio.ensure_future(handle.report_broken(lambda: core.status().broken))  # noqa: RUF006 - until exit
 
     def close() -> None:
         if gpu_sampler is not None:
@@ -108,6 +109,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
             group.stop()
 
     await serve_until_stopped(handle, close=close)
+    watch.cancel()
     log.info("%s stopped", role)
     return 0
 

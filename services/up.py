@@ -42,6 +42,14 @@ def _die_with_parent(parent: int) -> None:  # runs in the child between fork and
             os._exit(1)
 
 
+RESTART_BACKOFF_S = 1.0
+
+
+def _killed(code: int) -> bool:
+    """Ended by a signal other than the stop signals (kill -9, the OOM killer, a segfault)."""
+    return code < 0 and -code not in (signal.SIGTERM, signal.SIGINT)
+
+
 class RoleFailed(RuntimeError):
     """A role process could not be brought up."""
 
@@ -76,11 +84,15 @@ class Supervisor:
         self.workdir = workdir
         self.logs = cfg.run.out / "logs"
         self.procs: dict[str, RoleProcess] = {}
+        self.overrides: dict[str, list[str]] = {}
+        self.restarts: dict[str, int] = {}
 
     def start(self, role: str, overrides: list[str], log_to_file: bool) -> RoleProcess:
         """Start `role`; servers log to runs/<name>/logs/<role>.log, the coordinator to the console."""
         ready = self.workdir / f"{role}.ready.json"
-        log_file = open(self.logs / f"{role}.log", "w") if log_to_file else None
+        ready.unlink(missing_ok=True)  # a restart: the dead process's ports are not this one's readiness
+        self.overrides[role] = overrides
+        log_file = open(self.logs / f"{role}.log", "a" if role in self.procs else "w") if log_to_file else None
         level = "info" if log_to_file else logging.getLevelName(logging.getLogger().level).lower()
         cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *overrides,
                "--config", str(self.config_path), "--ready-file", str(ready)]
@@ -130,17 +142,42 @@ class Supervisor:
             return "(no log)"
 
     def watch(self, main: str) -> int:
-        """Wait for `main` (the coordinator) to exit; fail fast if another role dies first."""
+        """Wait for `main` (the coordinator) to end the run. A role that dies meanwhile is started
+        again on its ports, with backoff, up to `run.max_restarts` times (the coordinator recovers
+        the run from its newest checkpoint); so is a coordinator killed by a signal (it resumes).
+        A coordinator that exits by itself ended the run: its code is the run's."""
         while True:
-            code = self.procs[main].proc.poll()
-            if code is not None:
-                return code
-            for role, rp in self.procs.items():
-                if role != main and rp.proc.poll() is not None:
-                    print(f"rolefleet: {role} exited with code {rp.proc.returncode} during the run; stopping. "
-                          f"The end of its log:\n{self.log_tail(role)}", file=sys.stderr, flush=True)
-                    return 1
+            for role, rp in list(self.procs.items()):
+                code = rp.proc.poll()
+                if code is None:
+                    continue
+                if role == main and not _killed(code):
+                    return code
+                if self.restarts.get(role, 0) >= self.cfg.run.max_restarts:
+                    print(f"rolefleet: {role} exited with code {code} during the run and was restarted "
+                          f"{self.restarts.get(role, 0)} times (run.max_restarts); stopping. The end of its log:\n"
+                          f"{self.log_tail(role)}", file=sys.stderr, flush=True)
+                    return code if role == main else 1
+                self.restart(role, code)
             time.sleep(0.2)
+
+    def restart(self, role: str, code: int) -> None:
+        n = self.restarts[role] = self.restarts.get(role, 0) + 1
+        backoff = min(RESTART_BACKOFF_S * 2 ** (n - 1), 30.0)
+        print(f"rolefleet: {role} exited with code {code} during the run; restarting it in {backoff:.0f} s "
+              f"({n} of {self.cfg.run.max_restarts})", file=sys.stderr, flush=True)
+        time.sleep(backoff)
+        old = self.procs[role]
+        if old.log_file is not None:
+            old.log_file.close()
+        ports = old.ports() or {}
+        same_ports = [f"{role}.{key}={ports[name]}" for key, name in
+                      (("port", "grpc_port"), ("metrics_port", "metrics_port"), ("http_port", "http_port"))
+                      if name in ports]
+        resume = ["run.resume=true"] if role == "coordinator" else []
+        self.start(role, [*self.overrides[role], *same_ports, *resume], log_to_file=old.log_file is not None)
+        if role != "coordinator":
+            self.wait_ready([role])
 
     def stop_all(self) -> None:
         """The coordinator first, so it can finish its step while the roles still answer; then the

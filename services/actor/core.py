@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from rolefleet.actor import weight_sync
-from rolefleet.common import checkpoint
 from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
-from rolefleet.common import metrics
+from rolefleet.common import checkpoint, metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded

@@ -74,6 +74,10 @@ class RunSection(_Section):
     name: str = Field("rolefleet", pattern=r"^[A-Za-z0-9_.-]+$")
     output_dir: Optional[str] = Field(None, description="default runs/<name>")
     seed: int = 0
+    max_restarts: int = Field(3, ge=0, description="`rolefleet up` restarts a role process that dies up to this "
+                              "many times (the coordinator with run.resume=true), and the coordinator recovers "
+                              "from a lost role as often: it reloads the newest checkpoint into every trainer "
+                              "role and goes on from there; 0: a lost role ends the run")
     resume: bool = Field(False, description="continue from the newest complete checkpoint of this run "
                          "(checkpoint.dir): roles load it, the data order, RNG streams, policy version and "
                          "KL controller carry on; no checkpoint yet: start from step 1")

@@ -204,6 +204,18 @@ class RoleServer:
     grpc_port: int
     metrics_port: int
     _httpd: Any
+    services: tuple[str, ...] = ()  # the health service's names: "" and each gRPC service
+
+    async def report_broken(self, broken: Callable[[], str], period_s: float = 1.0) -> None:
+        """Once `broken()` names why the role refuses updates until restarted, health answers
+        NOT_SERVING (for the server and each service): compose's health checks and Kubernetes'
+        liveness probes restart it, instead of a run retrying a role that can only refuse."""
+        while not (why := broken()):
+            await asyncio.sleep(period_s)
+        log.error("%s refuses updates until restarted (%s): reporting NOT_SERVING", self.role, why)
+        for name in self.services:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        metrics.HEALTH.labels(self.role).set(0)
 
     async def stop(self, close: Optional[Callable[[], None]] = None) -> None:
         """Ordered shutdown: NOT_SERVING first so balancers drain, then finish in-flight calls."""
@@ -271,7 +283,7 @@ async def start_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.HEALTH.labels(role).set(1)
     log.info("%s serving gRPC on %s:%d, metrics on :%d", role, endpoint.host, port, httpd.server_port)
-    return RoleServer(role, server, health_servicer, port, httpd.server_port, httpd)
+    return RoleServer(role, server, health_servicer, port, httpd.server_port, httpd, ("", *names))
 
 
 def write_ready_file(path: str | Path, handle: RoleServer, **extra: Any) -> None:

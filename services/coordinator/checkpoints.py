@@ -19,6 +19,7 @@ from typing import Any
 from rolefleet.common.checkpoint import MANIFEST, latest_checkpoint, prune, step_dir, write_json
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.coordinator.journal import Journal
 
 log = logging.getLogger(__name__)
 STATE_FILE = "coordinator.json"
@@ -30,9 +31,16 @@ async def _nothing() -> None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: RoleFleetConfig):
-        self.cfg = cfg
+    """Checkpoints, and the journal's record of each step's samples (None: not journaled)."""
+
+    def __init__(self, cfg: RoleFleetConfig, journal: Journal | None = None):
+        self.cfg, self.journal = cfg, journal
         self.root = cfg.checkpoint.root(cfg.run).resolve()  # roles are told absolute paths
+
+    def trained(self, step: int, samples, policy_version: int) -> None:
+        """Step `step` was trained on `samples`: the journal refuses a sample id trained twice."""
+        if self.journal is not None:
+            self.journal.record_step(step, [s.sample_id for s in samples], policy_version)
 
     def due(self, step: int) -> bool:
         return self.cfg.checkpoint.due(step, self.cfg.train.total_steps)
@@ -50,8 +58,11 @@ class Checkpointer:
         roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
         if critic is not None:
             roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
-        write_json(path / MANIFEST, {"step": step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm,
-                                     "created": time.time(), "roles": roles_done, "coordinator": STATE_FILE})
+        manifest = {"step": step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm, "created": time.time(),
+                    "roles": roles_done, "coordinator": STATE_FILE}
+        write_json(path / MANIFEST, manifest)
+        if self.journal is not None:
+            self.journal.record_checkpoint(step, str(path), manifest)
         for old in prune(self.root, self.cfg.checkpoint.keep):
             log.info("checkpoint %s removed (checkpoint.keep=%d)", old, self.cfg.checkpoint.keep)
         log.info("checkpoint of step %d written to %s in %.1f s", step, path, time.perf_counter() - start)

@@ -26,12 +26,14 @@ from rolefleet.algos import KL_CONTROLLERS
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
-from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.errors import FailedPrecondition, Unavailable
 from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
+from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step_metrics import step_record
@@ -138,26 +140,70 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
     """The run: `pipeline.mode` sync (below) or async (`coordinator/pipeline.py`)."""
     if (roles.critic is not None) != cfg.preset.uses_critic:
         raise ValueError(f"algorithm {cfg.algorithm} {'needs' if cfg.preset.uses_critic else 'takes no'} critic")
-    checkpointer = Checkpointer(cfg)
-    resumed = await checkpointer.restore(roles) if cfg.run.resume else None
-    if resumed is None:
-        await require_fresh(roles)
-    if cfg.run.resume:
-        for record in logger.rewind(resumed["step"] if resumed else 0):
-            status.record_step(record, record.get("policy_version", 0))
-    status.stepping = True
-    if status.state == RunState.STARTING:  # not when paused or stopping meanwhile
-        status.state = RunState.RUNNING
-    clock = BusyClock()
-    roles = clock.track(roles)
+    with Journal(cfg.run.out / JOURNAL_FILE) as journal:
+        journal.record_run(cfg.run.name, cfg.model_dump(mode="json"))
+        checkpointer = Checkpointer(cfg, journal)
+        resumed = await checkpointer.restore(roles) if cfg.run.resume else None
+        if resumed is None:
+            await require_fresh(roles)
+            if cfg.run.max_restarts and cfg.checkpoint.every:  # what a lost role is recovered to before step `every`
+                await checkpointer.save(roles, 0, 0, {"kl_coef": cfg.train.kl_coef})
+        status.stepping = True
+        if status.state == RunState.STARTING:  # not when paused or stopping meanwhile
+            status.state = RunState.RUNNING
+        clock = BusyClock()
+        roles = clock.track(roles)
+        failures, failed_at = 0, -1
+        while True:
+            # What comes after the checkpoint is trained (again) now; the records of it go.
+            journal.rewind(resumed["step"] if resumed else 0)
+            status.rewind(logger.rewind(resumed["step"] if resumed else 0))
+            try:
+                await _steps(cfg, roles, logger, status, clock, checkpointer, resumed)
+                break
+            except Unavailable as exc:
+                # A budget per loss: it renews once the run has got past the step it failed at.
+                failures, failed_at = (failures + 1 if status.step <= failed_at else 1), max(failed_at, status.step)
+                if failures > cfg.run.max_restarts or status.stop_requested:
+                    raise
+                resumed = await _recover(cfg, roles, checkpointer, exc, failures)
+    status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
+    return status
+
+
+async def _steps(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus, clock: BusyClock,
+                 checkpointer: Checkpointer, resumed: dict | None) -> None:
     if cfg.pipeline.mode == "async":
         from rolefleet.coordinator.pipeline import Pipeline
 
         await Pipeline(cfg, roles, logger, status, clock, checkpointer, resumed).run()
     else:
         await train_sync(cfg, roles, logger, status, clock, checkpointer, resumed)
-    status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
-    return status
+
+
+async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointer, lost: Unavailable,
+                   attempt: int) -> dict:
+    """A role went away mid-run (its process died; `rolefleet up`, compose or Kubernetes start it
+    again): once every role answers, the newest checkpoint goes back into the trainer roles (a
+    restarted one starts from its initial weights, the others moved on since) and the run goes on
+    from its step."""
+    print(f"rolefleet: a role was lost ({lost}); recovery {attempt} of {cfg.run.max_restarts}: waiting for every "
+          "role, then resuming from the newest checkpoint", flush=True)
+    deadline = time.monotonic() + cfg.train.connect_timeout_s
+    for client in (roles.actor, roles.reward, roles.critic):
+        while client is not None:
+            try:
+                await client.status()
+                break
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+    resumed = await checkpointer.restore(roles)
+    if resumed is None:
+        raise FailedPrecondition(f"a role was lost ({lost}) and the run has no checkpoint to recover from: "
+                                 "set checkpoint.every")
+    return resumed
 
 
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
@@ -168,7 +214,8 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
     done = 0  # the last step applied (and saved, when resumed from it)
     if resumed is not None:
         done, kl_coef = resumed["step"], resumed["kl_coef"]
-        dataset.load_state_dict(resumed["data"])  # refuses prompts that changed since
+        if "data" in resumed:  # not in the checkpoint of step 0
+            dataset.load_state_dict(resumed["data"])  # refuses prompts that changed since
     saved = done
     for step in range(done + 1, t.total_steps + 1):
         await status.wait_resumed()
@@ -220,6 +267,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         if warming:
             record["critic_warmup"] = 1.0
         record.update(clock.fractions())
+        checkpointer.trained(step, samples, actor_result.model_version)
         logger.log(record)
         status.record_step(record, actor_result.model_version)
         done = step

@@ -101,8 +101,9 @@ class Pipeline:
         self.done, self.kl_coef = 0, cfg.train.kl_coef
         if resumed is not None:
             self.done, self.kl_coef = resumed["step"], resumed["kl_coef"]
-            self.counts.update(resumed["counts"])
-            self.dataset.load_state_dict(resumed["data"])
+            self.counts.update(resumed.get("counts", {}))
+            if "data" in resumed:  # not in the checkpoint of step 0
+                self.dataset.load_state_dict(resumed["data"])
         self.version = self.done    # the actor's policy version: updates applied this run
         self.generated_batches = self.done + self.counts["dropped_batches"]  # batches the generate stage finished
         self.changed = asyncio.Condition()  # the version moved or a queue drained
@@ -185,6 +186,7 @@ class Pipeline:
             )
             lag = torch.tensor([self.version - smp.policy_version for smp in samples], dtype=torch.float32)
             self.trained += [smp.sample_id for smp in samples]
+            self.checkpointer.trained(step, samples, actor_result.model_version)
             async with self.changed:
                 self.version = actor_result.model_version
                 self.changed.notify_all()

@@ -50,6 +50,13 @@ class RunStatus:
         self.last_reward_mean = record["reward/mean"]
         self.history.append(record)
 
+    def rewind(self, records: list[dict]) -> None:
+        """Resuming or recovering: the steps after a checkpoint are run again."""
+        self.history = list(records)
+        last = records[-1] if records else {"step": 0, "policy_version": 0, "reward/mean": 0.0}
+        self.step, self.policy_version = last["step"], last.get("policy_version", 0)
+        self.last_reward_mean = last["reward/mean"]
+
     def request_stop(self) -> bool:
         """Ask the run to stop after the step in flight. True when it has not started stepping, so
         it may be cancelled at once (nothing to leave consistent)."""

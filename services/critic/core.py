@@ -7,8 +7,10 @@ from pathlib import Path
 import torch
 
 from rolefleet.algos import VALUE_LOSSES
+from rolefleet.common import checkpoint
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
+from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.modeling import (
     autocast,
     compile_decoder_layers,
@@ -19,8 +21,6 @@ from rolefleet.common.modeling import (
     release_memory,
     weights_digest,
 )
-from rolefleet.common import checkpoint
-from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState

@@ -76,3 +76,32 @@ def test_serve_on_a_busy_port_exits_with_a_message_not_a_traceback(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert f"reward: cannot listen for gRPC on 127.0.0.1:{port}" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_role_that_refuses_updates_reports_not_serving():
+    """compose and Kubernetes restart on health: a broken role must not stay SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from rolefleet.common.roles import open_channel
+
+    async def scenario():
+        handle = await start_server("reward", Endpoint(port=0), add_reward)
+        broken = ""
+        watch = asyncio.ensure_future(handle.report_broken(lambda: broken, period_s=0.05))
+        try:
+            async with open_channel(f"127.0.0.1:{handle.grpc_port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+
+                async def health(service=""):
+                    return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+                assert await health() == health_pb2.HealthCheckResponse.SERVING
+                broken = "the update of step 3 failed after 1 of 2 optimizer steps"
+                await asyncio.wait_for(watch, 5)
+                assert await health() == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert await health("rolefleet.v1.RewardService") == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            watch.cancel()
+            await handle.stop()
+
+    asyncio.run(scenario())

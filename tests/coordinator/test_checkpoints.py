@@ -11,6 +11,7 @@ import pytest
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.checkpoint import MANIFEST, complete_checkpoints
+from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunState, RunStatus
@@ -47,6 +48,11 @@ def metrics(cfg):
     return [json.loads(line) for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
 
 
+def journal_ids(cfg) -> list[int]:
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        return journal.trained_sample_ids()
+
+
 def same_step(a: dict, b: dict) -> bool:
     keys = ("reward/mean", "actor/loss", "critic/vf_loss", "kl", "kl_coef", "policy_version")
     return all(a.get(k) == b.get(k) for k in keys)
@@ -61,7 +67,8 @@ def test_stop_after_three_and_resume_equals_six_steps_straight(make_config, tmp_
     cfg = make_config(*common, f"run.output_dir={tmp_path / 'resumed'}")
     status, _, _ = run(cfg, stop_after=3)
     assert status.state == RunState.STOPPED and status.step == 3
-    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [3]
+    # Step 0's: what a role lost before the first checkpoint would be recovered to (run.max_restarts).
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [0, 3]
 
     resumed_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
     status, actor, critic = run(resumed_cfg)
@@ -71,14 +78,17 @@ def test_stop_after_three_and_resume_equals_six_steps_straight(make_config, tmp_
     records, expected = metrics(cfg), metrics(straight_cfg)
     assert [r["step"] for r in records] == list(range(1, 7))  # steps 1-3 kept, 4-6 appended, none twice
     assert all(same_step(a, b) for a, b in zip(records, expected)), (records[3], expected[3])
-    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [3, 6]
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [0, 3, 6]
+    # The journal: every sample of the six steps trained once, the same ones as straight through.
+    ids = journal_ids(cfg)
+    assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids)) == 6 * cfg.train.prompts_per_step * 2
 
 
 def test_an_interrupted_checkpoint_is_never_loaded(make_config, tmp_path):
     cfg = make_config("algorithm=grpo", "train.total_steps=4", "checkpoint.every=2", "train.samples_per_prompt=2")
     run(cfg)
     root = cfg.run.out / "checkpoints"
-    assert [s for s, _ in complete_checkpoints(root)] == [2, 4]
+    assert [s for s, _ in complete_checkpoints(root)] == [0, 2, 4]
     (root / "step-00000004" / MANIFEST).unlink()  # killed before the manifest was written
     shutil.rmtree(root / "step-00000004" / "actor")
     (root / "step-00000004" / "actor.partial").mkdir()  # ... while the actor was writing
@@ -86,7 +96,7 @@ def test_an_interrupted_checkpoint_is_never_loaded(make_config, tmp_path):
     status, actor, _ = run(resumed)
     assert status.step == 4 and actor.policy_version == 4
     assert [r["step"] for r in metrics(cfg)] == [1, 2, 3, 4]
-    assert [s for s, _ in complete_checkpoints(root)] == [2, 4]  # the new step 4 replaced the broken one
+    assert [s for s, _ in complete_checkpoints(root)] == [0, 2, 4]  # the new step 4 replaced the broken one
 
 
 def test_an_async_run_resumes_after_its_last_checkpoint(make_config, tmp_path):
@@ -95,14 +105,54 @@ def test_an_async_run_resumes_after_its_last_checkpoint(make_config, tmp_path):
     status, _, _ = run(cfg, stop_after=3)
     assert status.state == RunState.STOPPED and status.step == 3
     # The stop saved step 3 too: nothing done is lost.
-    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [2, 3]
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [0, 2, 3]
     resumed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
     status, actor, _ = run(resumed)
     assert status.state == RunState.FINISHED and actor.policy_version == 5
     assert [r["step"] for r in metrics(cfg)] == [1, 2, 3, 4, 5]
+    ids = journal_ids(cfg)  # step 3's samples were trained before the stop and never again
+    assert len(ids) == len(set(ids)) == 5 * cfg.train.prompts_per_step * 2
 
 
 def test_resume_without_a_checkpoint_starts_from_step_one(make_config, tmp_path):
     cfg = make_config("algorithm=grpo", "train.total_steps=2", "run.resume=true", "train.samples_per_prompt=2")
     status, actor, _ = run(cfg)
     assert status.step == 2 and actor.policy_version == 2
+
+
+def test_a_lost_role_is_recovered_from_the_newest_checkpoint(make_config, tmp_path):
+    """The critic's process 'dies' at step 4 and comes back fresh (its initial weights): the run
+    reloads checkpoint 2 into both trainers, trains steps 3-6 again, and ends as a run without a
+    loss would, every sample trained once."""
+    from rolefleet.common.errors import Unavailable
+
+    common = ("algorithm=ppo", "train.total_steps=6", "checkpoint.every=2", "train.samples_per_prompt=2")
+    straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
+    _, straight_actor, straight_critic = run(straight_cfg)
+
+    cfg = make_config(*common, f"run.output_dir={tmp_path / 'lost'}")
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    actor = ActorCore(cfg.actor, cfg.run.seed)
+
+    class DyingCritic(InProcessCriticClient):
+        died = False
+
+        async def update(self, step, *args):
+            if step == 4 and not self.died:
+                DyingCritic.died = True
+                self.core = CriticCore(cfg.critic, cfg.run.seed)  # the restarted process
+                raise Unavailable("critic: connection refused")
+            return await super().update(step, *args)
+
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  DyingCritic(CriticCore(cfg.critic, cfg.run.seed)))
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    assert status.state == RunState.FINISHED and DyingCritic.died
+    assert actor.digest() == straight_actor.digest() and roles.critic.core.digest() == straight_critic.digest()
+    assert [r["step"] for r in metrics(cfg)] == list(range(1, 7))
+    ids = journal_ids(cfg)
+    assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids))
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        assert [step for step, _ in journal.rewound()] == [3]  # step 3 was trained twice in the log only

@@ -34,7 +34,7 @@ def test_up_with_a_split_actor_trains_async_and_leaves_no_process(make_config, t
 
 
 def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
-    cfg = make_config("train.total_steps=100000", "actor.workers=2")
+    cfg = make_config("train.total_steps=100000", "actor.workers=2", "run.max_restarts=0")
     config = write_config(cfg, tmp_path / "config.yaml")
     resolved = str(cfg.run.out / "config.yaml")
     proc = rolefleet("up", str(config))

@@ -1,0 +1,66 @@
+"""`kill -9` of each role in turn under `rolefleet up`: every role is restarted, the run recovers
+from its newest checkpoint each time and finishes all its steps; the journal shows every sample
+trained exactly once in the final record, and what each recovery redid."""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from rolefleet.coordinator.journal import Journal
+from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, write_config
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def last_step(metrics) -> int:
+    try:
+        records = read_metrics(metrics)
+    except (OSError, ValueError):
+        return 0
+    return records[-1]["step"] if records else 0
+
+
+def wait_for_step(proc, metrics, step: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while last_step(metrics) < step:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no step {step} within {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
+    total = 60
+    cfg = make_config("algorithm=ppo", f"train.total_steps={total}", "checkpoint.every=3", "checkpoint.keep=2",
+                      "train.samples_per_prompt=2", "run.max_restarts=2", "data.size=512")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    resolved = str(cfg.run.out / "config.yaml")
+    metrics = cfg.run.out / "metrics.jsonl"
+    rng = random.Random(7)
+    proc = rolefleet("up", str(config))
+    try:
+        reached = 0
+        for role in ("actor", "critic", "reward", "coordinator"):
+            reached = max(reached, last_step(metrics)) + rng.randint(2, 4)  # a random point after the last recovery
+            wait_for_step(proc, metrics, reached)
+            [pid] = [p for p in processes_mentioning(f"serve {role}") if p in processes_mentioning(resolved)]
+            os.kill(pid, signal.SIGKILL)
+            assert last_step(metrics) < total, "the run ended before every role was killed: give it more steps"
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
+    for role in ("actor", "critic", "reward", "coordinator"):
+        assert f"rolefleet: {role} exited with code -9 during the run; restarting it" in output
+    assert output.count("recovery 1 of 2") >= 3  # actor, critic and reward were recovered from in the run
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        ids = journal.trained_sample_ids()
+        assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2  # none lost, none twice
+        assert journal.starts() == 2  # the coordinator: started, killed, resumed
+        assert journal.rewound()  # steps after a checkpoint were trained again, and are counted once
+    assert processes_mentioning(resolved) == []
