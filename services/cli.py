@@ -110,6 +110,29 @@ def _http_status(url: str) -> tuple[dict, list[dict]]:
     return get("/v1/status"), get("/v1/roles")
 
 
+def cmd_scale(args) -> int:
+    """Add or remove a reward replica of a running run, through its HTTP control plane."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    change, address = ("add", args.add) if args.add else ("remove", args.remove)
+    request = urllib.request.Request(f"{args.http.rstrip('/')}/v1/reward/replicas/{change}", method="POST",
+                                     data=json.dumps({"address": address}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            replicas = json.load(reply)["replicas"]
+    except urllib.error.HTTPError as e:  # the control plane's JSON error says why
+        print(f"rolefleet: {json.load(e).get('error', e.reason)}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"rolefleet: no answer from {args.http}: {e}", file=sys.stderr)
+        return 1
+    print(f"reward replicas in use: {', '.join(replicas)}")
+    return 0
+
+
 def cmd_deploy(args) -> int:
     """Deployment files from a run config's devices map (one source of truth with `up`)."""
     cfg = load_config(args.config, [])
@@ -197,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--address", help="coordinator gRPC address (printed when the run starts)")
     where.add_argument("--http", help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("scale", help="add or remove a reward replica of a running run")
+    p.add_argument("role", choices=["reward"])
+    change = p.add_mutually_exclusive_group(required=True)
+    change.add_argument("--add", metavar="HOST:PORT", help="a running reward server to give work to")
+    change.add_argument("--remove", metavar="HOST:PORT", help="a replica to give no new work (its calls finish)")
+    p.add_argument("--http", required=True, help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
+    p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("deploy", help="print deployment files generated from a config's devices map")
     p.add_argument("target", choices=["compose", "helm-values"],

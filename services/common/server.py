@@ -42,7 +42,17 @@ CHANNEL_OPTIONS = [
 ]
 # Clients spread their calls over every address a name resolves to (a headless Kubernetes Service
 # of reward replicas); a name with one address behaves as before. Servers take no such option.
-CLIENT_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+# Calls answered UNAVAILABLE (a server restarting, a connection reset) are retried by gRPC itself,
+# with backoff, before the caller sees the error: every RPC of the project is safe to repeat
+# (generation is seeded, scoring pure, updates and checkpoints idempotent per step). Each call's
+# deadline bounds its retries too.
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{}],  # every method of every service
+    "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+CLIENT_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin"), ("grpc.enable_retries", 1),
+                  ("grpc.service_config", RETRY_SERVICE_CONFIG)]
 # gRPC sets SO_REUSEPORT by default, which lets a second server bind a busy port and silently share
 # (or steal) its traffic: a stale actor would keep answering a new run. A busy port must fail.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]

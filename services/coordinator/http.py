@@ -1,6 +1,6 @@
 """The coordinator's HTTP control plane (FastAPI, served by uvicorn in the coordinator's event loop
 beside its gRPC control service): run status, step history, the role map with each role's health,
-pause, resume and stop. OpenAPI schema at /openapi.json; every error is JSON `{"error": message}`."""
+pause, resume and stop, reward replicas added and removed. OpenAPI schema at /openapi.json; every error is JSON `{"error": message}`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.roles import check_health, fetch_status
+from rolefleet.coordinator.scaling import RewardScaling
 from rolefleet.coordinator.state import ControlError, RunState, RunStatus
 
 STATES = tuple(s.name for s in RunState)
@@ -58,6 +59,14 @@ class StepsPage(BaseModel):
     next_since: int = Field(description="pass as `since` to get the steps after these")
 
 
+class ReplicaRequest(BaseModel):
+    address: str = Field(description="HOST:PORT of a running reward server", max_length=300)
+
+
+class Replicas(BaseModel):
+    replicas: list[str] = Field(description="addresses of the reward replicas that get new work")
+
+
 class ErrorBody(BaseModel):
     error: str
 
@@ -66,9 +75,10 @@ class ErrorBody(BaseModel):
 # its own 422 body otherwise).
 INVALID = {422: {"model": ErrorBody, "description": "a parameter is invalid"}}
 ERRORS = {**INVALID, 409: {"model": ErrorBody, "description": "the run's state does not allow it"}}
+BODY_ERRORS = {**ERRORS, 400: {"model": ErrorBody, "description": "the body is not JSON"}}
 
 
-def make_app(status: RunStatus, addresses: dict[str, str]) -> FastAPI:
+def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScaling | None = None) -> FastAPI:
     app = FastAPI(title="RoleFleet coordinator", version="1", responses=INVALID,
                   description="Control plane of one RoleFleet run (docs/http-api.md).")
 
@@ -103,6 +113,29 @@ def make_app(status: RunStatus, addresses: dict[str, str]) -> FastAPI:
     @app.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")
     async def get_roles() -> list[RoleView]:
         return list(await asyncio.gather(*(role_view(label, address) for label, address in addresses.items())))
+
+    @app.get("/v1/reward/replicas", summary="the reward replicas in use")
+    async def get_replicas() -> Replicas:
+        return Replicas(replicas=scaling.replicas() if scaling else [])
+
+    # One method per path (as the other routes): Starlette's 405 would list only the first route's.
+    @app.post("/v1/reward/replicas/add", summary="give a running reward server a share of the work",
+              responses=BODY_ERRORS)
+    async def add_replica(body: ReplicaRequest) -> Replicas:
+        try:
+            return Replicas(replicas=await _scaling().add(body.address))
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=422)
+
+    @app.post("/v1/reward/replicas/remove", summary="give a reward replica no new work (its calls in flight "
+              "finish)", responses=BODY_ERRORS)
+    async def remove_replica(body: ReplicaRequest) -> Replicas:
+        return Replicas(replicas=_scaling().remove(body.address))
+
+    def _scaling() -> RewardScaling:
+        if scaling is None:
+            raise ControlError("this control plane does not scale reward replicas")
+        return scaling
 
     @app.post("/v1/pause", summary="start no new step until resumed (the step in flight finishes)",
               responses=ERRORS)

@@ -24,6 +24,7 @@ from rolefleet.common.server import (
 from rolefleet.coordinator.http import HttpControlPlane, make_app, role_of
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
+from rolefleet.coordinator.scaling import RewardScaling
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
@@ -89,10 +90,11 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
     timeout = cfg.train.rpc_timeout_s
     for role, address in addresses.items():
         await wait_healthy(role, address, cfg.train.connect_timeout_s, give_up=lambda: status.stop_requested)
-    rewards = [GrpcRewardClient(a, timeout) for label, a in addresses.items() if role_of(label) == "reward"]
+    rewards = [a for label, a in addresses.items() if role_of(label) == "reward"]
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
-        reward=rewards[0] if len(rewards) == 1 else ReplicatedRewardClient(rewards),
+        # Replicated even when one: replicas may be added while the run goes (coordinator/scaling.py).
+        reward=ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
     )
 
@@ -111,7 +113,8 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     status = RunStatus(run_name=cfg.run.name, total_steps=cfg.train.total_steps)
-    http = start_http(cfg, status, addresses)
+    scaling = RewardScaling(cfg.train.rpc_timeout_s)
+    http = start_http(cfg, status, addresses, scaling)
     try:
         handle = await start_server("coordinator", cfg.coordinator,
                                     lambda server: add_to_server(status, server, addresses))
@@ -134,6 +137,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
                 status.state = RunState.STOPPED
                 return status
             return _failed(status, exc)
+        scaling.client = roles.reward
         try:
             logger = run_logger(cfg, progress)
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot start (W&B without a login, say)
@@ -146,6 +150,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
         finally:
             logger.close()
             print(f"rolefleet: {logger.summary()}", flush=True)
+            scaling.client = None
             await close_clients(roles)
 
     try:
@@ -168,12 +173,13 @@ async def close_clients(roles: Roles) -> None:
             await client.close()
 
 
-def start_http(cfg: RoleFleetConfig, status: RunStatus, addresses: dict[str, str]) -> Optional[HttpControlPlane]:
+def start_http(cfg: RoleFleetConfig, status: RunStatus, addresses: dict[str, str],
+               scaling: Optional[RewardScaling] = None) -> Optional[HttpControlPlane]:
     """The HTTP control plane, bound (None when `coordinator.http_enabled` is false)."""
     c = cfg.coordinator
     if not c.http_enabled:
         return None
     try:
-        return HttpControlPlane(make_app(status, addresses), c.http_host, c.http_port)
+        return HttpControlPlane(make_app(status, addresses, scaling), c.http_host, c.http_port)
     except OSError as exc:
         raise StartupError(busy_port_error("coordinator", "http", c.http_host, c.http_port, exc)) from None

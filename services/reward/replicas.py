@@ -40,17 +40,24 @@ class ReplicatedRewardClient:
     min_shard_items: a batch is cut into at most len(items) / min_shard_items shards, so small
         batches use fewer replicas.
     weights: relative capacity of each replica (e.g. its GPU count); shards are proportional to it.
+    labels: a name per replica (its address) for `add` and `retire`.
+
+    Replicas can be added and retired while calls run (scaling a running run): a retired replica
+    gets no new shard, finishes the calls it has (a shard it then fails goes to another replica, as
+    any failure does), and is closed once idle.
     """
 
     def __init__(self, clients: Sequence[Any], hedge_after_s: float | None = None, hedge_factor: float = 2.0,
                  min_hedge_s: float = 0.5, initial_hedge_s: float = 30.0, cooldown_s: float = 10.0,
                  min_shard_items: int = 1, weights: Sequence[float] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, labels: Sequence[str] | None = None):
         if not clients:
             raise ValueError("ReplicatedRewardClient needs at least one reward client")
         if weights is not None and (len(weights) != len(clients) or min(weights) <= 0):
             raise ValueError(f"weights: one positive number per replica ({len(clients)}), got {list(weights)}")
         self.clients = list(clients)
+        self.labels = list(labels) if labels is not None else [f"replica {i}" for i in range(len(clients))]
+        self.retired: set[int] = set()
         self.hedge_after_s, self.hedge_factor = hedge_after_s, hedge_factor
         self.min_hedge_s, self.initial_hedge_s = min_hedge_s, initial_hedge_s
         self.cooldown_s, self.min_shard_items = cooldown_s, max(1, min_shard_items)
@@ -86,7 +93,7 @@ class ReplicatedRewardClient:
     async def status(self, include_digest: bool = False) -> RoleStatus:
         """The status of the first replica that answers, healthy ones first."""
         reasons = []
-        for index in self._by_preference(range(len(self.clients))):
+        for index in self._by_preference(self._live()):
             try:
                 return await self.clients[index].status(include_digest)
             except TRANSIENT as exc:
@@ -95,16 +102,55 @@ class ReplicatedRewardClient:
         raise Unavailable(f"no reward replica answered GetStatus ({'; '.join(reasons)})")
 
     async def close(self) -> None:
-        results = await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        live = [self.clients[i] for i in self._live()]  # retired ones close themselves
+        results = await asyncio.gather(*(c.close() for c in live), return_exceptions=True)
         for index, result in enumerate(results):
             if isinstance(result, Exception):
                 log.warning("closing reward replica %d: %s", index, result)
+
+    # --- scaling -------------------------------------------------------------------------------------
+
+    def add(self, client: Any, label: str, weight: float = 1.0) -> None:
+        """A new replica; the next batches' shards include it."""
+        if label in self.active_labels():
+            raise ValueError(f"reward replica {label} is already in use")
+        index = len(self.clients)
+        self.clients.append(client)
+        self.labels.append(label)
+        self.weights.append(weight)
+        for counter in (self.calls, self.failures, self.lost_hedges, self._in_flight):
+            counter[index] = 0
+        self._down_until[index] = float("-inf")
+        log.info("reward replica %s added (%d in use)", label, len(self._live()))
+
+    def retire(self, label: str) -> None:
+        """No new shard for replica `label`; its calls in flight finish, then it is closed."""
+        [index] = [i for i in self._live() if self.labels[i] == label] or [None]
+        if index is None:
+            raise KeyError(f"no reward replica {label} in use (in use: {', '.join(self.active_labels())})")
+        if len(self._live()) == 1:
+            raise ValueError(f"reward replica {label} is the last one in use: add another first")
+        self.retired.add(index)
+        log.info("reward replica %s retired (%d calls in flight; %d in use)", label, self._in_flight[index],
+                 len(self._live()))
+        asyncio.ensure_future(self._close_when_idle(index))  # noqa: RUF006 - it ends by itself
+
+    def active_labels(self) -> list[str]:
+        return [self.labels[i] for i in self._live()]
+
+    async def _close_when_idle(self, index: int) -> None:
+        while self._in_flight[index] > 0:
+            await asyncio.sleep(0.1)
+        await self.clients[index].close()
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.clients)) if i not in self.retired]
 
     # --- sharding ------------------------------------------------------------------------------------
 
     def _healthy(self) -> list[int]:
         now = self.clock()
-        return [i for i in range(len(self.clients)) if self._down_until[i] <= now]
+        return [i for i in self._live() if self._down_until[i] <= now]
 
     def _by_preference(self, indices) -> list[int]:
         """Healthy replicas (least loaded first), then those cooling down (soonest back first)."""
@@ -113,7 +159,7 @@ class ReplicatedRewardClient:
 
     def _shards(self, n: int) -> list[tuple[int, int, int]]:
         """(start, end, replica) of contiguous shards, sized in proportion to the replicas' weights."""
-        healthy = self._healthy() or self._by_preference(range(len(self.clients)))[:1]
+        healthy = self._healthy() or self._by_preference(self._live())[:1]
         start = self._next % len(healthy)
         self._next += 1
         count = max(1, min(len(healthy), n // self.min_shard_items))
@@ -168,9 +214,9 @@ class ReplicatedRewardClient:
                              sorted(i for i, _ in attempts.values()), self.hedge_delay())
                     self._launch(attempts, tried, items, self._by_preference(spare)[0])
                 elif not attempts:  # every call so far failed: try a replica not tried yet, any state
-                    untried = [i for i in range(len(self.clients)) if i not in tried]
+                    untried = [i for i in self._live() if i not in tried]
                     if not untried:
-                        raise Unavailable(f"all {len(self.clients)} reward replicas failed to score items "
+                        raise Unavailable(f"all {len(tried)} reward replicas tried failed to score items "
                                           f"[{span[0]}, {span[1]}): {'; '.join(reasons)}")
                     self._launch(attempts, tried, items, self._by_preference(untried)[0])
         finally:

@@ -105,3 +105,33 @@ def test_a_role_that_refuses_updates_reports_not_serving():
             await handle.stop()
 
     asyncio.run(scenario())
+
+
+def test_clients_retry_a_call_answered_unavailable():
+    """A server that is restarting answers UNAVAILABLE: the project's channels retry with backoff."""
+    import grpc
+
+    from rolefleet.common.roles import open_channel
+
+    calls = []
+
+    async def echo(request: bytes, context) -> bytes:
+        calls.append(request)
+        if len(calls) < 3:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        return request
+
+    async def scenario():
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler("test.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with open_channel(f"127.0.0.1:{port}") as channel:
+                assert await channel.unary_unary("/test.Echo/Echo")(b"x", timeout=10) == b"x"
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    assert len(calls) == 3

@@ -130,7 +130,7 @@ def test_a_hedge_that_loses_to_its_primary_does_not_cool_its_replica():
 
 def test_all_replicas_down_raises_unavailable_naming_each():
     client = ReplicatedRewardClient([FakeReplica("a", down=True), FakeReplica("b", down=True)])
-    with pytest.raises(Unavailable, match=r"all 2 reward replicas failed.*replica \d: Unavailable: [ab] is down; "
+    with pytest.raises(Unavailable, match=r"all 2 reward replicas tried failed.*replica \d: Unavailable: [ab] is down; "
                                           r"replica \d: Unavailable: [ab] is down"):
         run(client.score(batch(4)))
     with pytest.raises(Unavailable, match="no reward replica answered"):
@@ -153,3 +153,34 @@ def test_status_asks_the_first_healthy_replica_and_close_closes_all():
     assert client.failures[0] == 1
     run(client.close())
     assert a.closed == b.closed == 1
+
+
+def test_a_replica_added_mid_run_gets_shards_and_a_retired_one_finishes_its_calls_then_closes():
+    a, b, c = FakeReplica("a", delay=0.3), FakeReplica("b"), FakeReplica("c")
+    client = ReplicatedRewardClient([a], labels=["a:1"])
+
+    async def scenario():
+        client.add(b, "b:1")
+        assert (await client.score(batch(10))).total.tolist() == list(range(10))
+        assert a.shards and b.shards  # the new replica got its share at once
+        in_flight = asyncio.ensure_future(client.score(batch(10)))
+        await asyncio.sleep(0.05)  # a is scoring its shard
+        client.retire("a:1")
+        assert client.active_labels() == ["b:1"] and a.closed == 0  # still busy
+        assert (await in_flight).total.tolist() == list(range(10))  # nothing lost
+        await asyncio.sleep(0.2)
+        assert a.closed == 1 and a.cancelled == 0
+        served = len(a.shards)
+        client.add(c, "c:1")
+        for _ in range(3):
+            await client.score(batch(10))
+        assert len(a.shards) == served and c.shards  # the retired replica gets no new work
+        with pytest.raises(ValueError, match="already in use"):
+            client.add(c, "c:1")
+        with pytest.raises(KeyError, match="no reward replica a:1 in use"):
+            client.retire("a:1")
+        client.retire("b:1")
+        with pytest.raises(ValueError, match="the last one in use"):
+            client.retire("c:1")
+
+    run(scenario())
