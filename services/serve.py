@@ -49,7 +49,7 @@ def _critic(cfg: RoleFleetConfig):
     from rolefleet.critic import server
     from rolefleet.critic.core import CriticCore
 
-    core = CriticCore(cfg.critic, seed=cfg.run.seed)
+    core = CriticCore(cfg.critic, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound)
     return core, functools.partial(server.add_to_server, core)
 
 

@@ -230,14 +230,13 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         batch, version = to_batch(samples), policy_version_of(samples)
 
         # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
-        reward, values, logprobs = await timer("score", asyncio.gather(
+        reward, critic_values, logprobs = await timer("score", asyncio.gather(
             roles.reward.score(score_items(records, samples)),
             roles.critic.compute_values(batch) if roles.critic else _nothing(),
             # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
             roles.actor.compute_logprobs(batch, s.temperature, include_reference=True),
         ))
-        if values is None:
-            values = torch.zeros(batch.num_response_tokens)
+        values = critic_values.values if critic_values else torch.zeros(batch.num_response_tokens)
         scores = reward.total
         require_finite(samples, scores, values, logprobs, cfg.reward.function)
 
@@ -254,7 +253,8 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
             _unchanged(step, version) if warming else roles.actor.update(
                 step - t.critic_warmup_steps, version, batch, policy_targets_for(cfg, targets, logprobs, samples),
                 s.temperature),
-            roles.critic.update(step, batch, targets.returns, values) if roles.critic else _nothing(),
+            roles.critic.update(step, batch, targets.returns, values, critic_values.model_version)
+            if roles.critic else _nothing(),
         ))
 
         # 5. Log.

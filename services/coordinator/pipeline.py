@@ -58,6 +58,7 @@ from rolefleet.coordinator.loop import (
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
 from rolefleet.coordinator.targets import step_targets
+from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
 from rolefleet.tasks import PromptRecord
 
@@ -75,6 +76,7 @@ class Rollout:
     scoring: list[asyncio.Future] = field(default_factory=list)  # reward + critic calls per streamed chunk, in order
     reward: ScoreResult | None = None
     values: torch.Tensor | None = None
+    values_version: int = 0  # the critic version that computed the oldest of them (its Update's fence)
     score_s: float = 0.0
 
     @property
@@ -181,7 +183,8 @@ class Pipeline:
             actor_result, critic_result = await asyncio.gather(
                 self._call(self.roles.actor.update, step, rollout.oldest_version, batch,
                            policy_targets_for(self.cfg, targets, logprobs, samples), s.temperature),
-                self._call(self.roles.critic.update, step, batch, targets.returns, rollout.values)
+                self._call(self.roles.critic.update, step, batch, targets.returns, rollout.values,
+                           rollout.values_version)
                 if self.roles.critic else _none(),
             )
             lag = torch.tensor([self.version - smp.policy_version for smp in samples], dtype=torch.float32)
@@ -260,7 +263,11 @@ class Pipeline:
         start = time.perf_counter()
         rewards, values = zip(*await asyncio.gather(*rollout.scoring))
         rollout.reward = ScoreResult.concat(list(rewards))
-        rollout.values = torch.cat(values) if self.roles.critic else torch.zeros(rollout.batch.num_response_tokens)
+        if self.roles.critic:
+            critic_values = CriticValues.concat(list(values))
+            rollout.values, rollout.values_version = critic_values.values, critic_values.model_version
+        else:
+            rollout.values = torch.zeros(rollout.batch.num_response_tokens)
         rollout.score_s = time.perf_counter() - start
         self.busy["score"] += rollout.score_s
         metrics.STAGE_SECONDS.labels("coordinator", "score").inc(rollout.score_s)

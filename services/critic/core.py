@@ -32,8 +32,9 @@ ROLE = "critic"
 
 
 class CriticCore:
-    def __init__(self, cfg: CriticSection, seed: int = 0):
+    def __init__(self, cfg: CriticSection, seed: int = 0, max_staleness: int = 0):
         self.cfg = cfg
+        self.max_staleness = max_staleness  # versions an Update's values may lag (pipeline.max_staleness)
         self.device = pick_device()
         torch.manual_seed(seed)
         self.packed = cfg.sequence_packing  # micro-batches as one row each (see SequenceBatch.packed_inputs)
@@ -54,14 +55,18 @@ class CriticCore:
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
         self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
-        self.state = TrainerState(ROLE)  # model lock, step ledger, model version
+        self.state = TrainerState(ROLE, versioned="value-model")  # Update's fence: the version of its old values  # model lock, step ledger, model version
         self._lock = self.state.lock
 
     def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N], micro-batch by micro-batch."""
+        return self.versioned_values(batch)[0]
+
+    def versioned_values(self, batch: SequenceBatch) -> tuple[torch.Tensor, int]:
+        """The values and the version that computed them (read under the same lock)."""
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
         with self._lock:
-            return spmd(self, "_compute_values", batch)
+            return spmd(self, "_compute_values", batch), self.state.version
 
     def _compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         """SPMD (`workers.spmd`): each rank its share of the micro-batches, gathered in token order."""
@@ -71,14 +76,16 @@ class CriticCore:
                                           self.sharded)
         return values
 
-    def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> UpdateResult:
-        """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result."""
+    def update(self, step: int, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor,
+               values_version: int | None = None) -> UpdateResult:
+        """Value-loss epochs over mini-batches. A repeat of an applied step returns its recorded result.
+        `values_version`: the critic version that computed `old_values` (None: no fence)."""
         batch.check_limits(self.limits, vocab_size=self.model.vocab_size)
         batch.check_per_token(returns, "returns", "target")
         batch.check_per_token(old_values, "old_values", "target")
 
-        # No version fence: the critic's Update does not say which policy version made the batch.
-        return self.state.update(step, None, lambda: spmd(self, "_train", batch, returns, old_values))
+        return self.state.update(step, values_version, lambda: spmd(self, "_train", batch, returns, old_values),
+                                 max_lag=self.max_staleness)
 
     def _train(self, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """SPMD: every rank the same mini-batches (same generator), its share of their micro-batches."""

@@ -22,15 +22,16 @@ class CriticServicer(TrainerServicer, critic_pb2_grpc.CriticServiceServicer):
     @rpc
     async def ComputeValues(self, request: critic_pb2.ComputeValuesRequest, context):
         batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
-        values = await asyncio.to_thread(self.core.compute_values, batch)
-        return critic_pb2.ComputeValuesResponse(values=codec.encode(values))
+        values, version = await asyncio.to_thread(self.core.versioned_values, batch)
+        return critic_pb2.ComputeValuesResponse(values=codec.encode(values), model_version=version)
 
     @rpc
     async def Update(self, request: critic_pb2.CriticUpdateRequest, context):
         batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
         returns = batch.per_token(request.returns, "returns")
         old_values = batch.per_token(request.old_values, "old_values")
-        result = await asyncio.to_thread(self.core.update, request.step, batch, returns, old_values)
+        fence = request.values_version if request.HasField("values_version") else None
+        result = await asyncio.to_thread(self.core.update, request.step, batch, returns, old_values, fence)
         return critic_pb2.CriticUpdateResponse(step=result.step, model_version=result.model_version,
                                                stats=common_pb2.TrainStats(values=result.stats))
 

@@ -35,7 +35,7 @@ def run(cfg, stop_after: int | None = None):
             return result
 
     actor = ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)
-    critic = CriticCore(cfg.critic, cfg.run.seed) if cfg.preset.uses_critic else None
+    critic = CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound) if cfg.preset.uses_critic else None
     roles = Roles(Actor(actor), InProcessRewardClient(RewardCore(cfg.reward)),
                   InProcessCriticClient(critic) if critic else None)
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False, resume=cfg.run.resume)
@@ -140,12 +140,12 @@ def test_a_lost_role_is_recovered_from_the_newest_checkpoint(make_config, tmp_pa
         async def update(self, step, *args):
             if step == 4 and not self.died:
                 DyingCritic.died = True
-                self.core = CriticCore(cfg.critic, cfg.run.seed)  # the restarted process
+                self.core = CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)  # the restarted process
                 raise Unavailable("critic: connection refused")
             return await super().update(step, *args)
 
     roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
-                  DyingCritic(CriticCore(cfg.critic, cfg.run.seed)))
+                  DyingCritic(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)))
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     asyncio.run(train(cfg, roles, logger, status))
     logger.close()

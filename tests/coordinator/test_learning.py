@@ -43,7 +43,8 @@ def demo_model(tmp_path_factory):
 def test_demo_learns(demo_model, tmp_path, config, overrides):
     cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={demo_model}",
                                          f"run.output_dir={tmp_path / 'run'}", "train.total_steps=60", *overrides])
-    critic = InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed)) if cfg.preset.uses_critic else None
+    critic = (InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound))
+              if cfg.preset.uses_critic else None)
     roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)),
                   InProcessRewardClient(RewardCore(cfg.reward)), critic)
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)

@@ -59,7 +59,8 @@ class CountingActor(InProcessActorClient):
 
 def run(cfg, reward):
     actor = CountingActor(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound))
-    critic = InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed)) if cfg.preset.uses_critic else None
+    critic = (InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound))
+              if cfg.preset.uses_critic else None)
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     status = RunStatus(cfg.run.name, cfg.train.total_steps)
     pipeline = Pipeline(cfg, Roles(actor, reward, critic), logger, status)

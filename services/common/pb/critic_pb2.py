@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/critic.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"B\n\x14\x43omputeValuesRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\"=\n\x15\x43omputeValuesResponse\x12$\n\x06values\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"\xa0\x01\n\x13\x43riticUpdateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12%\n\x07returns\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12(\n\nold_values\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"d\n\x14\x43riticUpdateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.rolefleet.v1.TrainStats2\xb3\x03\n\rCriticService\x12X\n\rComputeValues\x12\".rolefleet.v1.ComputeValuesRequest\x1a#.rolefleet.v1.ComputeValuesResponse\x12O\n\x06Update\x12!.rolefleet.v1.CriticUpdateRequest\x1a\".rolefleet.v1.CriticUpdateResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12W\n\x0eSaveCheckpoint\x12#.rolefleet.v1.SaveCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12W\n\x0eLoadCheckpoint\x12#.rolefleet.v1.LoadCheckpointRequest\x1a .rolefleet.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/critic.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"B\n\x14\x43omputeValuesRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\"T\n\x15\x43omputeValuesResponse\x12$\n\x06values\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\xd0\x01\n\x13\x43riticUpdateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12%\n\x07returns\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12(\n\nold_values\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x1b\n\x0evalues_version\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_values_version\"d\n\x14\x43riticUpdateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.rolefleet.v1.TrainStats2\xb3\x03\n\rCriticService\x12X\n\rComputeValues\x12\".rolefleet.v1.ComputeValuesRequest\x1a#.rolefleet.v1.ComputeValuesResponse\x12O\n\x06Update\x12!.rolefleet.v1.CriticUpdateRequest\x1a\".rolefleet.v1.CriticUpdateResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12W\n\x0eSaveCheckpoint\x12#.rolefleet.v1.SaveCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12W\n\x0eLoadCheckpoint\x12#.rolefleet.v1.LoadCheckpointRequest\x1a .rolefleet.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPUTEVALUESREQUEST']._serialized_start=70
   _globals['_COMPUTEVALUESREQUEST']._serialized_end=136
   _globals['_COMPUTEVALUESRESPONSE']._serialized_start=138
-  _globals['_COMPUTEVALUESRESPONSE']._serialized_end=199
-  _globals['_CRITICUPDATEREQUEST']._serialized_start=202
-  _globals['_CRITICUPDATEREQUEST']._serialized_end=362
-  _globals['_CRITICUPDATERESPONSE']._serialized_start=364
-  _globals['_CRITICUPDATERESPONSE']._serialized_end=464
-  _globals['_CRITICSERVICE']._serialized_start=467
-  _globals['_CRITICSERVICE']._serialized_end=902
+  _globals['_COMPUTEVALUESRESPONSE']._serialized_end=222
+  _globals['_CRITICUPDATEREQUEST']._serialized_start=225
+  _globals['_CRITICUPDATEREQUEST']._serialized_end=433
+  _globals['_CRITICUPDATERESPONSE']._serialized_start=435
+  _globals['_CRITICUPDATERESPONSE']._serialized_end=535
+  _globals['_CRITICSERVICE']._serialized_start=538
+  _globals['_CRITICSERVICE']._serialized_end=973
 # @@protoc_insertion_point(module_scope)
