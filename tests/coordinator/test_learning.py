@@ -33,13 +33,12 @@ def demo_model(tmp_path_factory):
 @pytest.mark.parametrize("config, overrides", [
     ("demo.yaml", []),
     ("demo_grpo.yaml", []),
-    ("demo_grpo.yaml", ["algorithm=rloo"]),
     # Async: which policy version generates a batch depends on timing, so runs vary; lagged ones get
     # more steps (off-policy samples teach less per step).
     ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=0"]),
     ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=80"]),
     ("demo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=2"]),
-], ids=["ppo", "grpo", "rloo", "grpo-async-0", "grpo-async-1", "ppo-async-2"])
+], ids=["ppo", "grpo", "grpo-async-0", "grpo-async-1", "ppo-async-2"])
 def test_demo_learns(demo_model, tmp_path, config, overrides):
     cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={demo_model}",
                                          f"run.output_dir={tmp_path / 'run'}", "train.total_steps=60", *overrides])

@@ -150,7 +150,7 @@ def test_stale_batches_are_counted_then_regenerated_or_dropped(make_config, on_s
 def test_async_mode_through_the_run_entry_point_finishes(make_config):
     cfg = make_config("algorithm=ppo", "pipeline.mode=async", "train.total_steps=3")
     roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)),
-                  InProcessRewardClient(RewardCore(cfg.reward)), InProcessCriticClient(CriticCore(cfg.critic)))
+                  InProcessRewardClient(RewardCore(cfg.reward)), InProcessCriticClient(CriticCore(cfg.critic, 0, 1)))
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     status = asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, cfg.train.total_steps)))
     logger.close()

@@ -62,11 +62,11 @@ def test_a_reward_replica_added_mid_run_gets_work_and_one_removed_loses_none(mak
         step = len(read_metrics(metrics))
         wait_for(lambda: len(read_metrics(metrics)) >= step + 2)
         served = scored(ports["metrics_port"])  # its calls in flight at the removal are done by now
-        wait_for(lambda: len(read_metrics(metrics)) >= step + 6)
+        wait_for(lambda: len(read_metrics(metrics)) >= step + 5)
         assert scored(ports["metrics_port"]) == served  # no new work after its removal
         extra.send_signal(signal.SIGTERM)
         extra.wait(timeout=60)
-        wait_for(lambda: len(read_metrics(metrics)) >= step + 8)  # the run goes on without it
+        wait_for(lambda: len(read_metrics(metrics)) >= step + 6)  # the run goes on without it
 
         code, out = scale("--remove", address, "--http", url)
         assert code == 1 and f"no reward replica {address} in use" in out, out
