@@ -37,6 +37,15 @@ class Checkpointer:
         self.cfg, self.journal = cfg, journal
         self.root = cfg.checkpoint.root(cfg.run).resolve()  # roles are told absolute paths
 
+    def start_fresh(self) -> None:
+        """A new run (not resuming) in a directory with an earlier run's checkpoints: they are moved
+        aside, not deleted (metrics.jsonl is started anew too), so that resuming this run, or
+        recovering it, never loads the other run's."""
+        if self.root.is_dir() and any(self.root.iterdir()):
+            aside = self.root.with_name(f"{self.root.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.root.rename(aside)
+            log.warning("a new run (run.resume is false): the earlier run's checkpoints moved to %s", aside)
+
     def trained(self, step: int, samples, policy_version: int) -> None:
         """Step `step` was trained on `samples`: the journal refuses a sample id trained twice."""
         if self.journal is not None:

@@ -146,6 +146,8 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         resumed = await checkpointer.restore(roles) if cfg.run.resume else None
         if resumed is None:
             await require_fresh(roles)
+            checkpointer.start_fresh()
+            journal.rewind(-1)  # an earlier run's steps and checkpoints (step 0's too) are history now
             if cfg.run.max_restarts and cfg.checkpoint.every:  # what a lost role is recovered to before step `every`
                 await checkpointer.save(roles, 0, 0, {"kl_coef": cfg.train.kl_coef})
         status.stepping = True

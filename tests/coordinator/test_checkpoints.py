@@ -156,3 +156,16 @@ def test_a_lost_role_is_recovered_from_the_newest_checkpoint(make_config, tmp_pa
     assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
         assert [step for step, _ in journal.rewound()] == [3]  # step 3 was trained twice in the log only
+
+
+def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(make_config, tmp_path):
+    cfg = make_config("algorithm=grpo", "train.total_steps=4", "checkpoint.every=2", "train.samples_per_prompt=2")
+    run(cfg)
+    again = cfg.model_copy(update={"train": cfg.train.model_copy(update={"total_steps": 2})})
+    run(again)  # a new run in the same directory: its checkpoints only
+    assert [s for s, _ in complete_checkpoints(cfg.run.out / "checkpoints")] == [0, 2]
+    [aside] = cfg.run.out.glob("checkpoints.replaced-*")
+    assert [s for s, _ in complete_checkpoints(aside)] == [0, 2, 4]  # kept, not deleted
+    resumed = again.model_copy(update={"run": again.run.model_copy(update={"resume": True})})
+    status, actor, _ = run(resumed)  # the new run's step 2, not the earlier run's step 4
+    assert status.step == 2 and actor.policy_version == 2
