@@ -57,10 +57,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from rolefleet.common.auth import load_token
     from rolefleet.common.errors import RoleFleetError
+    from rolefleet.common.roles import set_client_token
 
     where = args.http or args.address
     try:
+        set_client_token(load_token(None, "ROLEFLEET_TOKEN"))  # a run with a token answers only with it
         status, roles = _http_status(args.http) if args.http else asyncio.run(_grpc_status(args.address))
     except (RoleFleetError, OSError, ValueError) as e:  # no coordinator there (yet, or any more)
         print(f"rolefleet: no run status from {where}: {e}", file=sys.stderr)

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
+from rolefleet.common.config import ConfigError, RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.roles import fetch_status
+from rolefleet.common.server import StartupError
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
@@ -202,6 +203,12 @@ class Supervisor:
 
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
+    from rolefleet.serve import run_token
+
+    try:
+        run_token(cfg)  # `up`'s own calls (the identity check) present the run's token too
+    except StartupError as exc:
+        raise ConfigError(str(exc)) from None
     out = cfg.run.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"

@@ -87,6 +87,15 @@ class RunSection(_Section):
         return Path(self.output_dir or f"runs/{self.name}")
 
 
+class SecuritySection(_Section):
+    """Token authentication of the role servers' gRPC calls (docs/security.md)."""
+
+    token_file: Optional[str] = Field(None, description="file whose first line is the run's shared token; every "
+                                      "role server then refuses gRPC calls without it (health checks excepted)")
+    token_env: Optional[str] = Field("ROLEFLEET_TOKEN", description="environment variable holding the token "
+                                     "when no token_file is given; unset or empty: no authentication")
+
+
 class CheckpointSection(_Section):
     """Checkpoints of the run (docs/checkpoints.md)."""
 
@@ -576,6 +585,7 @@ class RoleFleetConfig(_Section):
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     devices: DevicesSection = Field(default_factory=DevicesSection)
 

@@ -12,6 +12,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rolefleet.common.auth import client_interceptors
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
 from rolefleet.common.server import CLIENT_OPTIONS, INSTANCE_ID
@@ -70,8 +71,16 @@ class CheckpointInfo:
         return cls(msg.step, msg.model_version)
 
 
+_token: str | None = None  # the run's token, presented on every call of this process (common/auth.py)
+
+
+def set_client_token(token: str | None) -> None:
+    global _token
+    _token = token
+
+
 def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=client_interceptors(_token))
 
 
 class GrpcRoleClient:

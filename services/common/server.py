@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from rolefleet.common import metrics
+from rolefleet.common.auth import TokenServerInterceptor
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for
 
@@ -266,10 +267,13 @@ async def start_server(
     role: str,
     endpoint: Endpoint,
     add_servicers: Callable[[grpc.aio.Server], list[str]],
+    token: str | None = None,
 ) -> RoleServer:
     """Start a role's server; `add_servicers` registers its services and returns their full names.
-    A port that cannot be bound raises StartupError and leaves nothing running."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    With `token`, calls without it are refused (common/auth.py). A port that cannot be bound raises
+    StartupError and leaves nothing running."""
+    interceptors = [TokenServerInterceptor(role, token)] if token else None
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     names = add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -106,7 +106,7 @@ def _failed(status: RunStatus, exc: Exception) -> RunStatus:
 
 
 async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None,
-                          progress: bool = True) -> Optional[RunStatus]:
+                          progress: bool = True, token: Optional[str] = None) -> Optional[RunStatus]:
     """Serve the control service and run the loop; None when a signal cancelled it while starting."""
     addresses = role_addresses(cfg)  # before anything starts: a config without them is an error
     out = cfg.run.out
@@ -117,7 +117,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     http = start_http(cfg, status, addresses, scaling)
     try:
         handle = await start_server("coordinator", cfg.coordinator,
-                                    lambda server: add_to_server(status, server, addresses))
+                                    lambda server: add_to_server(status, server, addresses), token)
     except BaseException:
         if http is not None:
             await http.stop()

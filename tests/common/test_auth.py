@@ -1,0 +1,83 @@
+"""Token authentication of role servers: no token, a wrong token and a valid one, on unary and
+streaming methods; health stays open for probes; refusals are counted; tokens load with clear errors."""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rolefleet.common.auth import AUTH_REFUSED, TokenError, TokenServerInterceptor, client_interceptors, load_token
+
+TOKEN = "s3cret-token-of-the-run-0123456789"
+
+
+def refused(reason: str) -> float:
+    return AUTH_REFUSED.labels("test", reason)._value.get()
+
+
+async def echo(request: bytes, context) -> bytes:
+    return request
+
+
+async def echo_stream(request: bytes, context):
+    for _ in range(2):
+        yield request
+
+
+def test_calls_need_the_runs_token_except_health_checks():
+    async def scenario():
+        server = grpc.aio.server(interceptors=[TokenServerInterceptor("test", TOKEN)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "Stream": grpc.unary_stream_rpc_method_handler(echo_stream)}),))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        missing, wrong = refused("missing"), refused("wrong")
+        try:
+            async with grpc.aio.insecure_channel(address) as plain:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await plain.unary_unary("/test.Echo/Echo")(b"x", timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "missing token" in err.value.details() and TOKEN not in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [m async for m in plain.unary_stream("/test.Echo/Stream")(b"x", timeout=5)]
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                reply = await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+            async with grpc.aio.insecure_channel(address, interceptors=client_interceptors("x" * 20)) as bad:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await bad.unary_unary("/test.Echo/Echo")(b"x", timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "wrong token" in err.value.details()
+            async with grpc.aio.insecure_channel(address, interceptors=client_interceptors(TOKEN)) as good:
+                assert await good.unary_unary("/test.Echo/Echo")(b"x", timeout=5) == b"x"
+                assert [m async for m in good.unary_stream("/test.Echo/Stream")(b"y", timeout=5)] == [b"y", b"y"]
+        finally:
+            await server.stop(None)
+        assert refused("missing") == missing + 2 and refused("wrong") == wrong + 1
+
+    asyncio.run(scenario())
+
+
+def test_tokens_load_from_a_file_or_the_environment_with_clear_errors(tmp_path, monkeypatch):
+    assert load_token(None, "ROLEFLEET_TEST_TOKEN") is None  # none configured: authentication off
+    monkeypatch.setenv("ROLEFLEET_TEST_TOKEN", TOKEN)
+    assert load_token(None, "ROLEFLEET_TEST_TOKEN") == TOKEN
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    assert load_token(str(path), "ROLEFLEET_TEST_TOKEN") == TOKEN  # the file wins
+    path.write_text("short\n")
+    with pytest.raises(TokenError, match=r"security.token_file .*shorter than 16 characters") as err:
+        load_token(str(path), None)
+    assert "short" not in str(err.value).replace("shorter", "")  # never the value
+    path.write_text("")
+    with pytest.raises(TokenError, match="shorter than 16"):
+        load_token(str(path), None)
+    with pytest.raises(TokenError, match="security.token_file: cannot read"):
+        load_token(str(tmp_path / "absent"), None)
+    monkeypatch.setenv("ROLEFLEET_TEST_TOKEN", "has a space in it, see")
+    with pytest.raises(TokenError, match="ROLEFLEET_TEST_TOKEN .*whitespace"):
+        load_token(None, "ROLEFLEET_TEST_TOKEN")
