@@ -23,7 +23,7 @@ from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParam
 from rolefleet.common import checkpoint, metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import (
     compute_dtype,
     load_causal_lm,
@@ -309,24 +309,19 @@ class ActorCore:
         """The trainer's state from `path`; the rollout engines take the loaded weights and version."""
         with self._lock:
             info = checkpoint.load_role(self, path, self.placement.train_ranks)
-            self._publish_weights(info.model_version)
+            with self.ledger.applying(info.step):  # engines left half loaded: refuse updates until restarted
+                self._publish_weights(info.model_version)
             return info
 
     def _save_state(self, work: str) -> None:
         """SPMD over the trainers: each its shards; the first one the scheduler and RNG states."""
-        try:
-            checkpoint.save_trainer(Path(work), self.model, self.trainer.optimizer, self.trainer.scheduler,
-                                    self.trainer.generator, work_group(), self.rank == self.placement.train_ranks[0])
-        except Exception as exc:  # alike on every rank: the save is refused, nothing changed
-            raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
+        checkpoint.save_trainer(Path(work), self.model, self.trainer.optimizer, self.trainer.scheduler,
+                                self.trainer.generator, work_group(), self.rank == self.placement.train_ranks[0])
 
     def _load_state(self, path: str) -> None:
         """SPMD over the trainers: the inverse of `_save_state`, resharded to this group."""
-        try:
-            checkpoint.load_trainer(Path(path), self.model, self.trainer.optimizer, self.trainer.scheduler,
-                                    self.trainer.generator, work_group())
-        except Exception as exc:
-            raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
+        checkpoint.load_trainer(Path(path), self.model, self.trainer.optimizer, self.trainer.scheduler,
+                                self.trainer.generator, work_group())
 
     # --- status / lifecycle -----------------------------------------------------------------------
 

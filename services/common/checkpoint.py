@@ -92,38 +92,51 @@ def commit(path: Path) -> None:
 def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                  generator: torch.Generator, group, first: bool) -> None:
     """SPMD over the training ranks (`group`: their process group, None for all or no group):
-    weights and optimizer state, each rank its shards; the first rank writes trainer.pt."""
+    weights and optimizer state, each rank its shards; the first rank writes trainer.pt. A failure
+    (a full disk) is a role error alike on every rank: the save is refused, nothing changed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    with _one_process_is_fine():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(work / "weights"),
-                 process_group=group)
-    if first:
-        torch.save({"scheduler": scheduler.state_dict(), "generator": generator.get_state(),
-                    "torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                   work / "trainer.pt")
+    from rolefleet.common.errors import FailedPrecondition
+
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with _one_process_is_fine():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(work / "weights"),
+                     process_group=group)
+        if first:
+            torch.save({"scheduler": scheduler.state_dict(), "generator": generator.get_state(),
+                        "torch_rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                       work / "trainer.pt")
+    except Exception as exc:
+        raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
 
 
 def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                  generator: torch.Generator, group) -> None:
-    """SPMD over the training ranks: the inverse of `save_trainer`, resharded to this group."""
+    """SPMD over the training ranks: the inverse of `save_trainer`, resharded to this group. A
+    failure is a role error alike on every rank (the caller marks the role broken: the weights may
+    be half loaded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    with _one_process_is_fine():
-        dcp.load(state, checkpoint_id=str(path / "weights"), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(path / "trainer.pt", weights_only=False)
-    scheduler.load_state_dict(extra["scheduler"])
-    generator.set_state(extra["generator"])
-    torch.set_rng_state(extra["torch_rng"])
-    if extra["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(extra["cuda_rng"][:torch.cuda.device_count()])
+    from rolefleet.common.errors import FailedPrecondition
+
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        with _one_process_is_fine():
+            dcp.load(state, checkpoint_id=str(path / "weights"), process_group=group)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(path / "trainer.pt", weights_only=False)
+        scheduler.load_state_dict(extra["scheduler"])
+        generator.set_state(extra["generator"])
+        torch.set_rng_state(extra["torch_rng"])
+        if extra["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["cuda_rng"][:torch.cuda.device_count()])
+    except Exception as exc:
+        raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
 
 
 @contextmanager

@@ -55,7 +55,8 @@ class RunLogger:
         self.jsonl.close()
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self.jsonl = open(self.path, "a")
-        self.bar.update(len(self.records))
+        self.bar.n = len(self.records)  # progress as of the checkpoint, also when recovering mid-run
+        self.bar.refresh()
         return self.records
 
     def close(self) -> None:

@@ -158,8 +158,9 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         failures, failed_at = 0, -1
         while True:
             # What comes after the checkpoint is trained (again) now; the records of it go.
-            journal.rewind(resumed["step"] if resumed else 0)
-            status.rewind(logger.rewind(resumed["step"] if resumed else 0))
+            start = resumed["step"] if resumed else 0
+            journal.rewind(start)
+            status.rewind(logger.rewind(start))
             try:
                 await _steps(cfg, roles, logger, status, clock, checkpointer, resumed)
                 break

@@ -10,7 +10,6 @@ from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import checkpoint
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
-from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.modeling import (
     autocast,
     compile_decoder_layers,
@@ -149,18 +148,12 @@ class CriticCore:
     def _save_state(self, work: str) -> None:
         """SPMD: each rank its shards; rank 0 the scheduler and RNG states."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        try:
-            checkpoint.save_trainer(Path(work), self.model, self.optimizer, self.scheduler, self.generator,
-                                    work_group(), rank == 0)
-        except Exception as exc:  # alike on every rank: the save is refused, nothing changed
-            raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
+        checkpoint.save_trainer(Path(work), self.model, self.optimizer, self.scheduler, self.generator,
+                                work_group(), rank == 0)
 
     def _load_state(self, path: str) -> None:
-        try:
-            checkpoint.load_trainer(Path(path), self.model, self.optimizer, self.scheduler, self.generator,
-                                    work_group())
-        except Exception as exc:
-            raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
+        checkpoint.load_trainer(Path(path), self.model, self.optimizer, self.scheduler, self.generator,
+                                work_group())
 
     def status(self, include_digest: bool = False) -> RoleStatus:
         """A snapshot read without the model lock; the weight digest waits for it, only when asked."""

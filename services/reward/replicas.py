@@ -125,7 +125,7 @@ class ReplicatedRewardClient:
 
     def retire(self, label: str) -> None:
         """No new shard for replica `label`; its calls in flight finish, then it is closed."""
-        [index] = [i for i in self._live() if self.labels[i] == label] or [None]
+        index = next((i for i in self._live() if self.labels[i] == label), None)
         if index is None:
             raise KeyError(f"no reward replica {label} in use (in use: {', '.join(self.active_labels())})")
         if len(self._live()) == 1:

@@ -169,3 +169,21 @@ def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(make_config, tmp_path
     resumed = again.model_copy(update={"run": again.run.model_copy(update={"resume": True})})
     status, actor, _ = run(resumed)  # the new run's step 2, not the earlier run's step 4
     assert status.step == 2 and actor.policy_version == 2
+
+
+def test_bad_checkpoint_requests_are_refused_and_change_nothing(make_config, tmp_path):
+    from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+
+    cfg = make_config("algorithm=ppo")
+    critic = CriticCore(cfg.critic, cfg.run.seed)
+    digest = critic.digest()
+    with pytest.raises(FailedPrecondition, match="a checkpoint of step 5 was asked for; the critic's last applied "
+                                                 "step is 0"):
+        critic.save_checkpoint(5, str(tmp_path / "critic"))
+    assert not (tmp_path / "critic").exists() and not (tmp_path / "critic.partial").exists()
+    with pytest.raises(InvalidArgument, match="path: no checkpoint directory given"):
+        critic.save_checkpoint(0, "")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidArgument, match=r"path: no critic checkpoint at .*empty \(role.json missing"):
+        critic.load_checkpoint(str(tmp_path / "empty"))
+    assert critic.digest() == digest and critic.status().broken == "" and critic.state.version == 0
