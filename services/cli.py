@@ -14,6 +14,8 @@ from rolefleet.common.shapes import SHAPES
 from rolefleet.tasks import TASKS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+CERTS_HELP = ("a run over TLS: the directory `rolefleet certs` wrote (its CA and `client` certificate); "
+              "the run's token, if any, comes from ROLEFLEET_TOKEN")
 
 
 def _setup_logging(level: str) -> None:
@@ -56,15 +58,46 @@ def cmd_train(args) -> int:
     return run("coordinator", cfg)
 
 
+def operator_security(certs: str | None):
+    """What the CLI presents to a run: the token in ROLEFLEET_TOKEN, and with `--certs DIR` (what
+    `rolefleet certs` wrote) TLS: the run's CA and the `client` certificate."""
+    from rolefleet.common.config import SecuritySection, TlsSection
+    from rolefleet.common.security import Security
+
+    tls = TlsSection(cert_file=f"{certs}/client.pem", key_file=f"{certs}/client-key.pem",
+                     ca_file=f"{certs}/ca.pem") if certs else TlsSection()
+    return Security.of(SecuritySection(tls=tls), "client")
+
+
+def http_call(url: str, security, certs: str | None, body: dict | None = None):
+    """GET `url` (POST `body` as JSON) with the operator's token and `--certs`; the JSON answer."""
+    import json
+    import ssl
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if security.token:
+        headers["Authorization"] = f"Bearer {security.token}"
+    context = None
+    if certs:
+        context = ssl.create_default_context(cafile=f"{certs}/ca.pem")
+        context.load_cert_chain(f"{certs}/client.pem", f"{certs}/client-key.pem")  # for mutual TLS
+    request = urllib.request.Request(url, method="GET" if body is None else "POST", headers=headers,
+                                     data=None if body is None else json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=30, context=context) as reply:
+        return json.load(reply)
+
+
 def cmd_status(args) -> int:
-    from rolefleet.common.auth import load_token
     from rolefleet.common.errors import RoleFleetError
-    from rolefleet.common.roles import set_client_token
+    from rolefleet.common.roles import use_security
 
     where = args.http or args.address
     try:
-        set_client_token(load_token(None, "ROLEFLEET_TOKEN"))  # a run with a token answers only with it
-        status, roles = _http_status(args.http) if args.http else asyncio.run(_grpc_status(args.address))
+        security = operator_security(args.certs)
+        use_security(security)  # a run with a token or TLS answers only to calls that present them
+        status, roles = (_http_status(args.http, security, args.certs) if args.http
+                         else asyncio.run(_grpc_status(args.address)))
     except (RoleFleetError, OSError, ValueError) as e:  # no coordinator there (yet, or any more)
         print(f"rolefleet: no run status from {where}: {e}", file=sys.stderr)
         return 1
@@ -101,31 +134,20 @@ async def _grpc_status(address: str) -> tuple[dict, list[dict]]:
     return status, roles
 
 
-def _http_status(url: str) -> tuple[dict, list[dict]]:
+def _http_status(url: str, security, certs: str | None) -> tuple[dict, list[dict]]:
     """The same view from the HTTP control plane (`/v1/status`, `/v1/roles`)."""
-    import json
-    import urllib.request
-
-    def get(path: str):
-        with urllib.request.urlopen(url.rstrip("/") + path, timeout=10) as reply:
-            return json.load(reply)
-
-    return get("/v1/status"), get("/v1/roles")
+    return tuple(http_call(url.rstrip("/") + path, security, certs) for path in ("/v1/status", "/v1/roles"))
 
 
 def cmd_scale(args) -> int:
     """Add or remove a reward replica of a running run, through its HTTP control plane."""
     import json
     import urllib.error
-    import urllib.request
 
     change, address = ("add", args.add) if args.add else ("remove", args.remove)
-    request = urllib.request.Request(f"{args.http.rstrip('/')}/v1/reward/replicas/{change}", method="POST",
-                                     data=json.dumps({"address": address}).encode(),
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            replicas = json.load(reply)["replicas"]
+        replicas = http_call(f"{args.http.rstrip('/')}/v1/reward/replicas/{change}", operator_security(args.certs),
+                             args.certs, {"address": address})["replicas"]
     except urllib.error.HTTPError as e:  # the control plane's JSON error says why
         print(f"rolefleet: {json.load(e).get('error', e.reason)}", file=sys.stderr)
         return 1
@@ -179,6 +201,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_certs(args) -> int:
+    from rolefleet.certs import CertsError, make_certs
+
+    try:
+        paths = make_certs(args.out, hosts=args.host, days=args.days, force=args.force)
+    except CertsError as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # an unwritable OUT is the user's argument, not a crash
+        raise ConfigError(f"certs: cannot write {args.out}: {e.strerror or e}") from None
+    for path in paths:
+        print(path)
+    return 0
+
+
 def _at_least(low: int, multiple_of: int = 1):
     """An argparse type: an int >= low (and a multiple of `multiple_of`), else a usage error (exit 2)
     instead of a traceback from the model builder later."""
@@ -222,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", help="coordinator gRPC address (printed when the run starts)")
     where.add_argument("--http", help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--certs", metavar="DIR", help=CERTS_HELP)
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("scale", help="add or remove a reward replica of a running run")
@@ -230,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     change.add_argument("--add", metavar="HOST:PORT", help="a running reward server to give work to")
     change.add_argument("--remove", metavar="HOST:PORT", help="a replica to give no new work (its calls finish)")
     p.add_argument("--http", required=True, help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--certs", metavar="DIR", help=CERTS_HELP)
     p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("deploy", help="print deployment files generated from a config's devices map")
@@ -256,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="dtype of the written weights (default auto: the model config's, else float32)")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("certs", help="make a development CA and a TLS certificate per role (and client)")
+    p.add_argument("out", help="the directory to write ca.pem, N.pem and N-key.pem into (created 0700)")
+    p.add_argument("--host", action="append", default=[], metavar="H",
+                   help="another name or IP address in every certificate (repeatable; '*.' wildcards allowed)")
+    p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    p.add_argument("--force", action="store_true", help="replace certificates and keys already in OUT")
+    p.set_defaults(fn=cmd_certs)
     return parser
 
 

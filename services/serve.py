@@ -13,6 +13,7 @@ import grpc
 
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.gpu_metrics import GpuSampler
+from rolefleet.common.security import Security
 from rolefleet.common.server import (
     StartupError,
     check_ports_free,
@@ -71,28 +72,28 @@ def worker_count(role: str, cfg: RoleFleetConfig) -> int:
     return getattr(cfg, role).workers or max(1, len(getattr(cfg.devices, role)))
 
 
-def run_token(cfg: RoleFleetConfig) -> Optional[str]:
-    """The run's token (None: authentication off), also presented by this process's own calls."""
-    from rolefleet.common.auth import TokenError, load_token
-    from rolefleet.common.roles import set_client_token
+def run_security(cfg: RoleFleetConfig, role: str) -> Security:
+    """What `role`'s server demands and its calls present (`client`: a process that only calls);
+    its own channels use it from now on."""
+    from rolefleet.common.roles import use_security
 
     try:
-        token = load_token(cfg.security.token_file, cfg.security.token_env)
-    except TokenError as exc:
+        security = Security.of(cfg.security, role)
+    except ValueError as exc:  # TokenError, TlsError: they name the key and file, never a secret
         raise StartupError(str(exc)) from None
-    set_client_token(token)
-    return token
+    use_security(security)
+    return security
 
 
 async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
     set_threads(getattr(cfg, role).num_threads)
-    token = run_token(cfg)
+    security = run_security(cfg, role)
     check_ports_free(role, getattr(cfg, role))
     if role == "coordinator":
         from rolefleet.coordinator.server import run_coordinator
         from rolefleet.coordinator.state import RunState
 
-        status = await run_coordinator(cfg, ready_file, token=token)
+        status = await run_coordinator(cfg, ready_file, security=security)
         if status is not None:
             # The last line a supervisor (or a test) reads: how the run ended, and after which step.
             print(f"rolefleet: run {cfg.run.name} ended {status.state.name} after step {status.step}/"
@@ -109,7 +110,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
         group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"))
     core, add_servicers = ROLE_BUILDERS[role](cfg)
     core.group = group
-    handle = await start_server(role, section, add_servicers, token)
+    handle = await start_server(role, section, add_servicers, security)
     if ready_file:
         write_ready_file(ready_file, handle)
     gpu_sampler = GpuSampler.start_for(role, getattr(cfg.devices, role))  # None without NVIDIA GPUs

@@ -203,10 +203,10 @@ class Supervisor:
 
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
-    from rolefleet.serve import run_token
+    from rolefleet.serve import run_security
 
     try:
-        run_token(cfg)  # `up`'s own calls (the identity check) present the run's token too
+        run_security(cfg, "client")  # `up`'s own calls (the identity check) present the run's token and certificate
     except StartupError as exc:
         raise ConfigError(str(exc)) from None
     out = cfg.run.out

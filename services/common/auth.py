@@ -1,24 +1,22 @@
 """Token authentication of the gRPC role servers (issue 14; DESIGN "Security").
 
 Every role of a run shares one secret token. A server with a token refuses any call whose
-`authorization` metadata is not `Bearer <token>` with UNAUTHENTICATED, except the standard health
-service: compose health checks and Kubernetes probes carry no secret. Tokens are compared in
-constant time, never logged, and each refusal is counted (`rolefleet_auth_refused_total`, by role
-and reason). A client attaches the token to every call through the interceptors below.
+`authorization` metadata is not `Bearer <token>` with UNAUTHENTICATED (common/guard.py), except the
+standard health service: compose health checks and Kubernetes probes carry no secret. Tokens are
+compared in constant time, never logged, and each refusal is counted (`rolefleet_auth_refused_total`,
+by role and reason). A client attaches the token to every call through the interceptors below.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from prometheus_client import Counter
 
 AUTH_REFUSED = Counter("rolefleet_auth_refused", "Calls refused for want of the run's token", ["role", "reason"])
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes carry no secret
 HEADER = "authorization"
 MIN_TOKEN_CHARS = 16
 
@@ -55,44 +53,6 @@ def token_matches(metadata, token: str) -> str | None:
     expected = f"Bearer {token}".encode()
     given = presented.encode() if isinstance(presented, str) else bytes(presented)
     return None if hmac.compare_digest(given, expected) else "wrong"
-
-
-class TokenServerInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, role: str, token: str):
-        self.role, self.token = role, token
-
-    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
-        if details.method.startswith(OPEN_SERVICES):
-            return await continuation(details)
-        reason = token_matches(details.invocation_metadata, self.token)
-        if reason is None:
-            return await continuation(details)
-        AUTH_REFUSED.labels(self.role, reason).inc()
-        handler = await continuation(details)
-        return _refusing(handler, f"{self.role}: {reason} token: calls need `authorization: Bearer <the run's "
-                                  "token>` (security.token_file / security.token_env)")
-
-
-def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED without running it."""
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
-
-    if handler is None:  # an unknown method: refuse it the same way
-        return grpc.unary_unary_rpc_method_handler(unary)
-    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:

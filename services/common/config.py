@@ -87,13 +87,56 @@ class RunSection(_Section):
         return Path(self.output_dir or f"runs/{self.name}")
 
 
+class TlsSection(_Section):
+    """TLS of every gRPC channel and of the HTTP control plane (docs/security.md). `{role}` in a path
+    is replaced by the process's role (actor, reward, critic, coordinator; `client` for `rolefleet up`
+    and the CLI), so each role presents its own certificate from `rolefleet certs`."""
+
+    cert_file: Optional[str] = Field(None, description="PEM certificate this process presents (as a server, and as "
+                                     "a client under mutual TLS); set: TLS on")
+    key_file: Optional[str] = Field(None, description="PEM private key of cert_file")
+    ca_file: Optional[str] = Field(None, description="PEM CA certificate(s) that clients verify servers with "
+                                   "(and servers verify clients with, under mutual TLS); unset: the system's roots")
+    mutual: bool = Field(False, description="mutual TLS: servers refuse a client without a certificate signed by "
+                         "ca_file")
+    server_name: Optional[str] = Field(None, description="name clients check in server certificates instead of the "
+                                       "host they dial (dialling by an IP address the certificates do not name)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @model_validator(mode="after")
+    def _complete(self) -> TlsSection:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("security.tls.cert_file and security.tls.key_file are set together")
+        if self.mutual and not (self.enabled and self.ca_file):
+            raise ValueError("security.tls.mutual needs security.tls.cert_file, key_file and ca_file")
+        if not self.enabled and self.ca_file is not None:
+            raise ValueError("security.tls.ca_file is set but TLS is off: set security.tls.cert_file and key_file")
+        return self
+
+    def paths(self, role: str) -> dict[str, Optional[str]]:
+        """The files of `role` (placeholders filled), by key."""
+        return {key: value.replace("{role}", role) if value else None
+                for key, value in (("cert_file", self.cert_file), ("key_file", self.key_file),
+                                   ("ca_file", self.ca_file))}
+
+
 class SecuritySection(_Section):
-    """Token authentication of the role servers' gRPC calls (docs/security.md)."""
+    """Authentication, transport security and per-client limits of the role servers (docs/security.md)."""
 
     token_file: Optional[str] = Field(None, description="file whose first line is the run's shared token; every "
-                                      "role server then refuses gRPC calls without it (health checks excepted)")
+                                      "role server then refuses gRPC calls without it (health checks excepted), "
+                                      "and so does the HTTP control plane (/healthz excepted)")
     token_env: Optional[str] = Field("ROLEFLEET_TOKEN", description="environment variable holding the token "
                                      "when no token_file is given; unset or empty: no authentication")
+    tls: TlsSection = Field(default_factory=TlsSection)
+    max_calls_per_client: int = Field(128, ge=1, description="calls one client host may have in flight at a role "
+                                      "server; more are refused with RESOURCE_EXHAUSTED (health checks excepted)")
+    max_message_mb: int = Field(512, ge=1, le=2047, description="largest gRPC message a role server accepts or "
+                                "sends, in MiB; a larger one is refused with RESOURCE_EXHAUSTED (one step's "
+                                "batch must fit)")
 
 
 class CheckpointSection(_Section):

@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rolefleet.common.auth import client_interceptors
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
-from rolefleet.common.server import CLIENT_OPTIONS, INSTANCE_ID
+from rolefleet.common.security import OPEN, Security
+from rolefleet.common.server import INSTANCE_ID, client_options
 
 T = TypeVar("T")
 UNSET_DEVICES = "(unset)"  # no CUDA_VISIBLE_DEVICES: every GPU of the machine is visible
@@ -71,16 +72,21 @@ class CheckpointInfo:
         return cls(msg.step, msg.model_version)
 
 
-_token: str | None = None  # the run's token, presented on every call of this process (common/auth.py)
+_security = OPEN  # what every call of this process presents: the run's token, its certificate
 
 
-def set_client_token(token: str | None) -> None:
-    global _token
-    _token = token
+def use_security(security: Security) -> None:
+    """Set once at start (serve.py, up.py, the CLI): every channel opened afterwards presents it."""
+    global _security
+    _security = security
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=client_interceptors(_token))
+    options, interceptors = client_options(_security), client_interceptors(_security.token)
+    if _security.tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, _security.tls.channel_credentials(), options=options,
+                                   interceptors=interceptors)
 
 
 class GrpcRoleClient:

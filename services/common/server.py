@@ -29,20 +29,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from rolefleet.common import metrics
-from rolefleet.common.auth import TokenServerInterceptor
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for
+from rolefleet.common.guard import GuardInterceptor
+from rolefleet.common.security import OPEN, Security
+from rolefleet.common.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
-# Batches of token tensors easily pass gRPC's 4 MiB default; one step's batch must fit in a message.
-MAX_MESSAGE_BYTES = 512 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-# Clients spread their calls over every address a name resolves to (a headless Kubernetes Service
-# of reward replicas); a name with one address behaves as before. Servers take no such option.
 # Calls answered UNAVAILABLE (a server restarting, a connection reset) are retried by gRPC itself,
 # with backoff, before the caller sees the error: every RPC of the project is safe to repeat
 # (generation is seeded, scoring pure, updates and checkpoints idempotent per step). Each call's
@@ -52,11 +46,29 @@ RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
     "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
                     "retryableStatusCodes": ["UNAVAILABLE"]},
 }]})
-CLIENT_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin"), ("grpc.enable_retries", 1),
-                  ("grpc.service_config", RETRY_SERVICE_CONFIG)]
-# gRPC sets SO_REUSEPORT by default, which lets a second server bind a busy port and silently share
-# (or steal) its traffic: a stale actor would keep answering a new run. A busy port must fail.
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def message_options(max_bytes: int) -> list[tuple[str, int]]:
+    # Batches of token tensors easily pass gRPC's 4 MiB default; one step's batch must fit in a message.
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+def client_options(security: Security) -> list[tuple[str, Any]]:
+    """Clients spread their calls over every address a name resolves to (a headless Kubernetes
+    Service of reward replicas; one address behaves as before) and retry UNAVAILABLE."""
+    tls = security.tls.channel_options() if security.tls else []
+    return [*message_options(security.max_message_bytes), ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG), *tls]
+
+
+def server_options(security: Security) -> list[tuple[str, Any]]:
+    # gRPC sets SO_REUSEPORT by default, which lets a second server bind a busy port and silently share
+    # (or steal) its traffic: a stale actor would keep answering a new run. A busy port must fail.
+    # One connection may not open more streams than one client may run calls.
+    return [*message_options(security.max_message_bytes), ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", security.max_calls_per_client)]
+
+
 SHUTDOWN_GRACE_S = 10.0
 # Tells this process apart from any other server that answers at the same address (`up` checks it).
 INSTANCE_ID = uuid.uuid4().hex
@@ -216,6 +228,7 @@ class RoleServer:
     metrics_port: int
     _httpd: Any
     services: tuple[str, ...] = ()  # the health service's names: "" and each gRPC service
+    tls: Optional[ServerTls] = None
 
     async def report_broken(self, broken: Callable[[], str], period_s: float = 1.0) -> None:
         """Once `broken()` names why the role refuses updates until restarted, health answers
@@ -235,6 +248,8 @@ class RoleServer:
         await self.server.stop(SHUTDOWN_GRACE_S)
         self._httpd.shutdown()
         self._httpd.server_close()
+        if self.tls is not None:
+            self.tls.close()
         if close is not None:
             # Off the loop: closing may wait for a rollout thread to let go of the model.
             await asyncio.to_thread(close)
@@ -267,13 +282,14 @@ async def start_server(
     role: str,
     endpoint: Endpoint,
     add_servicers: Callable[[grpc.aio.Server], list[str]],
-    token: str | None = None,
+    security: Security = OPEN,
 ) -> RoleServer:
     """Start a role's server; `add_servicers` registers its services and returns their full names.
-    With `token`, calls without it are refused (common/auth.py). A port that cannot be bound raises
-    StartupError and leaves nothing running."""
-    interceptors = [TokenServerInterceptor(role, token)] if token else None
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    `security` says what callers must present (token, TLS; common/guard.py). A port that cannot be
+    bound raises StartupError and leaves nothing running."""
+    tls = ServerTls(role, security.tls) if security.tls else None
+    guard = GuardInterceptor(role, security.token, security.max_calls_per_client, tls)
+    server = grpc.aio.server(options=server_options(security), interceptors=[guard])
     names = add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -284,8 +300,9 @@ async def start_server(
         httpd, _ = start_http_server(endpoint.metrics_port, addr=endpoint.host)
     except OSError as exc:
         raise StartupError(busy_port_error(role, "metrics", endpoint.host, endpoint.metrics_port, exc)) from None
+    address = f"{endpoint.host}:{endpoint.port}"
     try:
-        port = server.add_insecure_port(f"{endpoint.host}:{endpoint.port}")
+        port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
         if port == 0:
             raise RuntimeError("no port bound")
     except RuntimeError as exc:  # grpc raises this when the bind fails
@@ -296,8 +313,18 @@ async def start_server(
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.HEALTH.labels(role).set(1)
-    log.info("%s serving gRPC on %s:%d, metrics on :%d", role, endpoint.host, port, httpd.server_port)
-    return RoleServer(role, server, health_servicer, port, httpd.server_port, httpd, ("", *names))
+    warn_if_exposed(role, "gRPC", endpoint.host, security)
+    log.info("%s serving gRPC%s on %s:%d, metrics on :%d", role, " over TLS" if tls else "", endpoint.host, port,
+             httpd.server_port)
+    return RoleServer(role, server, health_servicer, port, httpd.server_port, httpd, ("", *names), tls)
+
+
+def warn_if_exposed(role: str, what: str, host: str, security: Security) -> None:
+    """A server on every interface in plaintext: anyone on the network reads its traffic, and
+    without a token may call it."""
+    if host in ("0.0.0.0", "::", "") and security.tls is None:
+        log.warning("%s: %s listens on all interfaces (%s) without TLS%s; set security.tls (docs/security.md) "
+                    "or bind 127.0.0.1", role, what, host or "*", "" if security.token else " or a token")
 
 
 def write_ready_file(path: str | Path, handle: RoleServer, **extra: Any) -> None:

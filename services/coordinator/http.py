@@ -7,15 +7,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
+from rolefleet.common.auth import AUTH_REFUSED, HEADER, token_matches
+from rolefleet.common.config import TlsSection
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.roles import check_health, fetch_status
 from rolefleet.coordinator.scaling import RewardScaling
@@ -76,11 +81,17 @@ class ErrorBody(BaseModel):
 INVALID = {422: {"model": ErrorBody, "description": "a parameter is invalid"}}
 ERRORS = {**INVALID, 409: {"model": ErrorBody, "description": "the run's state does not allow it"}}
 BODY_ERRORS = {**ERRORS, 400: {"model": ErrorBody, "description": "the body is not JSON"}}
+UNAUTHENTICATED = {401: {"model": ErrorBody, "description": "the run's token is missing or wrong"}}
+HTTP_ROLE = "coordinator-http"  # the role label of the control plane's refusals
 
 
-def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScaling | None = None) -> FastAPI:
+def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScaling | None = None,
+             token: str | None = None) -> FastAPI:
+    """The control plane; with `token`, every route but /healthz needs `Authorization: Bearer <token>`."""
     app = FastAPI(title="RoleFleet coordinator", version="1", responses=INVALID,
                   description="Control plane of one RoleFleet run (docs/http-api.md).")
+    api = APIRouter(dependencies=[Depends(bearer_check(token))] if token else [],
+                    responses=UNAUTHENTICATED if token else {})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -99,27 +110,27 @@ def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScalin
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/status", summary="the run's state and progress")
+    @api.get("/v1/status", summary="the run's state and progress")
     async def get_status() -> StatusView:
         return StatusView.of(status)
 
-    @app.get("/v1/steps", summary="step records after `since`, oldest first")
+    @api.get("/v1/steps", summary="step records after `since`, oldest first")
     async def get_steps(since: int = Query(0, ge=0, description="return steps numbered above this"),
                         limit: int = Query(100, ge=1, le=1000, description="at most this many")) -> StepsPage:
         # Records are appended in step order, so step k sits at index k - 1.
         page = status.history[since:since + limit]
         return StepsPage(steps=page, next_since=page[-1]["step"] if page else since)
 
-    @app.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")
+    @api.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")
     async def get_roles() -> list[RoleView]:
         return list(await asyncio.gather(*(role_view(label, address) for label, address in addresses.items())))
 
-    @app.get("/v1/reward/replicas", summary="the reward replicas in use")
+    @api.get("/v1/reward/replicas", summary="the reward replicas in use")
     async def get_replicas() -> Replicas:
         return Replicas(replicas=scaling.replicas() if scaling else [])
 
     # One method per path (as the other routes): Starlette's 405 would list only the first route's.
-    @app.post("/v1/reward/replicas/add", summary="give a running reward server a share of the work",
+    @api.post("/v1/reward/replicas/add", summary="give a running reward server a share of the work",
               responses=BODY_ERRORS)
     async def add_replica(body: ReplicaRequest) -> Replicas:
         try:
@@ -127,7 +138,7 @@ def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScalin
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
 
-    @app.post("/v1/reward/replicas/remove", summary="give a reward replica no new work (its calls in flight "
+    @api.post("/v1/reward/replicas/remove", summary="give a reward replica no new work (its calls in flight "
               "finish)", responses=BODY_ERRORS)
     async def remove_replica(body: ReplicaRequest) -> Replicas:
         return Replicas(replicas=_scaling().remove(body.address))
@@ -137,25 +148,41 @@ def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScalin
             raise ControlError("this control plane does not scale reward replicas")
         return scaling
 
-    @app.post("/v1/pause", summary="start no new step until resumed (the step in flight finishes)",
+    @api.post("/v1/pause", summary="start no new step until resumed (the step in flight finishes)",
               responses=ERRORS)
     async def pause() -> StatusView:
         status.pause()
         return StatusView.of(status)
 
-    @app.post("/v1/resume", summary="let steps start again", responses=ERRORS)
+    @api.post("/v1/resume", summary="let steps start again", responses=ERRORS)
     async def resume() -> StatusView:
         status.resume()
         return StatusView.of(status)
 
-    @app.post("/v1/stop", summary="end the run after the step in flight", responses=ERRORS)
+    @api.post("/v1/stop", summary="end the run after the step in flight", responses=ERRORS)
     async def stop() -> StatusView:
         if status.state in (RunState.FINISHED, RunState.FAILED, RunState.STOPPED):
             raise ControlError(f"the run already ended ({status.state.name.lower()})")
         status.request_stop()
         return StatusView.of(status)
 
+    app.include_router(api)
     return app
+
+
+def bearer_check(token: str) -> Callable[..., Awaitable[None]]:
+    """A dependency refusing requests without the run's token: 401, counted, the token never echoed."""
+    scheme = HTTPBearer(auto_error=False, description="the run's token (security.token_file / ROLEFLEET_TOKEN)")
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:  # noqa: B008
+        presented = None if credentials is None else [(HEADER, f"{credentials.scheme} {credentials.credentials}")]
+        reason = token_matches(presented, token)
+        if reason is not None:
+            AUTH_REFUSED.labels(HTTP_ROLE, reason).inc()
+            raise HTTPException(401, f"{reason} token: requests need `Authorization: Bearer <the run's token>`",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    return check
 
 
 def role_of(label: str) -> str:
@@ -188,15 +215,18 @@ class _Server(uvicorn.Server):
 
 
 class HttpControlPlane:
-    """The app bound to `host:port` (0: a free port, known once bound) and served as a task."""
+    """The app bound to `host:port` (0: a free port, known once bound) and served as a task; over
+    TLS with `tls` (the coordinator's certificate; mutual TLS asks each client for one of the CA's)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int):
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsSection | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))  # OSError when taken: the caller reports it
         self.host, self.port = host, self.socket.getsockname()[1]
-        self.server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        self.scheme = "https" if tls is not None and tls.enabled else "http"
+        self.server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                             **_uvicorn_tls(tls)))
         self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-control-plane")
 
     async def stop(self) -> None:
@@ -204,3 +234,11 @@ class HttpControlPlane:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         self.socket.close()
+
+
+def _uvicorn_tls(tls: TlsSection | None) -> dict[str, Any]:
+    if tls is None or not tls.enabled:
+        return {}
+    files = tls.paths("coordinator")
+    mutual = {"ssl_ca_certs": files["ca_file"], "ssl_cert_reqs": ssl.CERT_REQUIRED} if tls.mutual else {}
+    return {"ssl_certfile": files["cert_file"], "ssl_keyfile": files["key_file"], **mutual}

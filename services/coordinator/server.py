@@ -12,6 +12,7 @@ from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError, Unavailable
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
 from rolefleet.common.roles import fetch_status, wait_healthy
+from rolefleet.common.security import OPEN, Security
 from rolefleet.common.server import (
     RoleServicer,
     StartupError,
@@ -19,6 +20,7 @@ from rolefleet.common.server import (
     rpc,
     serve_until_stopped,
     start_server,
+    warn_if_exposed,
     write_ready_file,
 )
 from rolefleet.coordinator.http import HttpControlPlane, make_app, role_of
@@ -106,7 +108,7 @@ def _failed(status: RunStatus, exc: Exception) -> RunStatus:
 
 
 async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None,
-                          progress: bool = True, token: Optional[str] = None) -> Optional[RunStatus]:
+                          progress: bool = True, security: Security = OPEN) -> Optional[RunStatus]:
     """Serve the control service and run the loop; None when a signal cancelled it while starting."""
     addresses = role_addresses(cfg)  # before anything starts: a config without them is an error
     out = cfg.run.out
@@ -114,10 +116,10 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     (out / "config.yaml").write_text(dump_config(cfg))
     status = RunStatus(run_name=cfg.run.name, total_steps=cfg.train.total_steps)
     scaling = RewardScaling(cfg.train.rpc_timeout_s)
-    http = start_http(cfg, status, addresses, scaling)
+    http = start_http(cfg, status, addresses, scaling, security)
     try:
         handle = await start_server("coordinator", cfg.coordinator,
-                                    lambda server: add_to_server(status, server, addresses), token)
+                                    lambda server: add_to_server(status, server, addresses), security)
     except BaseException:
         if http is not None:
             await http.stop()
@@ -129,7 +131,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
         # Printed once the signal handlers are in place, so a stop right after it is handled.
         print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
               f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress"
-              + (f"; HTTP control plane on http://{dial_host(http.host)}:{http.port}" if http else ""), flush=True)
+              + (f"; HTTP control plane on {http.scheme}://{dial_host(http.host)}:{http.port}" if http else ""), flush=True)
         try:
             roles = await connect_roles(cfg, addresses, status)
         except Unavailable as exc:
@@ -174,12 +176,15 @@ async def close_clients(roles: Roles) -> None:
 
 
 def start_http(cfg: RoleFleetConfig, status: RunStatus, addresses: dict[str, str],
-               scaling: Optional[RewardScaling] = None) -> Optional[HttpControlPlane]:
+               scaling: Optional[RewardScaling] = None, security: Security = OPEN) -> Optional[HttpControlPlane]:
     """The HTTP control plane, bound (None when `coordinator.http_enabled` is false)."""
     c = cfg.coordinator
     if not c.http_enabled:
         return None
     try:
-        return HttpControlPlane(make_app(status, addresses, scaling), c.http_host, c.http_port)
+        http = HttpControlPlane(make_app(status, addresses, scaling, security.token), c.http_host, c.http_port,
+                                cfg.security.tls)
     except OSError as exc:
         raise StartupError(busy_port_error("coordinator", "http", c.http_host, c.http_port, exc)) from None
+    warn_if_exposed("coordinator", "the HTTP control plane", c.http_host, security)
+    return http

@@ -7,7 +7,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rolefleet.common.auth import AUTH_REFUSED, TokenError, TokenServerInterceptor, client_interceptors, load_token
+from rolefleet.common.auth import AUTH_REFUSED, TokenError, client_interceptors, load_token
+from rolefleet.common.guard import GuardInterceptor
 
 TOKEN = "s3cret-token-of-the-run-0123456789"
 
@@ -27,7 +28,7 @@ async def echo_stream(request: bytes, context):
 
 def test_calls_need_the_runs_token_except_health_checks():
     async def scenario():
-        server = grpc.aio.server(interceptors=[TokenServerInterceptor("test", TOKEN)])
+        server = grpc.aio.server(interceptors=[GuardInterceptor("test", TOKEN)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
             "Echo": grpc.unary_unary_rpc_method_handler(echo),
             "Stream": grpc.unary_stream_rpc_method_handler(echo_stream)}),))
