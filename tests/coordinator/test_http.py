@@ -3,6 +3,7 @@ every endpoint's answers and errors, and schemathesis fuzzing it against its own
 
 import asyncio
 import json
+import ssl
 import subprocess
 import threading
 import urllib.error
@@ -10,29 +11,32 @@ import urllib.request
 
 import pytest
 
-from rolefleet.coordinator.http import HttpControlPlane, make_app
+from rolefleet.common.auth import AUTH_REFUSED
+from rolefleet.common.config import TlsSection
+from rolefleet.coordinator.http import HTTP_ROLE, HttpControlPlane, make_app
 from rolefleet.coordinator.state import RunState, RunStatus
 from tests.deploy.tools import tool
 
 pytestmark = pytest.mark.timeout(180)
+TOKEN = "http-test-token-0123456789"
 
 
 class Served:
     """The control plane on its own event loop in a thread, as the coordinator serves it."""
 
-    def __init__(self, addresses: dict[str, str]):
+    def __init__(self, addresses: dict[str, str], token: str | None = None, tls: TlsSection | None = None):
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
         async def start():
             self.status = RunStatus(run_name="fuzz", total_steps=10)
-            return HttpControlPlane(make_app(self.status, addresses), "127.0.0.1", 0)
+            return HttpControlPlane(make_app(self.status, addresses, token=token), "127.0.0.1", 0, tls)
 
         self.plane = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.url = f"http://127.0.0.1:{self.plane.port}"
+        self.url = f"{self.plane.scheme}://127.0.0.1:{self.plane.port}"
 
-    def call(self, method: str, path: str) -> tuple[int, dict]:
-        request = urllib.request.Request(self.url + path, method=method)
+    def call(self, method: str, path: str, headers: dict | None = None) -> tuple[int, dict]:
+        request = urllib.request.Request(self.url + path, method=method, headers=headers or {})
         try:
             with urllib.request.urlopen(request, timeout=10) as reply:
                 return reply.status, json.load(reply)
@@ -47,6 +51,13 @@ class Served:
 @pytest.fixture
 def served():
     s = Served({"reward": "127.0.0.1:1"})  # nothing listens there: the role is UNREACHABLE
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def guarded():
+    s = Served({"reward": "127.0.0.1:1"}, token=TOKEN)
     yield s
     s.close()
 
@@ -94,10 +105,56 @@ def test_pause_resume_stop_and_what_an_ended_run_refuses(served):
     assert served.call("POST", "/v1/pause")[0] == 409
 
 
-def test_schemathesis_finds_no_server_error_and_no_answer_outside_the_schema(served, tmp_path):
-    served.status.record_step({"step": 1, "reward/mean": 0.5}, policy_version=1)
+def test_schemathesis_with_the_token_finds_no_server_error_no_answer_outside_the_schema_and_no_ignored_auth(
+        guarded, tmp_path):
+    """Fuzzed with authentication on: schemathesis's `ignored_auth` check also sends each request
+    without the token and fails if that is answered."""
+    guarded.status.record_step({"step": 1, "reward/mean": 0.5}, policy_version=1)
     proc = subprocess.run(
-        [tool("schemathesis"), "run", f"{served.url}/openapi.json", "--checks", "all", "--max-examples", "25",
-         "--seed", "1", "--request-timeout", "10", "--max-failures", "5"],
+        [tool("schemathesis"), "run", f"{guarded.url}/openapi.json", "--checks", "all", "--max-examples", "25",
+         "--seed", "1", "--request-timeout", "10", "--max-failures", "5", "-H", f"Authorization: Bearer {TOKEN}"],
         capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_the_token_guards_every_route_but_healthz_and_refusals_are_counted(guarded):
+    def refusals(reason):
+        return AUTH_REFUSED.labels(HTTP_ROLE, reason)._value.get()
+
+    missing, wrong = refusals("missing"), refusals("wrong")
+    assert guarded.call("GET", "/healthz") == (200, {"status": "ok"})  # probes carry no secret
+    code, body = guarded.call("GET", "/v1/status")
+    assert code == 401 and body["error"].startswith("missing token") and TOKEN not in body["error"]
+    code, body = guarded.call("POST", "/v1/stop", {"Authorization": "Bearer " + "x" * 30})
+    assert code == 401 and body["error"].startswith("wrong token")
+    assert not guarded.status.stop_requested  # a refused request changes nothing
+    assert guarded.call("GET", "/v1/status", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+    assert refusals("missing") == missing + 1 and refusals("wrong") == wrong + 1
+    schema = guarded.call("GET", "/openapi.json")[1]
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+
+
+def test_mutual_tls_control_plane_answers_the_cli_with_the_runs_certificates(tmp_path, monkeypatch, capsys):
+    from rolefleet.certs import make_certs
+    from rolefleet.cli import main
+
+    make_certs(tmp_path / "certs")
+    make_certs(tmp_path / "other")
+    c = tmp_path / "certs"
+    tls = TlsSection(cert_file=f"{c}/{{role}}.pem", key_file=f"{c}/{{role}}-key.pem", ca_file=f"{c}/ca.pem",
+                     mutual=True)
+    s = Served({}, token=TOKEN, tls=tls)
+    try:
+        assert s.url.startswith("https://")
+        monkeypatch.setenv("ROLEFLEET_TOKEN", TOKEN)
+        assert main(["status", "--http", s.url, "--certs", str(c)]) == 0
+        assert "run fuzz: STARTING, step 0/10" in capsys.readouterr().out
+        assert main(["status", "--http", s.url, "--certs", str(tmp_path / "other")]) == 1  # another CA
+        assert "CERTIFICATE_VERIFY_FAILED" in capsys.readouterr().err
+        # No client certificate: refused in the handshake (under TLS 1.3 the client learns it as the
+        # server closing the connection).
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(s.url + "/healthz", timeout=10,
+                                   context=ssl.create_default_context(cafile=f"{c}/ca.pem"))
+    finally:
+        s.close()

@@ -80,6 +80,12 @@ def running_run_http(proc: subprocess.Popen, metrics: Path, timeout_s: float = 1
     return _started(proc, metrics, timeout_s).split("HTTP control plane on ")[1].split()[0]
 
 
+def running_run_both(proc: subprocess.Popen, metrics: Path, timeout_s: float = 180) -> tuple[str, str]:
+    """As `running_run`; returns the coordinator's gRPC address and its control plane's URL."""
+    line = _started(proc, metrics, timeout_s)
+    return line.split("--address ")[1].split("`")[0], line.split("HTTP control plane on ")[1].split()[0]
+
+
 def _started(proc: subprocess.Popen, metrics: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     line = ""

@@ -1,45 +1,103 @@
-"""`rolefleet up` with a token: the run's own calls carry it and the run finishes; a caller
-without it is refused by every role (UNAUTHENTICATED), and `rolefleet status` works with it."""
+"""`rolefleet up` with a token and mutual TLS: the run's own calls present both and the run goes
+on; every role refuses a plaintext caller, a caller with another CA's certificate, and a caller with
+the run's certificate but no token; `rolefleet status` works with the run's certificates and token,
+over gRPC and over the HTTPS control plane."""
 
 import asyncio
+import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from rolefleet.certs import make_certs
 from rolefleet.common.pb import actor_pb2_grpc, common_pb2
-from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, running_run, terminate, write_config
+from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, running_run_both, terminate, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 TOKEN = "e2e-token-0123456789abcdef"
 
 
-def test_a_run_with_a_token_refuses_callers_without_it(make_config, tmp_path, monkeypatch):
+def scrape(port: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def total(name: str, **labels: str) -> float:
+        family = families.get(name)
+        return sum(s.value for s in family.samples if s.name.endswith("_total")
+                   and all(s.labels.get(k) == v for k, v in labels.items())) if family else 0.0
+
+    return {"tls": total("rolefleet_tls_refused", role="actor"),
+            "token": total("rolefleet_auth_refused", role="actor", reason="missing")}
+
+
+def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_config, tmp_path, monkeypatch):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    cfg = make_config("train.total_steps=1000", f"security.token_file={token_file}", "checkpoint.at_end=false")
+    certs, other = tmp_path / "certs", tmp_path / "other"
+    make_certs(certs)
+    make_certs(other)
+    cfg = make_config("train.total_steps=1000", f"security.token_file={token_file}", "checkpoint.at_end=false",
+                      f"security.tls.cert_file={certs}/{{role}}.pem", f"security.tls.key_file={certs}/{{role}}-key.pem",
+                      f"security.tls.ca_file={certs}/ca.pem", "security.tls.mutual=true",
+                      "coordinator.http_enabled=true", "coordinator.http_port=0")
     proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
     try:
-        address = running_run(proc, cfg.run.out / "metrics.jsonl")
-        actor_port = (cfg.run.out / "logs" / "actor.log").read_text().split("serving gRPC on 127.0.0.1:")[1].split(",")[0]
+        address, url = running_run_both(proc, cfg.run.out / "metrics.jsonl")
+        assert url.startswith("https://127.0.0.1:")
+        actor = (cfg.run.out / "logs" / "actor.log").read_text().split("serving gRPC over TLS on 127.0.0.1:")[1]
+        actor, metrics_port = "127.0.0.1:" + actor.split(",")[0], actor.split("metrics on :")[1].split()[0]
 
-        async def call(metadata):
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{actor_port}") as channel:
+        def credentials(directory):
+            return grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes(),
+                                                (directory / "client-key.pem").read_bytes(),
+                                                (directory / "client.pem").read_bytes())
+
+        async def status(open_channel, metadata=()):
+            async with open_channel() as channel:  # opened inside this call's event loop
                 return await actor_pb2_grpc.ActorServiceStub(channel).GetStatus(
                     common_pb2.GetStatusRequest(), metadata=metadata, timeout=10)
 
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            asyncio.run(call(()))
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert asyncio.run(call((("authorization", f"Bearer {TOKEN}"),))).role == "actor"
+        def code_of(open_channel, metadata=()):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                asyncio.run(status(open_channel, metadata))
+            return err.value.code()
+
+        bearer = (("authorization", f"Bearer {TOKEN}"),)
+        def plain():
+            return grpc.aio.insecure_channel(actor)
+
+        def foreign():
+            return grpc.aio.secure_channel(actor, credentials(other))
+
+        def runs():
+            return grpc.aio.secure_channel(actor, credentials(certs))
+
+        assert code_of(plain, bearer) == grpc.StatusCode.UNAVAILABLE
+        assert code_of(foreign, bearer) == grpc.StatusCode.UNAVAILABLE
+        assert code_of(runs) == grpc.StatusCode.UNAUTHENTICATED
+        assert asyncio.run(status(runs, bearer)).role == "actor"
+
+        # The actor counted both refused handshakes (once no call followed them) and the missing token.
+        deadline = time.monotonic() + 30
+        while (refusals := scrape(metrics_port))["tls"] < 2:
+            assert time.monotonic() < deadline, refusals
+            time.sleep(0.5)
+        assert refusals == {"tls": 2, "token": 1}
 
         monkeypatch.setenv("ROLEFLEET_TOKEN", "")
-        denied = rolefleet("status", "--address", address)
+        denied = rolefleet("status", "--address", address, "--certs", str(certs))
         out, _ = denied.communicate(timeout=60)
         assert denied.returncode == 1 and "UNAUTHENTICATED" in out, out
         monkeypatch.setenv("ROLEFLEET_TOKEN", TOKEN)
-        allowed = rolefleet("status", "--address", address)
-        out, _ = allowed.communicate(timeout=60)
-        assert allowed.returncode == 0 and "run test: RUNNING" in out, out
+        for where in (["--address", address], ["--http", url]):
+            allowed = rolefleet("status", *where, "--certs", str(certs))
+            out, _ = allowed.communicate(timeout=60)
+            assert allowed.returncode == 0 and "run test: RUNNING" in out, out
+        uncertified = rolefleet("status", "--address", address)  # no certificates: no answer
+        out, _ = uncertified.communicate(timeout=60)
+        assert uncertified.returncode == 1, out
         assert len(read_metrics(cfg.run.out / "metrics.jsonl")) >= 1
     finally:
         assert terminate(proc, timeout=120) == 143  # `up` ends on SIGTERM as it always does
