@@ -35,6 +35,7 @@ def _actor(cfg: RoleFleetConfig):
 
     core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound,
                      rollout_ranks=rollout_ranks(cfg))
+    core.checkpoint_root = cfg.checkpoint.root(cfg.run)
     return core, functools.partial(server.add_to_server, core)
 
 
@@ -51,6 +52,7 @@ def _critic(cfg: RoleFleetConfig):
     from rolefleet.critic.core import CriticCore
 
     core = CriticCore(cfg.critic, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound)
+    core.checkpoint_root = cfg.checkpoint.root(cfg.run)
     return core, functools.partial(server.add_to_server, core)
 
 

@@ -64,6 +64,9 @@ class ActorCore:
         self.weight_shapes = [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
         self.engine: RolloutEngine | None = self._make_engine(seed) if self.generates else None
         self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
+        # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
+        # None: anywhere (a core used in-process).
+        self.checkpoint_root = None
         self.ref_model, self.trainer = None, None
         if self.trains:
             self.ref_model = self._load_reference()

@@ -129,7 +129,7 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         with _one_process_is_fine():
             dcp.load(state, checkpoint_id=str(path / "weights"), process_group=group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(path / "trainer.pt", weights_only=False)
+        extra = torch.load(path / "trainer.pt", weights_only=True)  # tensors and plain values: never code
         scheduler.load_state_dict(extra["scheduler"])
         generator.set_state(extra["generator"])
         torch.set_rng_state(extra["torch_rng"])
@@ -196,12 +196,19 @@ def prune(root: Path, keep: int) -> list[Path]:
 # The core's trainer lock is held by the caller; `ranks` are its training ranks, each of which runs
 # the core's SPMD `_save_state(work)` / `_load_state(path)`.
 
-def _role_dir(path: str) -> Path:
+def _role_dir(core, path: str) -> Path:
+    """The directory a request names, refused unless under the role's checkpoint root (a server's is
+    its run's `checkpoint.dir`): a caller never gets a role to write, replace or load elsewhere."""
     from rolefleet.common.errors import InvalidArgument
 
     if not path:
         raise InvalidArgument("path", "no checkpoint directory given")
-    return Path(path)
+    if "\x00" in path:
+        raise InvalidArgument("path", "has a NUL character")
+    target, root = Path(path), core.checkpoint_root
+    if root is not None and not target.resolve().is_relative_to(Path(root).resolve()):
+        raise InvalidArgument("path", f"{path} is outside the run's checkpoint directory {root} (checkpoint.dir)")
+    return target
 
 
 def read_role_json(path: Path) -> dict | None:
@@ -216,7 +223,7 @@ def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> C
     from rolefleet.common.roles import CheckpointInfo
     from rolefleet.common.workers import spmd
 
-    target = _role_dir(path)
+    target = _role_dir(core, path)
     last = core.state.ledger.last_step
     if step != last:
         raise FailedPrecondition(f"a checkpoint of step {step} was asked for; the {core.state.role}'s last "
@@ -241,7 +248,7 @@ def load_role(core, path: str, ranks: list[int]) -> CheckpointInfo:
     from rolefleet.common.roles import CheckpointInfo
     from rolefleet.common.workers import spmd
 
-    source = _role_dir(path)
+    source = _role_dir(core, path)
     saved = read_role_json(source)
     if saved is None:
         raise InvalidArgument("path", f"no {core.state.role} checkpoint at {source} (role.json missing or unreadable)")

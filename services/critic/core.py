@@ -54,6 +54,9 @@ class CriticCore:
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
         self.generator = torch.Generator().manual_seed(seed)
         self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
+        # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
+        # None: anywhere (a core used in-process).
+        self.checkpoint_root = None
         self.state = TrainerState(ROLE, versioned="value-model")  # Update's fence: the version of its old values  # model lock, step ledger, model version
         self._lock = self.state.lock
 

@@ -187,3 +187,41 @@ def test_bad_checkpoint_requests_are_refused_and_change_nothing(make_config, tmp
     with pytest.raises(InvalidArgument, match=r"path: no critic checkpoint at .*empty \(role.json missing"):
         critic.load_checkpoint(str(tmp_path / "empty"))
     assert critic.digest() == digest and critic.status().broken == "" and critic.state.version == 0
+
+
+def test_checkpoint_paths_stay_under_the_runs_checkpoint_directory(make_config, tmp_path):
+    """A served role reads and writes checkpoints only under checkpoint.dir: a request naming any
+    other directory (absolute, or `..` out of it) is refused and nothing there is touched; a
+    trainer.pt that would run code when unpickled is refused without running it."""
+    from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+
+    cfg = make_config("algorithm=ppo")
+    critic = CriticCore(cfg.critic, cfg.run.seed)
+    root = tmp_path / "checkpoints"
+    critic.checkpoint_root = root
+    victim = tmp_path / "precious"
+    victim.mkdir()
+    (victim / "data.txt").write_text("keep me")
+    for path in (str(victim), str(root / ".." / "precious"), "/etc", "relative/dir"):
+        with pytest.raises(InvalidArgument, match="outside the run's checkpoint directory"):
+            critic.save_checkpoint(0, path)
+        with pytest.raises(InvalidArgument, match="outside the run's checkpoint directory"):
+            critic.load_checkpoint(path)
+    with pytest.raises(InvalidArgument, match="path: has a NUL character"):
+        critic.save_checkpoint(0, str(root / "a\x00b"))
+    assert (victim / "data.txt").read_text() == "keep me" and sorted(p.name for p in victim.iterdir()) == ["data.txt"]
+    assert critic.save_checkpoint(0, str(root / "step-0" / "critic")).step == 0  # inside: fine
+
+    # A planted trainer.pt whose unpickling would run code: refused, the code never runs.
+    marker = tmp_path / "ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    import torch
+
+    torch.save({"scheduler": Exploit()}, root / "step-0" / "critic" / "trainer.pt")
+    with pytest.raises(FailedPrecondition, match="loading the checkpoint"):
+        critic.load_checkpoint(str(root / "step-0" / "critic"))
+    assert not marker.exists()
