@@ -7,10 +7,18 @@ the fixed ports of the convention below, the container paths of the model, data 
 (for the coordinator) the compose service names it dials. Roles the algorithm does not use are left
 out. `render_compose` is a pure function of its arguments: the same config gives the same bytes, so
 a committed file can be compared with a fresh render.
+
+Security: each directory holding a file that security.tls.* or security.token_file names is mounted
+read-only into every role at /etc/rolefleet/secrets/<n>, the keys are rewritten to those container
+paths, the healthchecks speak TLS with the role's own certificate, and without a token_file the
+token comes from the environment compose runs in (`ROLEFLEET_TOKEN=... docker compose up`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -33,6 +41,12 @@ GRAFANA_PORT = 3000
 # Container paths: run output and checkpoints on a named volume, models and configs bind-mounted.
 RUNS_DIR, MODELS_DIR, CONFIGS_DIR = "/runs", "/models", "/configs"
 HOST_MODELS_DIR = "models"
+# Where the directories of the TLS files and the token file are mounted (read-only), one per
+# directory, numbered in the order of these keys.
+SECRETS_DIR = "/etc/rolefleet/secrets"
+SECRET_KEYS = ("security.tls.cert_file", "security.tls.key_file", "security.tls.ca_file", "security.token_file")
+# A variable compose can interpolate (${NAME:-}).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # SERVING comes after the model load (and vLLM's warm-up), which a large checkpoint stretches to
 # many minutes; failed probes inside the start period do not count against the retries.
 ROLE_START_PERIOD = "20m"
@@ -59,10 +73,12 @@ def render_compose(cfg: RoleFleetConfig, config_path: str) -> str:
     gpus = {role: gpu_ids(cfg, role) for role in roles}
     config_path = str(PurePosixPath(config_path))  # ./configs/x.yaml and configs/x.yaml render alike
     config_dir, config_name = _config_mount(config_path)
-    shared = _shared_overrides(cfg, config_dir)
-    parts = [_header(config_path, gpus, cfg.coordinator.http_enabled), "name: rolefleet\n", "services:\n"]
+    secrets = secret_mounts(cfg)
+    shared = _shared_overrides(cfg, config_dir) + secrets.overrides
+    parts = [_header(config_path, gpus, cfg.coordinator.http_enabled, cfg, secrets), "name: rolefleet\n",
+             "services:\n"]
     for role in roles:
-        service = _role_service(cfg, role, gpus[role], config_dir, config_name, shared)
+        service = _role_service(cfg, role, gpus[role], config_dir, config_name, shared, secrets)
         parts.append(_service_yaml(role, service, _role_comment(role, gpus[role])))
     parts.append(_service_yaml("prometheus", _prometheus(), [
         "prometheus: scrapes every role's /metrics port (deploy/prometheus/prometheus.yml, alerts.yml)"]))
@@ -88,10 +104,10 @@ def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
 # --- the role services ---------------------------------------------------------------------------
 
 def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_dir: str, config_name: str,
-                  shared: list[str]) -> dict[str, Any]:
+                  shared: list[str], secrets: SecretMounts) -> dict[str, Any]:
     command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *shared,
                *_model_overrides(cfg, role), *_endpoint_overrides(cfg, role)]
-    volumes = ["runs:" + RUNS_DIR, f"{config_dir}:{CONFIGS_DIR}:ro"]
+    volumes = ["runs:" + RUNS_DIR, f"{config_dir}:{CONFIGS_DIR}:ro", *secrets.volumes]
     if role in MODEL_KEYS:
         volumes.insert(1, f"./{HOST_MODELS_DIR}:{MODELS_DIR}:ro")
     service: dict[str, Any] = {"image": IMAGE, "build": {"context": ".", "dockerfile": DOCKERFILE},
@@ -102,6 +118,8 @@ def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_dir: 
         service["shm_size"] = SHM_SIZE
     else:
         service["environment"] = {"NVIDIA_VISIBLE_DEVICES": "void"}
+    if secrets.environment:
+        service["environment"] = {**service.get("environment", {}), **secrets.environment}
     service.update({
         "init": True,  # reaps the worker processes a role starts, and forwards SIGTERM to the role
         "restart": "no" if role == "coordinator" else "unless-stopped",
@@ -113,19 +131,34 @@ def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_dir: 
         service["ports"] = ([f"127.0.0.1:{HTTP_PORT}:{HTTP_PORT}"] if cfg.coordinator.http_enabled else []) + [
             f"127.0.0.1:{grpc_port}:{grpc_port}"]
         service["depends_on"] = {r: {"condition": "service_healthy"} for r in cfg.roles() if r != "coordinator"}
-    service["healthcheck"] = _healthcheck(role)
+    service["healthcheck"] = _healthcheck(role, _healthcheck_tls(cfg, role, secrets))
     return service
 
 
-def _healthcheck(role: str) -> dict[str, Any]:
+def _healthcheck(role: str, tls: Sequence[str] = ()) -> dict[str, Any]:
     return {
         "test": _Flow(["CMD", "python", "-m", "rolefleet.deploy.healthcheck", f"127.0.0.1:{GRPC_PORTS[role]}",
-                       "--timeout", "5"]),
+                       "--timeout", "5", *tls]),
         "interval": "10s",
         "timeout": "10s",
         "retries": 3,
         "start_period": COORDINATOR_START_PERIOD if role == "coordinator" else ROLE_START_PERIOD,
     }
+
+
+def _healthcheck_tls(cfg: RoleFleetConfig, role: str, secrets: SecretMounts) -> list[str]:
+    """The probe's TLS flags: the CA, and the role's own certificate as the client certificate that
+    a mutual-TLS server asks for (every certificate of `rolefleet certs` is both)."""
+    tls = cfg.security.tls
+    if not tls.enabled:
+        return []
+    flags = []
+    for flag, key in (("--ca", "ca_file"), ("--cert", "cert_file"), ("--key", "key_file")):
+        if getattr(tls, key):
+            flags += [flag, secrets.paths[f"security.tls.{key}"].replace("{role}", role)]
+    if tls.server_name:
+        flags += ["--server-name", tls.server_name]
+    return flags
 
 
 def _endpoint_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
@@ -175,6 +208,57 @@ def container_model_path(key: str, path: str) -> str:
                      f"in ./{HOST_MODELS_DIR}/<name> and set {key}={HOST_MODELS_DIR}/<name>")
 
 
+@dataclass
+class SecretMounts:
+    """What the config's security files need in every role container."""
+
+    volumes: list[str] = field(default_factory=list)      # "HOST_DIR:/etc/rolefleet/secrets/<n>:ro"
+    overrides: list[str] = field(default_factory=list)    # security.*=<container path>
+    paths: dict[str, str] = field(default_factory=dict)   # key -> container path ("{role}" kept)
+    environment: dict[str, str] = field(default_factory=dict)  # the token, passed from compose's environment
+
+
+def secret_mounts(cfg: RoleFleetConfig) -> SecretMounts:
+    """Mount each distinct directory of the files security.tls.* and security.token_file name, read-only,
+    at /etc/rolefleet/secrets/<n> (numbered in the order of SECRET_KEYS), and point the keys there.
+    Relative paths are relative to where `docker compose` runs, like ./configs and ./models. A
+    "{role}" may stand in a file name (every role then finds its own file in the one directory),
+    not in a directory name. Without a token_file, the variable security.token_env names is passed
+    through from the environment compose runs in, whether or not the config has a `security` section:
+    a token set where `docker compose up` runs must never be silently dropped."""
+    mounts = SecretMounts()
+    security, dirs = cfg.security, {}
+    values = {"security.tls.cert_file": security.tls.cert_file, "security.tls.key_file": security.tls.key_file,
+              "security.tls.ca_file": security.tls.ca_file, "security.token_file": security.token_file}
+    for key in SECRET_KEYS:
+        if not values[key]:
+            continue
+        path = PurePosixPath(values[key])
+        host_dir, name = _host_dir(path), path.name
+        if not name or name in (".", ".."):
+            raise ValueError(f"{key}: {values[key]!r} names no file")
+        if "{role}" in str(path.parent):
+            raise ValueError(f"{key}: {values[key]!r}: compose mounts one directory into every role, so "
+                             "\"{role}\" may stand in the file name only (as in rolefleet certs' DIR/{role}.pem)")
+        if host_dir not in dirs:
+            dirs[host_dir] = f"{SECRETS_DIR}/{len(dirs)}"
+            mounts.volumes.append(f"{host_dir}:{dirs[host_dir]}:ro")
+        mounts.paths[key] = f"{dirs[host_dir]}/{name}"
+        mounts.overrides.append(f"{key}={mounts.paths[key]}")
+    if not security.token_file and security.token_env:
+        if not _ENV_NAME.fullmatch(security.token_env):
+            raise ValueError(f"security.token_env: {security.token_env!r} is not a variable name compose can "
+                             "pass through (letters, digits and _, not starting with a digit)")
+        mounts.environment[security.token_env] = f"${{{security.token_env}:-}}"
+    return mounts
+
+
+def _host_dir(path: PurePosixPath) -> str:
+    """The directory holding `path`, as a compose bind-mount source (./ before a relative one)."""
+    parent = str(path.parent)
+    return parent if path.is_absolute() or parent.startswith(".") else f"./{parent}"
+
+
 def _data_path(path: str, config_dir: str) -> str:
     parts = PurePosixPath(path).parts
     host = PurePosixPath(config_dir.removeprefix("./") or ".").parts
@@ -220,20 +304,41 @@ def _grafana() -> dict[str, Any]:
 
 # --- text ----------------------------------------------------------------------------------------
 
-def _header(config_path: str, gpus: dict[str, list[str]], http: bool) -> str:
+def _header(config_path: str, gpus: dict[str, list[str]], http: bool, cfg: RoleFleetConfig,
+            secrets: SecretMounts) -> str:
     placement = "; ".join(f"{role} {'GPUs ' + ','.join(ids) if ids else 'no GPU'}" for role, ids in gpus.items())
     published = [*([f"control plane http://127.0.0.1:{HTTP_PORT}"] if http else []),
                  f"coordinator gRPC 127.0.0.1:{GRPC_PORTS['coordinator']} (rolefleet status)",
                  f"Prometheus http://127.0.0.1:{PROMETHEUS_PORT}", f"Grafana http://127.0.0.1:{GRAFANA_PORT}"]
+    guarded = _security_summary(cfg, secrets)
     lines = [
         f"Generated from {config_path} by `rolefleet deploy compose {config_path} > docker-compose.yml`.",
         "Do not edit by hand: change the config (its devices map places the roles) and generate it again.",
         f"Placement: {placement}.",
-        "Published on this host's loopback only (the control plane and the gRPC API ask for no credentials):",
+        "Published on this host's loopback only" + (
+            ":" if guarded else " (the control plane and the gRPC API ask for no credentials):"),
         *[f"  {p}" for p in published],
+        *guarded,
         "Walk-through: docs/deploy-compose.md.",
     ]
     return "".join(f"# {line}\n" for line in lines)
+
+
+def _security_summary(cfg: RoleFleetConfig, secrets: SecretMounts) -> list[str]:
+    """Header lines on what the roles demand of callers."""
+    security, lines = cfg.security, []
+    if security.tls.enabled:
+        lines.append(f"Security: {'mutual ' if security.tls.mutual else ''}TLS on every role's gRPC port and on the "
+                     "control plane (which then answers https).")
+    if security.token_file:
+        lines.append(f"The run's token: {security.token_file} (security.token_file).")
+    elif secrets.environment:
+        [name] = secrets.environment
+        lines.append(f"The run's token, if any: ${name} where `docker compose up` runs (security.token_env).")
+    if secrets.volumes:
+        lines.append(f"Mounted read-only into every role at {SECRETS_DIR}/<n>: "
+                     f"{', '.join(v.split(':')[0] for v in secrets.volumes)}.")
+    return lines or ["Security: no TLS and no token (docs/security.md)."]
 
 
 def _role_comment(role: str, gpus: list[str]) -> list[str]:

@@ -2,9 +2,10 @@
 
 The compose file is generated from configs/8gpu.yaml and must stay a fresh render of it; it must pass
 `docker compose config`; its GPU reservations must be the config's devices map; each service's
-command must load as a valid config inside its container. The probe is run against a real role
-server. The Dockerfile cannot be built here (a Docker client, no engine), so it is only read: its
-base is pinned, it installs the project with vLLM, it runs `rolefleet serve` as a non-root user.
+command must load as a valid config inside its container, security files included. The probe is run
+against a real role server, and over mutual TLS against a TLS server. The Dockerfile cannot be built
+here (a Docker client, no engine), so it is only read: its base is pinned, it installs the project
+with vLLM, it runs `rolefleet serve` as a non-root user.
 """
 
 from __future__ import annotations
@@ -12,23 +13,24 @@ from __future__ import annotations
 import asyncio
 import difflib
 import json
+import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
+from rolefleet.certs import make_certs
 from rolefleet.common.config import Endpoint, RewardSection, load_config
 from rolefleet.common.preflight import MODEL_KEYS
 from rolefleet.common.server import start_server
-from rolefleet.deploy.compose import render_compose
+from rolefleet.deploy.compose import SECRETS_DIR, render_compose
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
-from tests.deploy.tools import REPO, tool
+from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
 from tests.e2e.procs import rolefleet, terminate, wait_ready
 
 CONFIG = "configs/8gpu.yaml"
@@ -93,7 +95,8 @@ def test_gpu_reservations_are_the_devices_map_and_the_coordinator_has_none():
         assert "CUDA_VISIBLE_DEVICES" not in json.dumps(services[role])  # the reservation alone picks the GPUs
     for name in ("coordinator", *MONITORING):
         assert reservations(services[name]) == [] and "gpus" not in services[name], name
-    assert services["coordinator"]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void"}
+    assert services["coordinator"]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void",
+                                                      "ROLEFLEET_TOKEN": "${ROLEFLEET_TOKEN:-}"}
 
 
 def test_a_grpo_render_leaves_the_critic_out_and_follows_another_placement():
@@ -193,12 +196,129 @@ def test_prometheus_scrapes_every_role_service_on_its_metrics_port():
         assert re.fullmatch(r"[a-z/]+:v?\d+\.\d+\.\d+", services[name]["image"]), services[name]["image"]
 
 
+# --- security: certificates and the token ---------------------------------------------------------
+
+ROLES = ("actor", "reward", "critic", "coordinator")
+
+
+def secured(certs: Path, **more) -> dict:
+    """The security section of a mutual-TLS run whose CA sits in another directory than the leaves
+    (two mounts), with a token file in a relative directory (a third)."""
+    ca = certs.parent / "ca"
+    if not ca.exists():
+        ca.mkdir()
+        (ca / "ca.pem").write_bytes((certs / "ca.pem").read_bytes())
+    return {"tls": {"cert_file": f"{certs}/{{role}}.pem", "key_file": f"{certs}/{{role}}-key.pem",
+                    "ca_file": f"{ca}/ca.pem", "mutual": True, **more.pop("tls", {})},
+            "token_file": "./secrets/run.token", **more}
+
+
+def render_secured(tmp_path: Path, security: dict) -> str:
+    """The render of configs/8gpu.yaml with `security`, from a config file in `tmp_path` (the
+    containers read the file, so security settings belong in it, not in render-time overrides)."""
+    raw = yaml.safe_load((REPO / CONFIG).read_text()) | {"security": security}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return render_compose(load_config(path), str(path))
+
+
+def test_tls_and_token_files_are_mounted_read_only_and_their_keys_point_inside(tmp_path, certs):
+    services = yaml.safe_load(render_secured(tmp_path, secured(certs)))["services"]
+    mounts = [f"{certs}:{SECRETS_DIR}/0:ro", f"{certs.parent / 'ca'}:{SECRETS_DIR}/1:ro",
+              f"./secrets:{SECRETS_DIR}/2:ro"]
+    for role in ROLES:
+        service = services[role]
+        assert service["volumes"][-3:] == mounts, role
+        assert [v for v in service["volumes"] if "/etc/rolefleet" in v] == mounts  # nothing else, nothing twice
+        assert {a for a in service["command"] if a.startswith("security.")} == {
+            f"security.tls.cert_file={SECRETS_DIR}/0/{{role}}.pem",
+            f"security.tls.key_file={SECRETS_DIR}/0/{{role}}-key.pem",
+            f"security.tls.ca_file={SECRETS_DIR}/1/ca.pem", f"security.token_file={SECRETS_DIR}/2/run.token"}, role
+        # As the container sees it: its own certificate, the CA and the token, all back to the host files.
+        name, cfg = container_config(service)
+        paths = cfg.security.tls.paths(name)
+        assert cfg.security.tls.mutual is True
+        assert host_path(service, paths["cert_file"]) == certs / f"{role}.pem"
+        assert host_path(service, paths["key_file"]) == certs / f"{role}-key.pem"
+        assert host_path(service, paths["ca_file"]) == certs.parent / "ca" / "ca.pem"
+        assert host_path(service, cfg.security.token_file) == REPO / "secrets" / "run.token"
+        assert "ROLEFLEET_TOKEN" not in service.get("environment", {})  # the file wins: nothing to pass
+        # The probe speaks TLS with the role's own certificate, which is also a client certificate.
+        test = service["healthcheck"]["test"]
+        assert test[:7] == ["CMD", "python", "-m", "rolefleet.deploy.healthcheck", f"127.0.0.1:{GRPC_PORTS[role]}",
+                            "--timeout", "5"]
+        assert test[7:] == ["--ca", f"{SECRETS_DIR}/1/ca.pem", "--cert", f"{SECRETS_DIR}/0/{role}.pem",
+                            "--key", f"{SECRETS_DIR}/0/{role}-key.pem"], role
+    # Published ports and the coordinator's wiring stay as they were.
+    plain = yaml.safe_load(render())["services"]
+    for name in services:
+        assert services[name].get("ports") == plain[name].get("ports"), name
+    assert services["coordinator"]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void"}
+
+
+def test_the_secured_file_passes_docker_compose_config(tmp_path, certs):
+    for security in (secured(certs), secured(certs, token_file=None, tls={"server_name": "rolefleet"})):
+        path = tmp_path / "docker-compose.yml"
+        path.write_text(render_secured(tmp_path, security))
+        result = compose_config(path)
+        assert result.returncode == 0, result.stderr
+
+
+def test_without_a_token_file_the_token_comes_from_the_environment_compose_runs_in(tmp_path, certs):
+    text = render_secured(tmp_path, secured(certs, token_file=None, token_env="RUN_TOKEN",
+                                            tls={"server_name": "rolefleet"}))
+    services = yaml.safe_load(text)["services"]
+    for role in ROLES:
+        environment = services[role]["environment"]
+        assert environment["RUN_TOKEN"] == "${RUN_TOKEN:-}", role
+        assert not [a for a in services[role]["command"] if a.startswith("security.token_file")]
+        assert len([v for v in services[role]["volumes"] if v.startswith(str(certs.parent))]) == 2
+        assert services[role]["healthcheck"]["test"][-2:] == ["--server-name", "rolefleet"]
+        _, cfg = container_config(services[role])
+        assert (cfg.security.token_file, cfg.security.token_env, cfg.security.tls.server_name) == (
+            None, "RUN_TOKEN", "rolefleet")
+    assert services["coordinator"]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void", "RUN_TOKEN": "${RUN_TOKEN:-}"}
+    # compose fills it in from its own environment, and leaves it empty (no token) without one.
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(text)
+    for environ, expected in (({"RUN_TOKEN": "s3cret-token-0123456789"}, "s3cret-token-0123456789"), ({}, "")):
+        done = subprocess.run([tool("docker-compose"), "-f", str(path), "--project-directory", str(REPO), "config",
+                               "--format", "json"], capture_output=True, text=True, timeout=60, cwd=REPO,
+                              env={k: v for k, v in os.environ.items() if k != "RUN_TOKEN"} | environ)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["services"]["actor"]["environment"]["RUN_TOKEN"] == expected
+
+
+def test_the_token_variable_passes_through_with_or_without_a_security_section():
+    assert yaml.safe_load(render())["services"]["actor"]["environment"] == {"ROLEFLEET_TOKEN": "${ROLEFLEET_TOKEN:-}"}
+    services = yaml.safe_load(render("security.max_calls_per_client=64"))["services"]
+    for role in ROLES:
+        assert services[role]["environment"]["ROLEFLEET_TOKEN"] == "${ROLEFLEET_TOKEN:-}"
+        assert not [v for v in services[role]["volumes"] if SECRETS_DIR in v]
+        assert services[role]["healthcheck"]["test"][-2:] == ["--timeout", "5"]
+    services = yaml.safe_load(render("security.max_calls_per_client=64", "security.token_env="))["services"]
+    assert "environment" not in services["actor"]  # no variable named: no token, nothing to pass
+    assert render() == COMPOSE.read_text()
+
+
+def test_one_directory_holding_every_file_is_mounted_once(certs):
+    services = yaml.safe_load(render(f"security.tls.cert_file={certs}/{{role}}.pem",
+                                     f"security.tls.key_file={certs}/{{role}}-key.pem",
+                                     f"security.tls.ca_file={certs}/ca.pem"))["services"]
+    assert [v for v in services["reward"]["volumes"] if SECRETS_DIR in v] == [f"{certs}:{SECRETS_DIR}/0:ro"]
+    assert services["reward"]["healthcheck"]["test"][7:] == [
+        "--ca", f"{SECRETS_DIR}/0/ca.pem", "--cert", f"{SECRETS_DIR}/0/reward.pem", "--key", f"{SECRETS_DIR}/0/reward-key.pem"]
+
+
+def test_security_paths_compose_cannot_mount_are_refused():
+    with pytest.raises(ValueError, match=r"security\.tls\.cert_file: 'certs/\{role\}/tls\.crt': compose mounts one "
+                                         r"directory into every role"):
+        render("security.tls.cert_file=certs/{role}/tls.crt", "security.tls.key_file=certs/{role}/tls.key")
+    with pytest.raises(ValueError, match=r"security\.token_env: 'RUN-TOKEN' is not a variable name"):
+        render("security.token_env=RUN-TOKEN")
+
+
 # --- the healthcheck probe -----------------------------------------------------------------------
-
-def healthcheck(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rolefleet.deploy.healthcheck", *args],
-                          capture_output=True, text=True, timeout=30)
-
 
 def closed_port() -> int:
     with socket.socket() as s:
@@ -239,9 +359,65 @@ def test_healthcheck_exits_1_with_a_reason_when_nothing_listens_or_the_server_is
 
 
 def test_healthcheck_usage_errors_exit_1_not_dockers_reserved_2():
-    for args in (["localhost"], ["127.0.0.1:1", "--timeout", "0"], []):
+    for args in (["localhost"], ["127.0.0.1:1", "--timeout", "0"], [], ["127.0.0.1:1", "--cert", "c.pem"],
+                 ["127.0.0.1:1", "--key", "k.pem"], ["127.0.0.1:1", "--server-name", "actor"]):
         result = healthcheck(*args)
         assert result.returncode == 1 and "usage:" in result.stderr, (args, result.stderr)
+
+
+def test_healthcheck_over_mutual_tls_needs_the_ca_and_a_client_certificate(tmp_path, certs):
+    other = tmp_path / "other"  # another CA's certificates
+    make_certs(other)
+    c = str(certs)
+
+    def tls(*names: str, directory: str = c) -> list[str]:
+        return [a for n in names for a in (f"--{n}", f"{directory}/" + {"ca": "ca.pem", "cert": "actor.pem",
+                                                                         "key": "actor-key.pem"}[n])]
+
+    async def probes() -> dict[str, subprocess.CompletedProcess]:
+        server, port = await mutual_tls_health_server(certs)
+        address = f"127.0.0.1:{port}"
+        cases = {
+            "ca, cert, key": tls("ca", "cert", "key"),
+            "and the name the certificate holds": [*tls("ca", "cert", "key"), "--server-name", "reward"],
+            "plaintext": [],
+            "no client certificate": tls("ca"),
+            "another CA": tls("ca", directory=str(other)) + tls("cert", "key"),
+            "a client certificate of another CA": tls("ca") + tls("cert", "key", directory=str(other)),
+            "a name the certificate lacks": [*tls("ca", "cert", "key"), "--server-name", "critic"],
+        }
+        try:
+            return {case: await asyncio.to_thread(healthcheck, address, "--timeout", "5", *args)
+                    for case, args in cases.items()}
+        finally:
+            await server.stop(None)
+
+    results = asyncio.run(probes())
+    for case in ("ca, cert, key", "and the name the certificate holds"):
+        result = results[case]
+        assert result.returncode == 0 and result.stdout.strip().endswith(": SERVING"), (case, result.stderr)
+    for case, result in results.items():
+        if case not in ("ca, cert, key", "and the name the certificate holds"):
+            reason = result.stderr.strip().splitlines()[-1]
+            assert result.returncode == 1 and re.fullmatch(r"127\.0\.0\.1:\d+: UNAVAILABLE: .+", reason), (case, reason)
+
+
+def test_healthcheck_names_the_flag_and_file_it_cannot_read(tmp_path, certs):
+    not_pem = tmp_path / "notes.txt"
+    not_pem.write_text("hello\n")
+    unreadable = tmp_path / "key.pem"
+    unreadable.write_text("-----BEGIN PRIVATE KEY-----\n")
+    unreadable.chmod(0)
+    port = closed_port()
+    cases = [(["--ca", str(tmp_path / "missing.pem")], f"--ca: cannot read {tmp_path}/missing.pem (No such file or directory)"),
+             (["--ca", str(not_pem)], f"--ca: {not_pem} is not a PEM file"),
+             (["--cert", str(certs / "actor.pem"), "--key", str(tmp_path)], f"--key: cannot read {tmp_path} (Is a directory)")]
+    if os.geteuid() != 0:  # root reads any file
+        cases.append((["--cert", str(certs / "actor.pem"), "--key", str(unreadable)],
+                      f"--key: cannot read {unreadable} (Permission denied)"))
+    for args, reason in cases:
+        result = healthcheck(f"127.0.0.1:{port}", *args)
+        assert (result.returncode, result.stderr.strip()) == (1, f"127.0.0.1:{port}: {reason}"), args
 
 
 # --- the image (read, not built: there is no Docker engine here) ---------------------------------

@@ -3,7 +3,9 @@ Kubernetes API schemas, and the placement values `rolefleet.deploy.helm` derives
 
 from __future__ import annotations
 
+import asyncio
 import re
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,10 +15,11 @@ import pytest
 import yaml
 
 from rolefleet.algos.presets import ALGORITHMS
+from rolefleet.certs import make_certs
 from rolefleet.cli import parse_args
 from rolefleet.common.config import load_config, parse_config
 from rolefleet.deploy.helm import HOSTNAME_LABEL, render_values, values_for
-from tests.deploy.tools import REPO, tool
+from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
 
 CHART = REPO / "deploy" / "helm" / "rolefleet"
 DOC = REPO / "docs" / "deploy-kubernetes.md"
@@ -121,7 +124,7 @@ def test_lint_passes_strict_with_default_and_two_node_values(tmp_path):
     config = write(tmp_path / "run.yaml", raw)
     values = write(tmp_path / "placement.yaml", render_values(parse_config(raw)))
     for args in ([], ["--set-file", f"config={config}", "-f", str(values)],
-                 ["--set", "monitoring.serviceMonitor.enabled=true"]):
+                 ["--set", "monitoring.serviceMonitor.enabled=true"], SECURED):
         done = helm("lint", "--strict", str(CHART), *args)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "0 chart(s) failed" in done.stdout
@@ -135,6 +138,8 @@ VARIANTS = {
                                                  "persistence.enabled=false", "--set", "coordinator.service.type=NodePort"],
     "model claim, existing output claim, no SA": ["--set", "model.existingClaim=models", "--set",
                                                   "persistence.existingClaim=runs", "--set", "serviceAccount.create=false"],
+    "mutual TLS and a token": ["--set", "security.tls.secret=run1-tls", "--set", "security.tls.mutual=true",
+                               "--set", "security.tokenSecret=run1-token"],
     "resources, tolerations, affinity": [
         "--set", "actor.resources.requests.cpu=8", "--set", "actor.resources.limits.memory=64Gi",
         "--set-json", 'tolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]',
@@ -390,6 +395,178 @@ def test_notes_say_how_to_follow_the_run_and_warn_without_a_model_volume():
     assert "WARNING: no model volume is set" in text
     assert "WARNING" not in notes("--set", "model.existingClaim=models")
     assert "LOST with the pods" in notes("--set", "persistence.enabled=false")
+
+
+# --- TLS and the token ---------------------------------------------------------------------------
+
+SECURED = ["--set", "security.tls.secret=run1-tls", "--set", "security.tls.mutual=true",
+           "--set", "security.tokenSecret=run1-token"]
+TLS_DIR = "/etc/rolefleet/tls"
+
+
+@pytest.fixture(scope="module")
+def secured_docs() -> list[dict]:
+    return render(*SECURED)
+
+
+def test_with_a_tls_secret_each_pod_mounts_the_ca_and_its_own_pair_read_only(secured_docs):
+    for role in GRPC_PORTS:
+        (mount,) = [m for m in container(secured_docs, role)["volumeMounts"] if m["name"] == "tls"]
+        assert mount == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}, role
+        (volume,) = [v for v in pod(secured_docs, role)["volumes"] if v["name"] == "tls"]
+        # Only ca.pem and the role's own pair: not the other roles' keys, nor a CA key left in the Secret.
+        assert volume == {"name": "tls", "secret": {
+            "secretName": "run1-tls", "defaultMode": 0o440,
+            "items": [{"key": k, "path": k} for k in ("ca.pem", f"{role}.pem", f"{role}-key.pem")]}}, role
+        # The files are group-readable; the group is the pod's fsGroup, which the non-root user is in.
+        assert pod(secured_docs, role)["securityContext"]["fsGroup"] == 1000
+
+
+@pytest.mark.parametrize("role", list(GRPC_PORTS))
+def test_with_a_tls_secret_the_serve_command_loads_the_mounted_files(tmp_path, secured_docs, role):
+    args = container(secured_docs, role)["args"]
+    chart = [a for a in args if a.startswith("security.")]
+    assert chart == [f"security.tls.cert_file={TLS_DIR}/{{role}}.pem", f"security.tls.key_file={TLS_DIR}/{{role}}-key.pem",
+                     f"security.tls.ca_file={TLS_DIR}/ca.pem", "security.tls.mutual=true",
+                     "security.token_file=", "security.token_env=ROLEFLEET_TOKEN"]
+    config = write(tmp_path / "config.yaml", find(secured_docs, "ConfigMap", f"{PREFIX}-config")["data"]["config.yaml"])
+    parsed = parse_args([a.replace("/etc/rolefleet/config.yaml", str(config)) for a in args])
+    cfg = load_config(parsed.config, parsed.overrides)
+    assert cfg.security.tls.paths(role) == {"cert_file": f"{TLS_DIR}/{role}.pem", "key_file": f"{TLS_DIR}/{role}-key.pem",
+                                            "ca_file": f"{TLS_DIR}/ca.pem"}
+    assert cfg.security.tls.mutual is True and cfg.security.tls.enabled
+    assert (cfg.security.token_file, cfg.security.token_env) == (None, "ROLEFLEET_TOKEN")
+    # The volume holds exactly the files that config names, under the same names.
+    (volume,) = [v for v in pod(secured_docs, role)["volumes"] if v["name"] == "tls"]
+    assert {f"{TLS_DIR}/{i['path']}" for i in volume["secret"]["items"]} == set(cfg.security.tls.paths(role).values())
+
+
+def test_with_a_token_secret_every_role_gets_it_as_rolefleet_token(secured_docs):
+    for role in GRPC_PORTS:
+        (token,) = [e for e in container(secured_docs, role)["env"] if e["name"] == "ROLEFLEET_TOKEN"]
+        assert token == {"name": "ROLEFLEET_TOKEN", "valueFrom": {"secretKeyRef": {"name": "run1-token", "key": "token"}}}
+
+
+def test_with_tls_the_probes_run_the_image_probe_over_tls_with_the_timings_of_values(secured_docs):
+    timings = yaml.safe_load((CHART / "values.yaml").read_text())["probes"]
+    for role, port in GRPC_PORTS.items():
+        c = container(secured_docs, role)
+        for kind in ("startup", "readiness", "liveness"):
+            probe = c[f"{kind}Probe"]
+            assert "grpc" not in probe  # native gRPC probes speak no TLS
+            assert {k: v for k, v in probe.items() if k != "exec"} == timings[kind], (role, kind)
+            assert probe["exec"]["command"] == [
+                "python", "-m", "rolefleet.deploy.healthcheck", f"127.0.0.1:{port}",
+                "--timeout", str(timings[kind]["timeoutSeconds"] - 1),  # answers before the kubelet gives up
+                "--ca", f"{TLS_DIR}/ca.pem", "--cert", f"{TLS_DIR}/{role}.pem", "--key", f"{TLS_DIR}/{role}-key.pem"]
+    docs = render(*SECURED, "--set", "probes.readiness.timeoutSeconds=1", "--set", "probes.liveness.periodSeconds=30")
+    readiness, liveness = (container(docs, "actor")[f"{k}Probe"] for k in ("readiness", "liveness"))
+    assert readiness["exec"]["command"][4:6] == ["--timeout", "1"] and readiness["timeoutSeconds"] == 1
+    assert liveness["periodSeconds"] == 30
+
+
+def test_the_rendered_probe_command_finds_a_mutual_tls_server_serving(tmp_path, certs, secured_docs):
+    """The exec probe of the reward pod, its files at the host paths and its port at a real server's."""
+    command = container(secured_docs, "reward")["readinessProbe"]["exec"]["command"]
+
+    async def probe() -> subprocess.CompletedProcess:
+        server, port = await mutual_tls_health_server(certs, "reward")
+        try:
+            args = [a.replace(TLS_DIR, str(certs)).replace("127.0.0.1:50052", f"127.0.0.1:{port}") for a in command[3:]]
+            return await asyncio.to_thread(healthcheck, *args)
+        finally:
+            await server.stop(None)
+
+    assert command[:3] == ["python", "-m", "rolefleet.deploy.healthcheck"]
+    result = asyncio.run(probe())
+    assert result.returncode == 0 and result.stdout.strip().endswith(": SERVING"), result.stderr
+
+
+def test_tls_without_mutual_and_a_token_alone():
+    docs = render("--set", "security.tls.secret=run1-tls")
+    assert overrides(docs, "critic")["security.tls.mutual"] == "false"
+    assert "security.token_env" not in overrides(docs, "critic")
+    assert not [e for e in container(docs, "critic")["env"] if e["name"] == "ROLEFLEET_TOKEN"]
+    docs = render("--set", "security.tokenSecret=run1-token")
+    for role, port in GRPC_PORTS.items():
+        c = container(docs, role)
+        assert not [a for a in c["args"] if a.startswith("security.tls")]
+        assert "tls" not in {m["name"] for m in c["volumeMounts"]}
+        assert c["readinessProbe"]["grpc"] == {"port": port}
+        assert [e["name"] for e in c["env"]].count("ROLEFLEET_TOKEN") == 1
+
+
+def test_without_security_values_nothing_of_it_is_rendered(default_docs):
+    for role in GRPC_PORTS:
+        c = container(default_docs, role)
+        assert not [a for a in c["args"] if a.startswith("security.")]
+        assert "ROLEFLEET_TOKEN" not in env(default_docs, role)
+        assert "tls" not in {v["name"] for v in pod(default_docs, role)["volumes"]}
+
+
+def test_mutual_tls_without_a_secret_is_refused():
+    assert "security.tls.mutual needs security.tls.secret" in failure("--set", "security.tls.mutual=true")
+    assert "security" in failure("--set", "security.tls.secret=Not_A_Name")
+    assert "additional properties 'token' not allowed" in failure("--set", "security.token=abc")
+
+
+def certs_command(text: str) -> list[str]:
+    """The `rolefleet certs DIR --host ...` command in `text` (NOTES or the docs), as argv."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    (line,) = [line for line in joined.splitlines() if line.strip().startswith("rolefleet certs ")]
+    return shlex.split(line)
+
+
+def test_notes_with_tls_and_a_token_say_https_the_certs_and_the_token():
+    text = notes(*SECURED)
+    assert "rolefleet status --address 127.0.0.1:50050 --certs DIR" in text
+    assert ("curl --cacert DIR/ca.pem --cert DIR/client.pem --key DIR/client-key.pem "
+            '-H "Authorization: Bearer $ROLEFLEET_TOKEN" https://127.0.0.1:8080/v1/status') in text
+    assert "export ROLEFLEET_TOKEN=$(kubectl --namespace ml get secret run1-token -o jsonpath='{.data.token}' | base64 -d)" in text
+    assert "http://" not in text
+    assert certs_command(text)[:3] == ["rolefleet", "certs", "DIR"]
+
+
+def test_the_documented_certs_command_names_every_address_the_coordinator_dials(tmp_path, certs, secured_docs):
+    """Certificates made by the command of NOTES and of the docs (release run1, namespace ml) pass
+    gRPC's host name check for each role Service the coordinator dials, and for the probes' 127.0.0.1."""
+    command = certs_command(notes(*SECURED))
+    documented = certs_command(DOC.read_text())
+    assert documented[3:] == command[3:], "docs/deploy-kubernetes.md's `rolefleet certs` command differs from NOTES'"
+    hosts = command[4::2]
+    assert command[3::2] == ["--host"] * len(hosts)
+    made = tmp_path / "made"
+    make_certs(made, hosts=hosts)
+    dialled = {role: overrides(secured_docs, "coordinator")[f"{role}.address"].rsplit(":", 1)[0]
+               for role in ("actor", "reward", "critic")}
+    assert dialled["reward"] == f"{PREFIX}-reward-headless"
+
+    async def probes() -> dict[str, subprocess.CompletedProcess]:
+        results = {}
+        for role, host in [*dialled.items(), ("coordinator", f"{PREFIX}-coordinator.ml.svc.cluster.local"),
+                           ("actor", f"{PREFIX}-actor.ml.svc"), ("critic", "127.0.0.1")]:
+            server, port = await mutual_tls_health_server(made, role)
+            try:
+                results[f"{role} as {host}"] = await asyncio.to_thread(
+                    healthcheck, f"127.0.0.1:{port}", "--ca", str(made / "ca.pem"), "--cert",
+                    str(made / "coordinator.pem"), "--key", str(made / "coordinator-key.pem"), "--server-name", host)
+            finally:
+                await server.stop(None)
+        return results
+
+    for case, result in asyncio.run(probes()).items():
+        assert result.returncode == 0, (case, result.stderr)
+    # The check is real: a name the certificates do not hold fails it.
+    async def stranger() -> subprocess.CompletedProcess:
+        server, port = await mutual_tls_health_server(made, "actor")
+        try:
+            return await asyncio.to_thread(healthcheck, f"127.0.0.1:{port}", "--ca", str(made / "ca.pem"),
+                                           "--cert", str(made / "client.pem"), "--key", str(made / "client-key.pem"),
+                                           "--server-name", f"{PREFIX}-actor.other.svc")
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(stranger()).returncode == 1
 
 
 # --- refused values -----------------------------------------------------------------------------

@@ -142,9 +142,53 @@ a mismatch fails here, at install time, rather than in a crash-looping pod.
 {{- end }}
 
 {{/*
+The Secret of the run's TLS material (security.tls.secret), or "" for plaintext. Mutual TLS without
+certificates cannot work: refused here rather than in every pod.
+*/}}
+{{- define "rolefleet.tlsSecret" -}}
+{{- $tls := dig "tls" dict (.Values.security | default dict) }}
+{{- if and (get $tls "mutual") (not (get $tls "secret")) }}
+{{- fail "security.tls.mutual needs security.tls.secret: the Secret with ca.pem and each role's <role>.pem and <role>-key.pem" }}
+{{- end }}
+{{- get $tls "secret" | default "" }}
+{{- end }}
+
+{{/* Where a pod sees its TLS files: ca.pem, <role>.pem, <role>-key.pem. */}}
+{{- define "rolefleet.tlsDir" -}}
+/etc/rolefleet/tls
+{{- end }}
+
+{{/*
+The host names a role certificate needs, as `rolefleet certs` --host options: every role Service
+(the short names are what the coordinator dials, rolefleet.dialAddress) and the namespace's
+service domains for clients that dial fully qualified names. `rolefleet certs` adds localhost
+and 127.0.0.1 (the probes, a port-forward) on its own.
+*/}}
+{{- define "rolefleet.certsCommand" -}}
+{{- $hosts := list }}
+{{- range $role := append (include "rolefleet.serverRoles" . | fromJsonArray) "coordinator" }}
+{{- $hosts = append $hosts (include "rolefleet.componentName" (dict "root" $ "role" $role)) }}
+{{- if eq $role "reward" }}
+{{- $hosts = append $hosts (printf "%s-headless" (include "rolefleet.componentName" (dict "root" $ "role" $role))) }}
+{{- end }}
+{{- end }}
+{{- $hosts = concat $hosts (list (printf "*.%s.svc" .Release.Namespace) (printf "*.%s.svc.cluster.local" .Release.Namespace)) }}
+{{- $args := list }}
+{{- range $host := $hosts }}
+{{- $args = append $args (printf (ternary "--host '%s'" "--host %s" (contains "*" $host)) $host) }}
+{{- end }}
+{{- printf "rolefleet certs DIR %s" (join " " $args) }}
+{{- end }}
+
+{{/* The Secret holding the run's token under key `token` (security.tokenSecret), or "". */}}
+{{- define "rolefleet.tokenSecret" -}}
+{{- dig "tokenSecret" "" (.Values.security | default dict) }}
+{{- end }}
+
+{{/*
 The container's arguments: `serve ROLE --config FILE` and the dotted overrides the chart owns (bind
-address, ports, output directory, model, role addresses), then the role's extraArgs, which come last
-so that they win.
+address, ports, output directory, model, role addresses, and with security.* the TLS files and the
+token's source), then the role's extraArgs, which come last so that they win.
 */}}
 {{- define "rolefleet.serveArgs" -}}
 {{- $root := .root }}
@@ -169,18 +213,57 @@ so that they win.
 {{- $args = append $args (printf "coordinator.http_port=%v" $v.http.port) }}
 {{- end }}
 {{- end }}
+{{- if include "rolefleet.tlsSecret" $root }}
+{{- $dir := include "rolefleet.tlsDir" $root }}
+{{- /* "{role}" is the role's own name to `rolefleet serve`: each pod mounts its own pair. */}}
+{{- $args = append $args (printf "security.tls.cert_file=%s/{role}.pem" $dir) }}
+{{- $args = append $args (printf "security.tls.key_file=%s/{role}-key.pem" $dir) }}
+{{- $args = append $args (printf "security.tls.ca_file=%s/ca.pem" $dir) }}
+{{- $args = append $args (printf "security.tls.mutual=%t" (dig "tls" "mutual" false $root.Values.security)) }}
+{{- end }}
+{{- if include "rolefleet.tokenSecret" $root }}
+{{- /* The token is the Secret's, in ROLEFLEET_TOKEN: not a file the config may name. */}}
+{{- $args = append $args "security.token_file=" }}
+{{- $args = append $args "security.token_env=ROLEFLEET_TOKEN" }}
+{{- end }}
 {{- $args = concat $args ($v.extraArgs | default list) }}
 {{- toYaml $args }}
 {{- end }}
 
-{{/* The three gRPC health probes; only their timing comes from values. */}}
+{{/*
+The three health probes; only their timing comes from values. Kubernetes' native gRPC probes speak
+no TLS: with security.tls.secret they run the image's probe instead, over TLS with the role's own
+certificate (it is a client certificate too, which a mutual-TLS server asks for). Its own deadline
+is a second short of the probe's timeout, so that it reports why rather than being killed.
+*/}}
 {{- define "rolefleet.probes" -}}
-{{- $port := (index .root.Values .role).port }}
+{{- $role := .role }}
+{{- $port := (index .root.Values $role).port }}
+{{- $tls := include "rolefleet.tlsSecret" .root }}
+{{- $dir := include "rolefleet.tlsDir" .root }}
 {{- range $kind := list "startup" "readiness" "liveness" }}
+{{- $timing := index $.root.Values.probes $kind }}
 {{ $kind }}Probe:
+  {{- if $tls }}
+  exec:
+    command:
+      - python
+      - -m
+      - rolefleet.deploy.healthcheck
+      - 127.0.0.1:{{ $port }}
+      - --timeout
+      - {{ max 1 (sub (get $timing "timeoutSeconds" | default 1) 1) | quote }}
+      - --ca
+      - {{ $dir }}/ca.pem
+      - --cert
+      - {{ $dir }}/{{ $role }}.pem
+      - --key
+      - {{ $dir }}/{{ $role }}-key.pem
+  {{- else }}
   grpc:
     port: {{ $port }}
-  {{- toYaml (index $.root.Values.probes $kind) | nindent 2 }}
+  {{- end }}
+  {{- toYaml $timing | nindent 2 }}
 {{- end }}
 {{- end }}
 
@@ -205,7 +288,9 @@ roles differ only where the values say so.
 {{- $role := .role }}
 {{- $v := index $root.Values $role }}
 {{- $gpus := include "rolefleet.gpus" . | int }}
-{{- $loadsModel := and (ne $role "coordinator") (or $root.Values.model.existingClaim $root.Values.model.hostPath) -}}
+{{- $loadsModel := and (ne $role "coordinator") (or $root.Values.model.existingClaim $root.Values.model.hostPath) }}
+{{- $tlsSecret := include "rolefleet.tlsSecret" $root }}
+{{- $tokenSecret := include "rolefleet.tokenSecret" $root -}}
 metadata:
   labels:
     {{- include "rolefleet.selectorLabels" . | nindent 4 }}
@@ -291,6 +376,14 @@ spec:
         - name: CUDA_VISIBLE_DEVICES
           value: ""
         {{- end }}
+        {{- if $tokenSecret }}
+        # The run's token (security.token_env): role servers refuse gRPC calls without it, health checks excepted.
+        - name: ROLEFLEET_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ $tokenSecret }}
+              key: token
+        {{- end }}
         {{- with $root.Values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -317,6 +410,11 @@ spec:
         {{- if $loadsModel }}
         - name: models
           mountPath: {{ $root.Values.model.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- if $tlsSecret }}
+        - name: tls
+          mountPath: {{ include "rolefleet.tlsDir" $root }}
           readOnly: true
         {{- end }}
         {{- with $root.Values.extraVolumeMounts }}
@@ -353,6 +451,23 @@ spec:
         path: {{ $root.Values.model.hostPath }}
         type: Directory
       {{- end }}
+    {{- end }}
+    {{- if $tlsSecret }}
+    # The CA certificate and this role's own certificate and key, nothing else of the Secret (not
+    # the other roles' keys, nor a CA key that was left in it). Owner and group read: the group is
+    # the pod's fsGroup, so the non-root user reads them; a renewed Secret reaches the files, and
+    # the servers pick it up at their next handshake.
+    - name: tls
+      secret:
+        secretName: {{ $tlsSecret }}
+        defaultMode: 0440
+        items:
+          - key: ca.pem
+            path: ca.pem
+          - key: {{ $role }}.pem
+            path: {{ $role }}.pem
+          - key: {{ $role }}-key.pem
+            path: {{ $role }}-key.pem
     {{- end }}
     {{- with $root.Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}
