@@ -19,7 +19,7 @@ from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
-from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
+from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
 from rolefleet.common import checkpoint, metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
@@ -40,6 +40,7 @@ from rolefleet.common.workers import all_gather, new_subgroups, rank_slice, set_
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
+MAX_GROUPS = 2**63 // SAMPLES_PER_GROUP_LIMIT  # group ids below it give int64 sample ids
 
 
 class ActorCore:
@@ -154,6 +155,9 @@ class ActorCore:
         prompt_ids = self._validate_generate(prompts, sampling)
         if first_group_id < 0:
             raise InvalidArgument("first_group_id", f"must be >= 0, got {first_group_id}")
+        if first_group_id + len(prompts) > MAX_GROUPS:  # else a sample id overflows int64 on the wire
+            raise InvalidArgument("first_group_id", f"{first_group_id} + {len(prompts)} prompts exceed {MAX_GROUPS} "
+                                  f"groups: sample ids (group_id * {SAMPLES_PER_GROUP_LIMIT} + sample_index) are int64")
         return (with_ids(chunk, first_group_id) for chunk in self._locked_chunks(prompt_ids, sampling))
 
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:

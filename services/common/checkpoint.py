@@ -95,6 +95,7 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     weights and optimizer state, each rank its shards; the first rank writes trainer.pt. A failure
     (a full disk) is a role error alike on every rank: the save is refused, nothing changed."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from rolefleet.common.errors import FailedPrecondition
@@ -109,7 +110,7 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                         "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                        work / "trainer.pt")
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # dcp's errors derive from BaseException
         raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
 
 
@@ -119,6 +120,7 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     failure is a role error alike on every rank (the caller marks the role broken: the weights may
     be half loaded)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from rolefleet.common.errors import FailedPrecondition
@@ -135,7 +137,7 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         torch.set_rng_state(extra["torch_rng"])
         if extra["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["cuda_rng"][:torch.cuda.device_count()])
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
 
 
@@ -211,11 +213,24 @@ def _role_dir(core, path: str) -> Path:
     return target
 
 
+ROLE_KEYS = ("model_version", "last_step")
+
+
 def read_role_json(path: Path) -> dict | None:
+    """The role's record of a checkpoint directory; None unless it is one (a JSON object with its keys)."""
     try:
-        return json.loads((path / "role.json").read_text())
+        saved = json.loads((path / "role.json").read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), int) for k in ROLE_KEYS) \
+            or not isinstance(saved.get("results", []), list):
+        return None
+    return saved
+
+
+def _missing_parts(path: Path) -> list[str]:
+    """What a trainer checkpoint directory lacks, checked before anything is loaded."""
+    return [part for part in ("weights/.metadata", "trainer.pt") if not (path / part).is_file()]
 
 
 def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> CheckpointInfo:
@@ -231,6 +246,15 @@ def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> C
     saved = read_role_json(target)
     if saved is not None and saved["last_step"] == step:  # a repeat: already on disk
         return CheckpointInfo(step, saved["model_version"])
+    # Only a checkpoint of this role (of another step) is ever replaced: a request naming a file, the
+    # checkpoint root or a step directory must not delete what is there.
+    try:
+        occupied = target.is_file() or (saved is None and target.is_dir() and any(target.iterdir()))
+    except OSError as exc:  # a name too long, a directory we may not read
+        raise InvalidArgument("path", f"cannot use {target}: {exc.strerror or exc}") from None
+    if occupied:
+        raise InvalidArgument("path", f"{target} exists and is not a {core.state.role} checkpoint; nothing "
+                              "there is replaced")
     try:
         work = begin(target)
     except OSError as exc:
@@ -252,6 +276,8 @@ def load_role(core, path: str, ranks: list[int]) -> CheckpointInfo:
     saved = read_role_json(source)
     if saved is None:
         raise InvalidArgument("path", f"no {core.state.role} checkpoint at {source} (role.json missing or unreadable)")
+    if missing := _missing_parts(source):  # refused before the model is touched: the role stays whole
+        raise InvalidArgument("path", f"{source} is no complete {core.state.role} checkpoint: no {', '.join(missing)}")
     try:
         spmd(core, "_load_state", str(source), ranks=ranks)
     except Exception as exc:  # the weights may be half loaded: neither the old state nor the saved one

@@ -30,17 +30,37 @@ class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):
         return to_proto(result)
 
 
+# Dataset columns nest a few levels. Deeper JSON overflows the recursion of the parser, or later of
+# pickle on its way to the reward workers, and would fail the request with an internal error.
+MAX_EXTRA_DEPTH = 64
+
+
 def _extra(index: int, text: str) -> dict[str, Any]:
     if not text:
         return {}
     field = f"items[{index}].extra_json"
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise InvalidArgument(field, f"nested deeper than {MAX_EXTRA_DEPTH} levels") from None
     except ValueError as e:
         raise InvalidArgument(field, f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(field, f"a JSON object is expected, got {type(value).__name__}")
+    if _depth(value) > MAX_EXTRA_DEPTH:
+        raise InvalidArgument(field, f"nested deeper than {MAX_EXTRA_DEPTH} levels")
     return value
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (an object or array counts one level), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def to_proto(result: ScoreResult) -> reward_pb2.ScoreResponse:
