@@ -52,3 +52,15 @@ def make_config(tiny_model_dir, tmp_path):
         return parse_config(raw, list(overrides))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def plain_clients():
+    """Channels are opened with the process's security (common/roles.py `use_security`), which the
+    CLI and the TLS tests set: every test starts and ends with none."""
+    from rolefleet.common.roles import use_security
+    from rolefleet.common.security import OPEN
+
+    use_security(OPEN)
+    yield
+    use_security(OPEN)

@@ -16,7 +16,7 @@ from rolefleet.common import tls as tls_module
 from rolefleet.common.config import ConfigError, Endpoint, SecuritySection, TlsSection, parse_config
 from rolefleet.common.guard import CALLS_REFUSED
 from rolefleet.common.roles import open_channel, use_security
-from rolefleet.common.security import OPEN, Security
+from rolefleet.common.security import Security
 from rolefleet.common.server import start_server
 from rolefleet.common.tls import TlsError
 
@@ -29,12 +29,6 @@ def certs(tmp_path_factory):
     make_certs(root / "run")
     make_certs(root / "other")  # another CA: its certificates must not pass
     return root
-
-
-@pytest.fixture(autouse=True)
-def plain_clients():
-    yield
-    use_security(OPEN)  # the process-wide client side goes back to what other tests expect
 
 
 def security(directory, role: str, mutual: bool, token: str | None = None) -> Security:
