@@ -33,6 +33,7 @@ from rolefleet.common.modeling import (
     require_temperature,
     weights_digest,
 )
+from rolefleet.common.profiling import profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
@@ -68,6 +69,7 @@ class ActorCore:
         # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
         # None: anywhere (a core used in-process).
         self.checkpoint_root = None
+        self.updates_run = 0  # by this process: what `actor.profile_updates` counts
         self.ref_model, self.trainer = None, None
         if self.trains:
             self.ref_model = self._load_reference()
@@ -231,9 +233,11 @@ class ActorCore:
 
     def _train(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
         """SPMD over the trainers: every rank steps its shard or replica with the group's gradients."""
-        if self.engine is not None:
-            self.engine.sleep()  # colocated: the trainer needs the memory more than the engine's caches
-        return self.trainer.update(batch, targets, temperature)
+        self.updates_run += 1
+        with profiled(ROLE, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, self.rank):
+            if self.engine is not None:
+                self.engine.sleep()  # colocated: the trainer needs the memory more than the engine's caches
+            return self.trainer.update(batch, targets, temperature)
 
     @property
     def policy_version(self) -> int:

@@ -280,6 +280,11 @@ class _TrainerSection(Endpoint):
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="autocast dtype of forwards and backwards (auto: bfloat16 on CUDA, float32 on "
         "CPU); master weights and optimizer state stay float32")
+    profile_updates: list[int] = Field(default_factory=list, description="updates of each worker process to "
+                                       "run under torch.profiler (1: its first): a Chrome trace and an op table "
+                                       "per rank go to profile_dir")
+    profile_dir: str = Field("profiles", description="where profile_updates writes <role>-update<N>-rank<R>.json "
+                             "and .txt")
 
 
 class VllmSection(_Section):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common import checkpoint
@@ -20,6 +21,7 @@ from rolefleet.common.modeling import (
     release_memory,
     weights_digest,
 )
+from rolefleet.common.profiling import profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState
@@ -57,6 +59,7 @@ class CriticCore:
         # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
         # None: anywhere (a core used in-process).
         self.checkpoint_root = None
+        self.updates_run = 0  # by this process: what `critic.profile_updates` counts
         self.state = TrainerState(ROLE, versioned="value-model")  # Update's fence: the version of its old values  # model lock, step ledger, model version
         self._lock = self.state.lock
 
@@ -94,9 +97,12 @@ class CriticCore:
         def train_step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
             return self._step(mb, returns[tokens], old_values[tokens])
 
+        self.updates_run += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
         self.model.train()
         try:
-            return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
+            with profiled(ROLE, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, rank):
+                return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
         finally:
             self.model.eval()
 

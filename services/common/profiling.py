@@ -1,0 +1,37 @@
+"""torch.profiler around chosen updates of a trainer role (`<role>.profile_updates`): where an
+update's time goes, per worker rank, before anyone optimizes it (docs/operations.md "Profiling")."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+TABLE_ROWS = 40
+
+
+@contextlib.contextmanager
+def profiled(role: str, update: int, wanted: Sequence[int], out: str, rank: int) -> Iterator[None]:
+    """Profile this process's `update`-th update (1: its first) when it is one of `wanted`: a Chrome
+    trace and a table of the ops by device time (CPU time without a GPU) go to `out`."""
+    if update not in wanted:
+        yield
+        return
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / f"{role}-update{update}-rank{rank}"
+    profile.export_chrome_trace(f"{stem}.json")
+    table = profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                         row_limit=TABLE_ROWS)
+    Path(f"{stem}.txt").write_text(table)
+    log.info("%s: update %d profiled on rank %d: %s.json, %s.txt", role, update, rank, stem, stem)
