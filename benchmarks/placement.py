@@ -15,6 +15,7 @@ scaling`, the actor's update phase (GRPO) on two GPUs, FSDP2-sharded and replica
 GPU (scaling efficiency).
 
     python benchmarks/placement.py --out OUT_DIR [--steps 10 --warmup 3] [--parts placement,scaling] [--runs colocated,rollout_async]
+    python benchmarks/placement.py --out OUT_DIR --parts scaling --sharding fsdp --profile-update 6
 
 Needs two GPUs (nvidia-h200-x2). Medians and busy time over the steps after the first `--warmup`
 (torch.compile recompiles for new shapes during the first few steps).
@@ -53,6 +54,9 @@ def main() -> None:
     p.add_argument("--parts", default="placement,scaling", help="placement (the --runs) and/or scaling (the "
                    "update on one GPU against two): one device call may not fit both")
     p.add_argument("--runs", default=",".join(RUNS), help=f"placement runs, any of {', '.join(RUNS)}")
+    p.add_argument("--sharding", default="fsdp,replicate", help="scaling: the two-GPU ways to run the update")
+    p.add_argument("--profile-update", type=int, default=0, help="scaling: profile this update of each actor "
+                   "worker (actor.profile_updates) into OUT/profiles/<run>/; 0: none")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     out = Path(args.out)
@@ -77,12 +81,16 @@ def main() -> None:
     if "scaling" in parts:
         # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
         # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
-        one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml")
+        def profile(name: str) -> tuple[str, ...]:
+            return (f"actor.profile_updates=[{args.profile_update}]",
+                    f"actor.profile_dir={(out / 'profiles' / name).resolve()}") if args.profile_update else ()
+
+        one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml", overrides=profile("one_gpu"))
         results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
         save()
-        for sharding in ("fsdp", "replicate"):
+        for sharding in args.sharding.split(","):
             two = run("grpo", model, runs, args.steps, params, config=RUNS["colocated"][0],
-                      overrides=(f"actor.sharding={sharding}",))
+                      overrides=(f"actor.sharding={sharding}", *profile(sharding)))
             results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
                                                    "efficiency": one["update_s"] / (2 * two["update_s"])}
             save()
