@@ -32,7 +32,7 @@ from rolefleet.common.modeling import (
 )
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import map_micro_batches, my_share, sum_over_ranks
+from rolefleet.common.workers import group_micro_batches, map_micro_batches, my_share, sum_over_ranks
 
 
 class LogprobModule(torch.nn.Module):
@@ -143,7 +143,7 @@ class PolicyTrainer:
             stats["is_weight_mean"] = masked_mean(weights, mask)
             stats["is_masked_frac"] = 1.0 - mask.sum() / mb.response_lengths.sum().clamp(min=1).to(self.device)
         micro = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
-                 for rows in mb.micro_batches(cfg.max_tokens_per_micro_batch, self.packed)]
+                 for rows in group_micro_batches(mb, cfg.max_tokens_per_micro_batch, self.packed)]
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
                                     + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
         self.optimizer.zero_grad(set_to_none=True)

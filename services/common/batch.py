@@ -81,13 +81,23 @@ class SequenceBatch:
         prompts, responses = self.prompts(), self.responses()
         return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx])
 
-    def micro_batches(self, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
+    def micro_batches(self, max_tokens: int, packed: bool = False, multiple_of: int = 1) -> list[torch.Tensor]:
         """Row groups within `max_tokens`: the sum of their prompt+response lengths when `packed`
         (the model reads them one after another, `packed_inputs`), else their padded size (rows x
         longest). A sequence longer than the budget goes alone. Rows are sorted by length first, so
-        sequences padded together are of similar length and little compute goes to padding."""
+        sequences padded together are of similar length and little compute goes to padding.
+        `multiple_of` (the workers sharing them): the largest groups are halved until the count is a
+        multiple of it, where rows allow, so no worker idles or runs a throw-away pass."""
         lengths = (self.prompt_lengths + self.response_lengths).tolist()
-        return [torch.tensor(sorted(g), dtype=torch.int64) for g in token_budget_groups(lengths, max_tokens, packed)]
+        groups = token_budget_groups(lengths, max_tokens, packed)
+        while len(groups) % multiple_of:
+            cost = [sum(lengths[i] for i in g) if packed else len(g) * max(lengths[i] for i in g) for g in groups]
+            largest = max((i for i in range(len(groups)) if len(groups[i]) > 1), key=cost.__getitem__, default=None)
+            if largest is None:
+                break  # single rows all: the workers' shares stay uneven
+            rows = groups.pop(largest)
+            groups[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+        return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
 
     def map_micro_batches(self, max_tokens: int, fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]],
                           packed: bool = False) -> tuple[torch.Tensor, ...]:

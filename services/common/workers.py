@@ -121,6 +121,12 @@ def my_share(items: list, lockstep: bool = False) -> list[tuple[object, bool]]:
     return mine
 
 
+def group_micro_batches(batch, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
+    """The batch's micro-batches, as many as a multiple of the group's ranks where rows allow: with
+    every world-th one each (`my_share`), the ranks get equal counts of similar sizes."""
+    return batch.micro_batches(max_tokens, packed, multiple_of=rank_and_world()[1])
+
+
 def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep: bool = False) -> tuple:
     """`SequenceBatch.map_micro_batches` over the group: each rank maps its share of the
     micro-batches (`my_share`) and every rank gets the whole result, in the batch's token order."""
@@ -128,7 +134,7 @@ def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep
     if world == 1:
         return batch.map_micro_batches(max_tokens, fn, packed)
     done = []
-    for rows, real in my_share(batch.micro_batches(max_tokens, packed), lockstep):
+    for rows, real in my_share(group_micro_batches(batch, max_tokens, packed), lockstep):
         out = fn(batch.select(rows))
         if real:
             done.append((rows, tuple(part.float().cpu() for part in out)))

@@ -26,7 +26,14 @@ from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import map_micro_batches, my_share, spmd, sum_over_ranks, work_group
+from rolefleet.common.workers import (
+    group_micro_batches,
+    map_micro_batches,
+    my_share,
+    spmd,
+    sum_over_ranks,
+    work_group,
+)
 from rolefleet.critic.model import ValueModel
 
 ROLE = "critic"
@@ -122,7 +129,8 @@ class CriticCore:
         scale = loss_scale(self.sharded)
         # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
         # sharding needs every rank to run as many).
-        for rows, real in my_share(mb.micro_batches(self.cfg.max_tokens_per_micro_batch, self.packed), self.sharded):
+        for rows, real in my_share(group_micro_batches(mb, self.cfg.max_tokens_per_micro_batch, self.packed),
+                                   self.sharded):
             sub, tokens = mb.select(rows), mb.token_index(rows)
             with autocast(self.device, self.dtype):
                 values = self.model(sub, self.device, self.packed)

@@ -44,13 +44,15 @@ def test_two_actor_workers_give_the_logprobs_and_update_of_one(tiny_model_dir, s
         assert double.trainer.sharded == (sharding == "fsdp")
         assert double.digest() == digest_before  # the sharded weights, gathered
         lp2 = double.compute_logprobs(batch, 1.0, include_reference=True)
+        # Two workers split the micro-batches finer (a count both share evenly): other padded widths,
+        # the same numbers up to float32 summation order.
         for a, b in ((lp.logprobs, lp2.logprobs), (lp.ref_logprobs, lp2.ref_logprobs), (lp.entropy, lp2.entropy)):
-            assert torch.allclose(a, b, atol=1e-5)
+            assert torch.allclose(a, b, atol=2e-4)
         two = double.update(1, 0, batch, targets, 1.0)
         # The same new weights: the same logprobs from them (the update moved them by far more).
         after_two = double.compute_logprobs(batch, 1.0, include_reference=False).logprobs
         assert (after_one - lp.logprobs).abs().max() > 1e-2
-        assert torch.allclose(after_two, after_one, atol=1e-5)
+        assert torch.allclose(after_two, after_one, atol=2e-4)
         for key in ("loss", "pg_loss", "grad_norm", "kl_loss", "entropy"):
             assert two.stats[key] == pytest.approx(one.stats[key], rel=1e-4, abs=1e-6), key
         # Rollouts: each worker its share of the prompts, back in prompt order, n samples each.
