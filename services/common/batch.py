@@ -81,17 +81,22 @@ class SequenceBatch:
         prompts, responses = self.prompts(), self.responses()
         return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx])
 
-    def micro_batches(self, max_tokens: int, packed: bool = False, workers: int = 1) -> list[torch.Tensor]:
+    def micro_batches(self, max_tokens: int, packed: bool = False, multiple_of: int = 1) -> list[torch.Tensor]:
         """Row groups within `max_tokens`: the sum of their prompt+response lengths when `packed`
         (the model reads them one after another, `packed_inputs`), else their padded size (rows x
         longest). A sequence longer than the budget goes alone. Rows are sorted by length first, so
         sequences padded together are of similar length and little compute goes to padding.
-        `workers` sharing them, each taking every workers-th group (`workers.my_share`): see
-        `share_evenly`."""
+        `multiple_of` (the workers sharing them): the largest groups are halved until the count is a
+        multiple of it, where rows allow, so no worker idles or runs a throw-away pass."""
         lengths = (self.prompt_lengths + self.response_lengths).tolist()
         groups = token_budget_groups(lengths, max_tokens, packed)
-        if workers > 1:
-            groups = share_evenly(groups, lengths, packed, workers)
+        while len(groups) % multiple_of:
+            cost = [sum(lengths[i] for i in g) if packed else len(g) * max(lengths[i] for i in g) for g in groups]
+            largest = max((i for i in range(len(groups)) if len(groups[i]) > 1), key=cost.__getitem__, default=None)
+            if largest is None:
+                break  # single rows all: the workers' shares stay uneven
+            rows = groups.pop(largest)
+            groups[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
         return [torch.tensor(sorted(g), dtype=torch.int64) for g in groups]
 
     def map_micro_batches(self, max_tokens: int, fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]],
@@ -280,35 +285,6 @@ def mini_batches(batch_size: int, num_mini_batches: int, generator: torch.Genera
     """A random split of sequence indices into `num_mini_batches` nearly equal parts (none empty)."""
     order = torch.randperm(batch_size, generator=generator)
     return [part for part in torch.tensor_split(order, min(num_mini_batches, batch_size)) if len(part)]
-
-
-def share_evenly(groups: list[list[int]], lengths: list[int], packed: bool, workers: int) -> list[list[int]]:
-    """The groups reordered (and the largest halved) so that taking every workers-th one gives each
-    worker as many groups and about as much work: halved until their count is a multiple of
-    `workers` and none is over half a worker's share (where rows allow), then dealt largest first
-    to the least loaded worker with room. Without an even share, no worker idles at a collective
-    while another computes, nor runs a throw-away pass to match another's count."""
-    def cost(group: list[int]) -> int:
-        return sum(lengths[i] for i in group) if packed else len(group) * max(lengths[i] for i in group)
-
-    groups = list(groups)
-    while True:
-        total = sum(cost(g) for g in groups)
-        splittable = [i for i, g in enumerate(groups) if len(g) > 1]
-        largest = max(splittable, key=lambda i: cost(groups[i]), default=None)
-        if largest is None or (len(groups) % workers == 0 and cost(groups[largest]) <= total / (2 * workers)):
-            break
-        rows = groups.pop(largest)
-        groups[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
-    if len(groups) % workers:
-        return groups  # single rows all: uneven counts, each worker its every workers-th
-    shares: list[list[list[int]]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for group in sorted(groups, key=cost, reverse=True):
-        w = min((w for w in range(workers) if len(shares[w]) < len(groups) // workers), key=loads.__getitem__)
-        shares[w].append(group)
-        loads[w] += cost(group)
-    return [shares[w][k] for k in range(len(groups) // workers) for w in range(workers)]
 
 
 def token_budget_groups(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:

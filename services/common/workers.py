@@ -122,9 +122,9 @@ def my_share(items: list, lockstep: bool = False) -> list[tuple[object, bool]]:
 
 
 def group_micro_batches(batch, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
-    """The batch's micro-batches for the group's ranks: with every world-th one each (`my_share`),
-    the ranks get equal counts and about equal work (`batch.share_evenly`)."""
-    return batch.micro_batches(max_tokens, packed, workers=rank_and_world()[1])
+    """The batch's micro-batches, as many as a multiple of the group's ranks where rows allow: with
+    every world-th one each (`my_share`), the ranks get equal counts of similar sizes."""
+    return batch.micro_batches(max_tokens, packed, multiple_of=rank_and_world()[1])
 
 
 def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep: bool = False) -> tuple:

@@ -132,24 +132,20 @@ def test_check_limits_refuses_sequences_longer_than_the_model():
         batch.check_limits(BatchLimits("actor", 8, 100, max_positions=4))
 
 
-def test_micro_batches_for_workers_give_each_as_many_and_about_as_much_work():
-    """Shared by workers (each every workers-th group): the largest groups are halved until every
-    worker gets as many and none is over half a worker's share, then dealt so the loads match; each
-    group within the budget, every row once; single rows cannot be split further."""
-    batch = SequenceBatch.from_lists([torch.tensor([1, 2])] * 40, [torch.arange(n % 17 + 1) for n in range(40)])
-    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
-
-    def cost(group) -> int:
-        return len(group) * max(lengths[i] for i in group.tolist())
-
-    assert len(batch.micro_batches(1000)) == 1
+def test_micro_batches_for_workers_come_in_a_multiple_of_their_count():
+    """Shared by two workers: the largest groups are halved until every worker gets as many, each
+    within the budget and every row once; single rows cannot be split further."""
+    batch = SequenceBatch.from_lists([torch.tensor([1, 2])] * 6, [torch.arange(n + 1) for n in range(6)])
+    one = batch.micro_batches(1000)
+    assert len(one) == 1
     for workers in (2, 3, 4):
-        for budget in (1000, 120, 60):
-            groups = batch.micro_batches(budget, workers=workers)
-            assert len(groups) % workers == 0
-            assert sorted(torch.cat(groups).tolist()) == list(range(40))
-            assert all(cost(g) <= budget for g in groups)
-            loads = [sum(cost(g) for g in groups[w::workers]) for w in range(workers)]
-            assert max(loads) <= 1.5 * min(loads), (workers, budget, loads)
+        groups = batch.micro_batches(1000, multiple_of=workers)
+        assert len(groups) % workers == 0
+        assert sorted(torch.cat(groups).tolist()) == list(range(6))
+    odd = batch.micro_batches(24)  # padded rows x longest within 24: groups of uneven count
+    even = batch.micro_batches(24, multiple_of=2)
+    assert len(even) % 2 == 0 and len(even) >= len(odd)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    assert all(len(g) * max(lengths[i] for i in g.tolist()) <= 24 for g in even)
     single = SequenceBatch.from_lists([torch.tensor([1])] * 3, [torch.tensor([2])] * 3)
-    assert len(single.micro_batches(2, workers=2)) == 3  # one row each: left as they are
+    assert len(single.micro_batches(2, multiple_of=2)) == 3  # one row each: left as they are
