@@ -17,7 +17,7 @@ GPU (scaling efficiency).
     python benchmarks/placement.py --out OUT_DIR [--steps 10 --warmup 3] [--parts placement,scaling] [--runs colocated,rollout_async]
     python benchmarks/placement.py --out OUT_DIR --parts scaling --sharding fsdp --profile-update 6
 
-Needs two GPUs (nvidia-h200-x2). Medians and busy time over the steps after the first `--warmup`
+Needs two GPUs (nvidia-h200-x2); the node8_* runs eight, the node4_* runs four. Medians and busy time over the steps after the first `--warmup`
 (torch.compile recompiles for new shapes during the first few steps).
 """
 
@@ -42,6 +42,17 @@ RUNS = {  # name: (config, overrides)
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
+    # One node of 8 GPUs (issue 15; run with --shape qwen2-1.5b): every role over all 8, sync, against
+    # the compose default map of configs/8gpu.yaml (split, async); on 4 GPUs a scaled-down pair.
+    "node8_colocated": ("configs/8gpu.yaml", (*(f"devices.{g}=[0,1,2,3,4,5,6,7]" for g in ("actor", "rollout", "critic")),
+                                              "devices.reward=[]", "devices.colocate=[[actor,critic]]",
+                                              "pipeline.mode=sync")),
+    "node8_split": ("configs/8gpu.yaml", ()),
+    "node4_colocated": ("configs/8gpu.yaml", (*(f"devices.{g}=[0,1,2,3]" for g in ("actor", "rollout", "critic")),
+                                              "devices.reward=[]", "devices.colocate=[[actor,critic]]",
+                                              "pipeline.mode=sync")),
+    "node4_split": ("configs/8gpu.yaml", ("devices.actor=[0,1,2]", "devices.rollout=[0]", "devices.reward=[]",
+                                          "devices.critic=[3]")),
 }
 
 
