@@ -307,7 +307,8 @@ def _grafana() -> dict[str, Any]:
 def _header(config_path: str, gpus: dict[str, list[str]], http: bool, cfg: RoleFleetConfig,
             secrets: SecretMounts) -> str:
     placement = "; ".join(f"{role} {'GPUs ' + ','.join(ids) if ids else 'no GPU'}" for role, ids in gpus.items())
-    published = [*([f"control plane http://127.0.0.1:{HTTP_PORT}"] if http else []),
+    scheme = "https" if cfg.security.tls.enabled else "http"
+    published = [*([f"control plane {scheme}://127.0.0.1:{HTTP_PORT}"] if http else []),
                  f"coordinator gRPC 127.0.0.1:{GRPC_PORTS['coordinator']} (rolefleet status)",
                  f"Prometheus http://127.0.0.1:{PROMETHEUS_PORT}", f"Grafana http://127.0.0.1:{GRAFANA_PORT}"]
     guarded = _security_summary(cfg, secrets)
@@ -329,7 +330,7 @@ def _security_summary(cfg: RoleFleetConfig, secrets: SecretMounts) -> list[str]:
     security, lines = cfg.security, []
     if security.tls.enabled:
         lines.append(f"Security: {'mutual ' if security.tls.mutual else ''}TLS on every role's gRPC port and on the "
-                     "control plane (which then answers https).")
+                     "control plane.")
     if security.token_file:
         lines.append(f"The run's token: {security.token_file} (security.token_file).")
     elif secrets.environment:
