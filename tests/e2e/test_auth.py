@@ -65,6 +65,7 @@ def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_confi
             return err.value.code()
 
         bearer = (("authorization", f"Bearer {TOKEN}"),)
+
         def plain():
             return grpc.aio.insecure_channel(actor)
 
@@ -79,23 +80,28 @@ def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_confi
         assert code_of(runs) == grpc.StatusCode.UNAUTHENTICATED
         assert asyncio.run(status(runs, bearer)).role == "actor"
 
-        # The actor counted both refused handshakes (once no call followed them) and the missing token.
+        # The CLI, each call its own process, all at once (each takes seconds to import): without the
+        # token, with it over gRPC and over HTTPS, and without certificates.
+        monkeypatch.setenv("ROLEFLEET_TOKEN", "")
+        denied = rolefleet("status", "--address", address, "--certs", str(certs))
+        monkeypatch.setenv("ROLEFLEET_TOKEN", TOKEN)
+        allowed = [rolefleet("status", *where, "--certs", str(certs)) for where in (["--address", address],
+                                                                                     ["--http", url])]
+        uncertified = rolefleet("status", "--address", address)
+
+        # Meanwhile: the actor counted both refused handshakes (once no call followed them) and the
+        # missing token.
         deadline = time.monotonic() + 30
         while (refusals := scrape(metrics_port))["tls"] < 2:
             assert time.monotonic() < deadline, refusals
             time.sleep(0.5)
         assert refusals == {"tls": 2, "token": 1}
 
-        monkeypatch.setenv("ROLEFLEET_TOKEN", "")
-        denied = rolefleet("status", "--address", address, "--certs", str(certs))
         out, _ = denied.communicate(timeout=60)
         assert denied.returncode == 1 and "UNAUTHENTICATED" in out, out
-        monkeypatch.setenv("ROLEFLEET_TOKEN", TOKEN)
-        for where in (["--address", address], ["--http", url]):
-            allowed = rolefleet("status", *where, "--certs", str(certs))
-            out, _ = allowed.communicate(timeout=60)
-            assert allowed.returncode == 0 and "run test: RUNNING" in out, out
-        uncertified = rolefleet("status", "--address", address)  # no certificates: no answer
+        for cli in allowed:
+            out, _ = cli.communicate(timeout=60)
+            assert cli.returncode == 0 and "run test: RUNNING" in out, out
         out, _ = uncertified.communicate(timeout=60)
         assert uncertified.returncode == 1, out
         assert len(read_metrics(cfg.run.out / "metrics.jsonl")) >= 1
