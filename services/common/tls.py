@@ -107,6 +107,13 @@ def _check_pair(paths: dict[str, Optional[str]], cert_pem: bytes, key_pem: bytes
                        f"to {cert.not_valid_after_utc}, not now")
 
 
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:  # replaced right now (a renewal by rename): seen at the next handshake
+        return 0
+
+
 class ServerTls:
     """A role server's credentials and its handshake accounting."""
 
@@ -127,8 +134,8 @@ class ServerTls:
         return grpc.ssl_server_certificate_configuration([(files.key, files.cert)],
                                                          root_certificates=files.ca if files.mutual else None)
 
-    def _stat(self) -> tuple[float, ...]:
-        return tuple(os.stat(p).st_mtime_ns if os.path.exists(p) else 0 for p in self.files.paths)
+    def _stat(self) -> tuple[int, ...]:
+        return tuple(_mtime(p) for p in self.files.paths)
 
     def _fetch(self) -> Optional[grpc.ServerCertificateConfiguration]:
         """Called by gRPC as each handshake begins: count it, and answer renewed files if any."""
