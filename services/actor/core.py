@@ -165,7 +165,9 @@ class ActorCore:
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
         with self._rollout_lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
             version = self.rollout_version
-            if self.group is None:
+            if self.group is None or self.placement.rollout_ranks == [self.rank]:
+                # This process is the one that generates (alone, or the split actor's only rollout
+                # worker): each forward batch streams as it finishes.
                 chunks = self.engine.generate(prompt_ids, sampling, version)
             else:  # each rollout worker generates its share of the prompts; one chunk when all are done
                 chunks = iter([spmd(self, "_generate_share", prompt_ids, sampling, version,

@@ -132,7 +132,7 @@ def test_split_actor_trains_on_some_workers_and_generates_with_the_new_weights_o
 
     cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir},
                         "actor": {**COMMON, "kl_loss_coef": 0.1, "workers": world,
-                                  "rollout": {"workers": 1, "sync_bucket_mb": 1}}}, [])
+                                  "rollout": {"workers": 1, "sync_bucket_mb": 1, "batch_size": 2}}}, [])
     assert rollout_ranks(cfg) == (0,)
     prompts, sampling = ["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=5, n=2, seed=3)
     single = ActorCore(cfg.actor)
@@ -150,6 +150,8 @@ def test_split_actor_trains_on_some_workers_and_generates_with_the_new_weights_o
         assert split.placement.split and split.trainer is None and split.model is None  # rank 0 only generates
         before = split.generate(prompts, sampling)
         assert all(s.policy_version == 0 for s in before)
+        # Its only rollout worker is this process: samples stream per engine call (2 sequences each).
+        assert [len(chunk) for chunk in split.generate_chunks(prompts, sampling)] == [2, 2, 2]
         assert torch.allclose(split.compute_logprobs(batch, 1.0, include_reference=True).logprobs, lp.logprobs,
                               atol=1e-5)
         two = split.update(1, 0, batch, targets, 1.0)
