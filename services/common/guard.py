@@ -61,10 +61,19 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                  tls: Optional[ServerTls] = None):
         self.role, self.token, self.max_calls, self.tls = role, token, max_calls_per_client, tls
         self.in_flight: collections.Counter[str] = collections.Counter()  # by client host; one event loop
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}  # wrapped once per method
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails):
+        if details.method in self._handlers:
+            return self._handlers[details.method]
         handler = await continuation(details)
-        guarded = not details.method.startswith(OPEN_SERVICES)
+        wrapped = self._guarded(handler, details.method)
+        if handler is not None:  # known methods only: a caller inventing names must not grow the cache
+            self._handlers[details.method] = wrapped
+        return wrapped
+
+    def _guarded(self, handler: Optional[grpc.RpcMethodHandler], method: str) -> Optional[grpc.RpcMethodHandler]:
+        guarded = not method.startswith(OPEN_SERVICES)
         if handler is None:
             if not (guarded and self.token):
                 return None  # gRPC answers UNIMPLEMENTED

@@ -27,9 +27,5 @@ class Security:
         return cls(load_token(section.token_file, section.token_env), TlsFiles.load(section.tls, role),
                    section.max_calls_per_client, section.max_message_mb * MIB)
 
-    @property
-    def scheme(self) -> str:
-        return "https" if self.tls else "http"
-
 
 OPEN = Security()  # no token, plaintext: the default of tests and of a run that configures nothing
