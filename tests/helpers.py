@@ -37,3 +37,29 @@ async def expect_code(call, code: grpc.StatusCode, *texts: str) -> str:
 async def expect_invalid(call, field: str) -> str:
     """Await a raw stub call; require INVALID_ARGUMENT whose message names `field`."""
     return await expect_code(call, grpc.StatusCode.INVALID_ARGUMENT, field)
+
+
+def save_after_one_update_over_two_workers(cfg, path: str):
+    """An actor over two worker processes (as `cfg.actor` shards them) generates, takes one update
+    and saves it at `path`. Returns the save's answer, the weights digest, and the batch and targets
+    of that update (for a next one)."""
+    import torch
+
+    from rolefleet.actor.core import ActorCore
+    from rolefleet.actor.types import PolicyTargets, SamplingParams
+    from rolefleet.common.batch import SequenceBatch
+    from rolefleet.common.workers import WorkerGroup
+
+    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
+    try:
+        double = ActorCore(cfg.actor)
+        double.group = group
+        samples = double.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=4, n=2, seed=5))
+        batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        lp = double.compute_logprobs(batch, 1.0, include_reference=True)
+        targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
+        double.update(1, 0, batch, targets, 1.0)
+        saved = double.save_checkpoint(1, path)
+        return saved, double.digest(), batch, targets
+    finally:
+        group.stop()

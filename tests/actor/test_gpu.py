@@ -9,6 +9,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.modeling import lm_logprobs
 from rolefleet.critic.core import CriticCore
+from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -134,25 +135,10 @@ def test_checkpoints_on_cuda_restore_the_weights_optimizer_and_next_update(tiny_
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_fsdp_over_two_gpus_saves_shards_that_one_gpu_loads(tiny_model_dir, tmp_path):
     """Two FSDP2 workers over NCCL save their shards; one GPU process loads them resharded."""
-    from rolefleet.common.workers import WorkerGroup
-
     cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir},
                         "actor": {"compute_dtype": "bfloat16", "lr": 1e-2, "workers": 2, "sharding": "fsdp",
                                   "max_tokens_per_micro_batch": 40}}, [])
-    prompts, sampling = ["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=4, n=2, seed=5)
-    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
-    try:
-        double = ActorCore(cfg.actor)
-        double.group = group
-        samples = double.generate(prompts, sampling)
-        batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-        lp = double.compute_logprobs(batch, 1.0, include_reference=True)
-        targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
-        double.update(1, 0, batch, targets, 1.0)
-        double.save_checkpoint(1, str(tmp_path / "actor"))
-        digest = double.digest()
-    finally:
-        group.stop()
+    _, digest, _, _ = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"))
     single = ActorCore(cfg.actor.model_copy(update={"workers": 1}))
     single.load_checkpoint(str(tmp_path / "actor"))
     assert single.device.type == "cuda" and single.digest() == digest and single.policy_version == 1

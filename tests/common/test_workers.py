@@ -12,6 +12,7 @@ from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.core import CriticCore
+from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = pytest.mark.timeout(240)
 COMMON = {"compute_dtype": "float32", "lr": 1e-2, "num_threads": 1, "max_tokens_per_micro_batch": 20,
@@ -177,23 +178,10 @@ def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path):
     """Two FSDP2 workers save their shards (torch.distributed.checkpoint); one process loads them
     back resharded: the same weights, version and ledger, and the same next update."""
     cfg = config(tiny_model_dir, "fsdp")
-    prompts, sampling = ["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=4, n=2, seed=5)
-    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
-    try:
-        double = ActorCore(cfg.actor)
-        double.group = group
-        samples = double.generate(prompts, sampling)
-        batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-        lp = double.compute_logprobs(batch, 1.0, include_reference=True)
-        targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
-        double.update(1, 0, batch, targets, 1.0)
-        saved = double.save_checkpoint(1, str(tmp_path / "actor"))
-        digest = double.digest()
-    finally:
-        group.stop()
+    saved, digest, batch, targets = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"))
     assert sorted(p.name for p in (tmp_path / "actor" / "weights").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     single = ActorCore(cfg.actor)
     assert single.load_checkpoint(str(tmp_path / "actor")) == saved
     assert single.digest() == digest and single.policy_version == 1 and single.ledger.last_step == 1
-    assert single.generate(prompts, sampling)[0].policy_version == 1
+    assert single.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=5))[0].policy_version == 1
     assert single.update(2, 1, batch, targets, 1.0).model_version == 2
