@@ -6,6 +6,8 @@ pipeline modes (`--runs`, any of):
 - split / split_async: `configs/2gpu.yaml`, actor on GPU 0, critic on GPU 1, sync / async;
 - rollout_async: `configs/2gpu_rollout.yaml`, the actor generating on GPU 0 beside the critic and
   training on GPU 1 (weights broadcast after each update), async in eager order;
+- rollout_async_stream / _stale2 / _vllm: the same with 64-sequence engine calls (each streams as it
+  finishes), with `pipeline.max_staleness: 2`, and with vLLM generating;
 - rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
   eager / async exact / sync.
 
@@ -39,6 +41,11 @@ RUNS = {  # name: (config, overrides)
     "split_async": ("configs/2gpu.yaml", ASYNC),
     # The actor generating on GPU 0 and training on GPU 1; the critic on GPU 0 (the config's) or 1.
     "rollout_async": ("configs/2gpu_rollout.yaml", ()),  # async, eager order (the config's)
+    # ... streaming smaller engine calls, two updates of staleness, vLLM generating (its own processes)
+    "rollout_async_stream": ("configs/2gpu_rollout.yaml", ("actor.rollout.batch_size=64",)),
+    "rollout_async_stale2": ("configs/2gpu_rollout.yaml", ("pipeline.max_staleness=2",)),
+    "rollout_async_vllm": ("configs/2gpu_rollout.yaml", ("actor.rollout.backend=vllm",
+                                                         "actor.rollout.vllm.gpu_memory_utilization=0.35")),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),

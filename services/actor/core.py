@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rolefleet.actor import weight_sync
-from rolefleet.actor.placement import ActorPlacement
+from rolefleet.actor import vllm_sync, weight_sync
+from rolefleet.actor.placement import ActorPlacement, engine_size
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
@@ -37,7 +38,15 @@ from rolefleet.common.profiling import profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
-from rolefleet.common.workers import all_gather, new_subgroups, rank_slice, set_work_group, spmd, work_group
+from rolefleet.common.workers import (
+    all_gather,
+    free_port,
+    new_subgroups,
+    rank_slice,
+    set_work_group,
+    spmd,
+    work_group,
+)
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
@@ -52,9 +61,13 @@ class ActorCore:
         self.max_staleness = max_staleness  # updates an Update's oldest sample may lag (pipeline.max_staleness)
         self.device = pick_device()
         torch.manual_seed(seed)
-        self.placement = ActorPlacement(dist.get_world_size() if dist.is_initialized() else 1, tuple(rollout_ranks))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        placement = ActorPlacement(world, tuple(rollout_ranks))
+        self.backend = choose_backend(cfg.rollout.backend, self.device.type == "cuda", vllm_installed(), world,
+                                      placement.split)
+        self.placement = replace(placement, engine_size=engine_size(cfg, self.backend, placement))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.trains, self.generates = self.rank in self.placement.train_ranks, self.rank in self.placement.rollout_ranks
+        self.trains = self.rank in self.placement.train_ranks
         self.sync_group = self._join_part()
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
         self.model = load_causal_lm(cfg.model_name_or_path, self.device)
@@ -64,7 +77,14 @@ class ActorCore:
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
         # What a weight sync carries, in order (the full shapes: taken before the trainer shards).
         self.weight_shapes = [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
-        self.engine: RolloutEngine | None = self._make_engine(seed) if self.generates else None
+        self.engine: RolloutEngine | None = None
+        if self.rank in self.placement.engine_ranks:
+            if self.remote_engines and not self.trains:
+                self.model = None  # the engine loads its own copy: leave it the GPU
+                release_memory()
+            self.engine = self._make_engine(seed)
+        self._vllm_sender: vllm_sync.Sender | None = None  # split vllm: the first trainer's end of the link
+        self._vllm_linked = False  # ... which the sync ranks open at the first sync
         self.group = None  # a WorkerGroup when the role runs over several worker processes (serve sets it)
         # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
         # None: anywhere (a core used in-process).
@@ -93,8 +113,10 @@ class ActorCore:
             set_work_group(None)
             return None
         p = self.placement
-        trainers, rollout, sync = new_subgroups([p.train_ranks, p.rollout_ranks, p.sync_ranks])
-        set_work_group(trainers if self.trains else rollout)
+        trainers, engines, sync = new_subgroups([p.train_ranks, p.engine_ranks, p.sync_ranks])
+        # A rollout rank that only lends its GPU to another's engine has no work of its own: None
+        # (it never runs a collective outside the weight sync).
+        set_work_group(trainers if self.trains else engines)
         if self.rank == 0:
             log.info("actor placement: %s", p.describe())
         return sync
@@ -110,18 +132,25 @@ class ActorCore:
             ref_model.to("cpu")  # the trainer brings it to the GPU for each ComputeLogProbs
         return ref_model
 
+    @property
+    def remote_engines(self) -> bool:
+        """vLLM engines in processes of their own, fed over NCCL by the first trainer (split)."""
+        return self.backend == "vllm" and self.placement.split
+
     def _make_engine(self, seed: int) -> RolloutEngine:
-        backend = choose_backend(self.cfg.rollout.backend, self.device.type == "cuda", vllm_installed(),
-                                 self.placement.world)
-        log.info("rollout backend: %s", backend)
-        if backend == "vllm":
+        log.info("rollout backend: %s", self.backend)
+        if self.backend == "vllm":
             try:
                 from rolefleet.actor.rollout_vllm import VllmRolloutEngine
 
                 policy = self.model if self.trains else None  # a rollout worker keeps no trainer copy
-                return VllmRolloutEngine(policy, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed)
+                gpus = None
+                if self.remote_engines:
+                    visible = _visible_gpus()
+                    gpus = [visible[r] for r in self.placement.engine_members(self.rank)]
+                return VllmRolloutEngine(policy, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed, gpus)
             except Exception as exc:  # an installed vLLM that cannot start here (its torch pin, say)
-                if self.cfg.rollout.backend == "vllm":
+                if self.cfg.rollout.backend == "vllm" or self.remote_engines:  # the trainers expect vLLM's
                     raise
                 log.warning("actor.rollout.backend=auto: vLLM is installed but did not start (%s); using hf", exc)
         return HFRolloutEngine(self.model, self.tokenizer, self.device, self.cfg,
@@ -165,13 +194,13 @@ class ActorCore:
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
         with self._rollout_lock, metrics.ROLLOUT_SECONDS.labels(ROLE).time():
             version = self.rollout_version
-            if self.group is None or self.placement.rollout_ranks == [self.rank]:
-                # This process is the one that generates (alone, or the split actor's only rollout
-                # worker): each forward batch streams as it finishes.
+            if self.group is None or self.placement.engine_ranks == [self.rank]:
+                # This process drives the only engine (alone, or the split actor's only rollout
+                # worker): each engine call's samples stream as they finish.
                 chunks = self.engine.generate(prompt_ids, sampling, version)
-            else:  # each rollout worker generates its share of the prompts; one chunk when all are done
+            else:  # each engine generates its share of the prompts; one chunk when all are done
                 chunks = iter([spmd(self, "_generate_share", prompt_ids, sampling, version,
-                                    ranks=self.placement.rollout_ranks)])
+                                    ranks=self.placement.engine_ranks)])
             for chunk in chunks:
                 metrics.TOKENS_GENERATED.labels(ROLE).inc(sum(len(s.response_ids) for s in chunk))
                 yield chunk
@@ -262,14 +291,22 @@ class ActorCore:
 
     def _load_weights(self, version: int) -> None:
         """SPMD, every rank. Colocated: each rank loads its trainer's weights (gathered, if sharded)
-        into its engine. Split: the first trainer broadcasts them in buckets to the rollout workers."""
+        into its engine. Split: the first trainer broadcasts them in buckets to the rollout workers
+        (vllm: into the engines' own processes)."""
         try:
+            if self.remote_engines and not self._vllm_linked and self.rank in self.placement.sync_ranks:
+                self._open_vllm_link()
             if not self.placement.split:
                 self.engine.load_weights(full_named_parameters(self.model))
                 self.engine.reset_cache()
                 self.engine.wake()
             elif self.trains:
                 self._send_weights()
+            elif self.remote_engines:
+                if self.engine is not None:  # else this rank's GPU serves another rank's engine
+                    self.engine.receive_weights(vllm_sync.update_info(self.weight_shapes, self._wire_dtype(),
+                                                                      self._bucket_bytes()))
+                    self.engine.reset_cache()
             else:
                 for part in weight_sync.receive(self.weight_shapes, self.placement.train_ranks[0], self.sync_group,
                                                 self._wire_dtype(), self.device, self._bucket_bytes()):
@@ -288,8 +325,26 @@ class ActorCore:
             for _ in named:
                 pass
             return
-        weight_sync.send(named, self.weight_shapes, sender, self.sync_group, self._wire_dtype(), self.device,
-                         self._bucket_bytes())
+        if self.remote_engines:
+            self._vllm_sender.send(named, self.weight_shapes, self._wire_dtype(), self._bucket_bytes())
+        else:
+            weight_sync.send(named, self.weight_shapes, sender, self.sync_group, self._wire_dtype(), self.device,
+                             self._bucket_bytes())
+
+    def _open_vllm_link(self) -> None:
+        """First sync to vLLM engines, on the sync ranks: the sending trainer picks the port of the
+        communicator and tells the rollout ranks; it and every engine's workers then join it, each
+        from its own process at the same time (`vllm_sync.py`)."""
+        p = self.placement
+        sender = p.train_ranks[0]
+        port = [free_port() if self.rank == sender else None]
+        dist.broadcast_object_list(port, src=sender, group=self.sync_group)
+        world = 1 + len(p.rollout_ranks)  # the trainer and one engine worker per rollout GPU
+        if self.rank == sender:
+            self._vllm_sender = vllm_sync.Sender(port[0], world)
+        elif self.engine is not None:
+            self.engine.join_weight_transfer(vllm_sync.init_info(port[0], 1 + p.rollout_ranks.index(self.rank), world))
+        self._vllm_linked = True
 
     def _wire_dtype(self) -> torch.dtype:
         """The engines' dtype (what `load_weights` would cast to anyway): half the bytes of fp32."""
@@ -355,5 +410,13 @@ class ActorCore:
 
     def close(self) -> None:
         with self._lock:
+            if self.engine is not None and hasattr(self.engine, "close"):
+                self.engine.close()
             self.engine = self.trainer = self.model = self.ref_model = None
         release_memory()
+
+
+def _visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (rank i of a group drives entry i)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

@@ -45,14 +45,17 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def backend_problem(backend: str, has_gpu: bool, installed: bool, workers: int = 1) -> str | None:
-    """Why `actor.rollout.backend` cannot run here, or None. `workers`: the actor's worker processes."""
+def backend_problem(backend: str, has_gpu: bool, installed: bool, workers: int = 1, split: bool = False) -> str | None:
+    """Why `actor.rollout.backend` cannot run here, or None. `workers`: the actor's worker processes;
+    `split`: some of them only generate (`devices.rollout`)."""
     if backend != "vllm":
         return None
-    if workers > 1:
-        # vLLM sets up its own torch.distributed world, which the group's already is.
-        return (f"vllm runs in an actor of one worker process, this one has {workers} (devices.actor, "
-                "actor.workers): give the actor one GPU, or set actor.rollout.backend=hf")
+    if workers > 1 and not split:
+        # Each worker would need an engine beside its trainer on the same GPU, taking weights in
+        # place; vLLM's engines take them over NCCL from a trainer on other GPUs (split placement).
+        return (f"vllm runs in an actor of one worker process, or with its rollout GPUs apart from its "
+                f"training GPUs; this actor has {workers} workers that each train and generate: set "
+                "devices.rollout to some of devices.actor, give the actor one GPU, or set actor.rollout.backend=hf")
     if not installed:
         return ("vllm is not installed in this environment: install it with `pip install 'rolefleet[vllm]'`, "
                 "or set actor.rollout.backend=hf")
@@ -61,12 +64,12 @@ def backend_problem(backend: str, has_gpu: bool, installed: bool, workers: int =
     return None
 
 
-def choose_backend(backend: str, has_gpu: bool, installed: bool, workers: int = 1) -> str:
+def choose_backend(backend: str, has_gpu: bool, installed: bool, workers: int = 1, split: bool = False) -> str:
     """The engine `actor.rollout.backend` selects: `auto` is vllm where it is installed, a GPU is
-    visible and the actor is one process, else hf. Raises ValueError naming the key when `vllm` is
-    asked for and cannot run."""
-    if (problem := backend_problem(backend, has_gpu, installed, workers)) is not None:
+    visible and the actor is one process or generates apart from training, else hf. Raises
+    ValueError naming the key when `vllm` is asked for and cannot run."""
+    if (problem := backend_problem(backend, has_gpu, installed, workers, split)) is not None:
         raise ValueError(f"actor.rollout.backend: {problem}")
     if backend == "auto":
-        return "vllm" if installed and has_gpu and workers == 1 else "hf"
+        return "vllm" if backend_problem("vllm", has_gpu, installed, workers, split) is None else "hf"
     return backend

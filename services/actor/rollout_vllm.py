@@ -1,9 +1,18 @@
-"""The `vllm` rollout engine: vLLM's offline engine inside the actor process.
+"""The `vllm` rollout engine: vLLM's offline engine, driven from the actor process.
 
-The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one GPU: vLLM's
-single-process executor), so a weight load is a direct call on its model with the trainer's GPU
-tensors: no serialisation, no IPC, no second copy. Token ids go in and come out (vLLM's tokenizer
-is never loaded; texts are decoded with the actor's own tokenizer, as the hf engine does).
+Two ways to run it:
+
+- **In this process** (an actor of one worker): the engine core runs here
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one GPU: vLLM's single-process executor), so a weight load
+  is a direct call on its model with the trainer's GPU tensors: no serialisation, no IPC, no second
+  copy.
+- **In processes of its own** (`gpus`: a split actor's rollout worker, `actor/placement.py`): the
+  actor group's torch.distributed world is not vLLM's to take, so the engine core and its workers
+  start in their own processes on the given GPUs (tensor parallel over several), and the new
+  weights arrive from the trainer over vLLM's NCCL weight transfer (`vllm_sync.py`).
+
+Token ids go in and come out (vLLM's tokenizer is never loaded; texts are decoded with the actor's
+own tokenizer, as the hf engine does).
 
 Logprobs: vLLM's `processed_logprobs` mode reports log softmax of the logits after temperature
 *and* top-k / top-p truncation (renormalised over the kept tokens). Without truncation that is
@@ -12,11 +21,13 @@ tempered logprob, so requests with top-k or top-p are refused here rather than r
 another distribution (the hf engine serves them).
 
 Sleep: while the trainer runs on the same GPU, vLLM frees its KV cache and offloads (level 1) or
-drops (level 2) its weights; `load_weights` wakes the weights first, `wake` the rest.
+drops (level 2) its weights; `load_weights` wakes the weights first, `wake` the rest. An engine on
+GPUs of its own never sleeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -43,29 +54,35 @@ def truncation_refused(sampling: SamplingParams) -> None:
 
 class VllmRolloutEngine:
     def __init__(self, policy: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
-                 model_path: str, seed: int = 0):
-        # In-process engine core: weight loads pass GPU tensors directly (see the module docstring).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                 model_path: str, seed: int = 0, gpus: list[str] | None = None):
+        """`gpus`: run the engine in processes of its own on these GPUs (CUDA_VISIBLE_DEVICES
+        entries), tensor parallel over them; None: in this process, on its GPU."""
         from vllm import LLM
 
         v = cfg.rollout.vllm
         extra = {k: getattr(v, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
                  if getattr(v, k) is not None}
+        self.remote = gpus is not None
+        if self.remote:
+            from vllm.config import WeightTransferConfig
+
+            extra.update(tensor_parallel_size=len(gpus), weight_transfer_config=WeightTransferConfig(backend="nccl"))
         self.max_model_len = v.max_model_len
-        self.llm = LLM(
-            model=model_path, dtype="float32" if cfg.compute_dtype == "float32" else "bfloat16", seed=seed,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
-            enable_prefix_caching=v.enable_prefix_caching, enable_sleep_mode=v.sleep_level > 0,
-            logprobs_mode="processed_logprobs",
-            # The checkpoint's sampling defaults (a repetition penalty, say) would reshape the
-            # distribution behind the recorded logprobs: only the request's parameters apply.
-            generation_config="vllm", **extra,
-        )
+        self.sleep_level = 0 if self.remote else v.sleep_level  # on GPUs of its own: nothing to make room for
+        with _engine_environment(gpus):
+            self.llm = LLM(
+                model=model_path, dtype="float32" if cfg.compute_dtype == "float32" else "bfloat16", seed=seed,
+                skip_tokenizer_init=True,
+                gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+                enable_prefix_caching=v.enable_prefix_caching, enable_sleep_mode=self.sleep_level > 0,
+                logprobs_mode="processed_logprobs",
+                # The checkpoint's sampling defaults (a repetition penalty, say) would reshape the
+                # distribution behind the recorded logprobs: only the request's parameters apply.
+                generation_config="vllm", **extra,
+            )
         self.policy = policy
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.sleep_level = v.sleep_level
         self._asleep = False           # KV cache (and weights) released
         self._weights_awake = True     # weight memory mapped on the GPU
         self._weights_current = True   # ... and holding the trainer's weights
@@ -76,6 +93,9 @@ class VllmRolloutEngine:
     # paused or half-restored engine.
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.remote:
+            raise RuntimeError("an engine in processes of its own takes weights from the trainer over NCCL "
+                               "(join_weight_transfer, receive_weights)")
         if not self._weights_awake:
             self._wake_tags(["weights"])
             self._weights_awake = True
@@ -85,6 +105,24 @@ class VllmRolloutEngine:
         self._weights_current = False
         self.llm.collective_rpc(lambda worker: worker.get_model().load_weights(iter(weights)))
         self._weights_current = True
+
+    def join_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's NCCL communicator (`vllm_sync.init_info`); blocks until all have."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Load the weights the trainer broadcasts now (`vllm_sync.update_info`), bucket by bucket."""
+        self._weights_current = False
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update()
+        self._weights_current = True
+
+    def close(self) -> None:
+        """Stop the engine's own processes (an engine in this process has none)."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if self.remote and engine_core is not None:
+            engine_core.shutdown()
 
     def sleep(self) -> None:
         if self.sleep_level > 0 and not self._asleep:
@@ -152,3 +190,24 @@ class VllmRolloutEngine:
                       response_ids=response, logprobs=torch.tensor(logprobs, dtype=torch.float32),
                       finish_reason=reason, policy_version=policy_version,
                       response_text=self.tokenizer.decode(response, skip_special_tokens=True))
+
+
+@contextlib.contextmanager
+def _engine_environment(gpus: list[str] | None):
+    """The environment vLLM reads while it starts the engine. In this process: no engine core
+    process. In processes of its own: spawned (this process has CUDA state, which a fork cannot
+    carry), seeing only the engine's GPUs; this process's own devices are fixed already, and the
+    variables are restored afterwards."""
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if gpus is None else {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    saved = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

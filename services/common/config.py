@@ -300,6 +300,9 @@ class VllmSection(_Section):
     enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (faster start, slower decode)")
     enable_prefix_caching: bool = Field(True, description="share KV blocks of common prompt prefixes "
                                         "(the n samples of a prompt); reset after every weight load")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine when the actor generates apart "
+                                      "from training (devices.rollout): the rollout GPUs form engines of this "
+                                      "many, each tensor parallel; several engines share a request's prompts")
     sleep_level: Literal[0, 1, 2] = Field(2, description="what vLLM releases while the trainer runs on its "
                                           "GPU: 2 = KV cache and weights freed (the trainer's new weights are "
                                           "loaded on wake); 1 = KV cache freed, weights kept in CPU memory and "

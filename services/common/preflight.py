@@ -324,15 +324,22 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
     group; `serve`: what the process sees)."""
     if "actor" not in roles:
         return []
+    from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
     from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
     from rolefleet.serve import worker_count
 
     has_gpu = bool(cfg.devices.actor) if command == "up" else gpu_count() > 0
     backend, installed, workers = cfg.actor.rollout.backend, vllm_installed(), worker_count("actor", cfg)
-    if (problem := backend_problem(backend, has_gpu, installed, workers)) is not None:
+    placement = ActorPlacement(workers, rollout_ranks(cfg))  # devices.rollout is within devices.actor (config)
+    if (problem := backend_problem(backend, has_gpu, installed, workers, placement.split)) is not None:
         return [f"actor.rollout.backend: {problem}"]
+    chosen = choose_backend(backend, has_gpu, installed, workers, placement.split)
+    try:
+        engine_size(cfg.actor, chosen, placement)
+    except ValueError as exc:
+        return [str(exc)]
     truncating = [k for k, on in (("top_k", cfg.sampling.top_k > 0), ("top_p", cfg.sampling.top_p < 1)) if on]
-    if truncating and choose_backend(backend, has_gpu, installed, workers) == "vllm":
+    if truncating and chosen == "vllm":
         chosen = "" if backend == "vllm" else " (auto chose it: vllm is installed and the actor has a GPU)"
         return [f"sampling.{truncating[0]}: the vllm rollout backend{chosen} cannot record the untruncated "
                 "logprob the project's convention needs (docs/algorithms.md) when top-k or top-p truncates; "

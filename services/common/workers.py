@@ -174,7 +174,7 @@ def all_reduce_gradients(module: torch.nn.Module) -> None:
             g.copy_(part.view_as(g))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -203,7 +203,7 @@ class WorkerGroup:
     def start(cls, role: str, world: int, raw_config: dict) -> WorkerGroup:
         """Spawn ranks 1..world-1 (each builds its core with `serve.build_core(role, config)`) and
         join the group as rank 0."""
-        port = _free_port()
+        port = free_port()
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         pipes = [ctx.Pipe() for _ in range(1, world)]
         processes = [ctx.Process(target=worker_main, args=(role, raw_config, rank, world, port, theirs),
@@ -307,4 +307,6 @@ def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int, p
         except Exception:
             log.exception("%s failed on rank %d; stopping the group", name, rank)
             os._exit(1)
+    if hasattr(core, "close"):
+        core.close()  # a rank's own child processes (a vLLM engine) end with it
     dist.destroy_process_group()

@@ -16,7 +16,10 @@ pytestmark = pytest.mark.gpu
 
 def cores(model_dir, dtype):
     cfg = parse_config({"model": {"model_name_or_path": model_dir}},
-                       ["actor.kl_loss_coef=0.1", "actor.is_correction=token_truncate", "actor.lr=1e-2",
+                       # hf: where vLLM is installed, auto would pick it (tests/actor/test_vllm.py's), and its
+                       # in-process engine keeps a one-process torch.distributed world a later worker group cannot join.
+                       ["actor.rollout.backend=hf", "actor.kl_loss_coef=0.1", "actor.is_correction=token_truncate",
+                        "actor.lr=1e-2",
                         f"actor.compute_dtype={dtype}", f"critic.compute_dtype={dtype}",
                         "actor.max_tokens_per_micro_batch=40", "critic.max_tokens_per_micro_batch=40"])
     return ActorCore(cfg.actor), CriticCore(cfg.critic)

@@ -117,11 +117,43 @@ def test_rollout_ranks_follow_the_rollout_gpus_within_the_actor_group(tiny_model
     assert not ActorPlacement(2, (0, 1)).split and ActorPlacement(2, (0, 1)).train_ranks == [0, 1]
 
 
-def test_vllm_needs_an_actor_of_one_worker():
+def test_vllm_serves_a_multi_worker_actor_only_with_rollout_gpus_apart():
     from rolefleet.actor.rollout import backend_problem, choose_backend
 
-    assert "vllm runs in an actor of one worker process, this one has 2" in backend_problem("vllm", True, True, 2)
+    problem = backend_problem("vllm", True, True, 2)
+    assert "this actor has 2 workers that each train and generate: set devices.rollout" in problem
     assert choose_backend("auto", True, True, 2) == "hf"
+    assert backend_problem("vllm", True, True, 2, split=True) is None
+    assert choose_backend("auto", True, True, 3, split=True) == "vllm"
+    assert choose_backend("auto", True, False, 3, split=True) == "hf"
+
+
+def test_tensor_parallel_engines_over_the_rollout_gpus(tiny_model_dir):
+    """Engines of k GPUs: the rollout ranks in runs of k, the first of each driving it; the
+    communicator's ranks follow (trainer 0, then one per rollout GPU)."""
+    from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
+    from rolefleet.common.preflight import check_rollout_backend
+
+    p = ActorPlacement(6, (2, 3, 4, 5), engine_size=2)
+    assert p.engine_ranks == [2, 4] and p.engine_members(4) == [4, 5] and p.train_ranks == [0, 1]
+    assert "2 engines of 2 GPUs (driven by ranks [2, 4])" in p.describe()
+    assert ActorPlacement(3, (1, 2)).engine_ranks == [1, 2]  # one engine per rollout GPU (hf, or vLLM's default)
+    assert ActorPlacement(2).engine_ranks == [0, 1]  # colocated: every rank generates
+
+    def cfg(*overrides):
+        return parse_config({"model": {"model_name_or_path": tiny_model_dir}}, list(overrides))
+
+    split = cfg("devices.actor=[0, 1, 2, 3]", "devices.rollout=[1, 2, 3]", "actor.rollout.vllm.tensor_parallel_size=2")
+    placement = ActorPlacement(4, rollout_ranks(split))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: the 3 rollout GPUs \(devices.rollout\) do not form"):
+        engine_size(split.actor, "vllm", placement)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: engines of 2 GPUs need actor.rollout.backend=vllm"):
+        engine_size(split.actor, "hf", placement)
+    colocated = cfg("devices.actor=[0, 1]", "actor.rollout.vllm.tensor_parallel_size=2", "actor.rollout.backend=hf")
+    assert check_rollout_backend(colocated, ["actor"], "up") == [
+        "actor.rollout.vllm.tensor_parallel_size: engines of 2 GPUs need actor.rollout.backend=vllm and the actor's "
+        "rollout GPUs apart from its training GPUs (devices.rollout, a part of devices.actor)"]
+    assert check_rollout_backend(cfg("devices.actor=[0, 1]", "actor.rollout.backend=hf"), ["actor"], "up") == []
 
 
 @pytest.mark.parametrize("world", [2, 3])
