@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,21 @@ class BusySampler(threading.Thread):
         return per_gpu[0] if per_gpu else 0.0
 
 
+def _run_to_the_end(cmd: list[str]) -> subprocess.CompletedProcess:
+    """`cmd` to its end; if this script is stopped first (a time limit's SIGTERM), `rolefleet up`
+    is stopped too, and stops its roles: an orphaned run would go on holding the GPUs and skew
+    whatever runs on them next."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the `finally` below
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine)
 
 
@@ -74,7 +90,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=steps, warmup=warmup)
     sampler.start()
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = _run_to_the_end(cmd)
     wall = time.perf_counter() - start
     sampler.done.set()
     if proc.returncode != 0:
