@@ -195,12 +195,15 @@ class VllmRolloutEngine:
 @contextlib.contextmanager
 def _engine_environment(gpus: list[str] | None):
     """The environment vLLM reads while it starts the engine. In this process: no engine core
-    process. In processes of its own: spawned (this process has CUDA state, which a fork cannot
-    carry), seeing only the engine's GPUs; this process's own devices are fixed already, and the
-    variables are restored afterwards."""
-    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if gpus is None else {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    process (for good: the process holds one engine). In processes of its own: spawned (this
+    process has CUDA state, which a fork cannot carry), seeing only the engine's GPUs; this
+    process's own devices are fixed already, and the variables are restored afterwards."""
+    if gpus is None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        yield
+        return
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+              "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     saved = {key: os.environ.get(key) for key in wanted}
     os.environ.update(wanted)
     try:
