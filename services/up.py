@@ -69,6 +69,16 @@ class RoleProcess:
             return None
 
 
+def _end_what_is_left(rp: RoleProcess) -> None:
+    """After a role's process has ended: kill whatever is left of its process group (the session
+    `start` gave it). A role killed by a signal cannot stop its descendants: worker ranks and a vLLM
+    engine's processes would go on holding GPU memory and ports that the restarted role needs."""
+    try:
+        os.killpg(rp.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left
+        pass
+
+
 def role_env(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
     env = dict(os.environ)
     gpus = cfg.devices.local_indices(role) if role != "coordinator" else []
@@ -167,8 +177,9 @@ class Supervisor:
         backoff = min(RESTART_BACKOFF_S * 2 ** (n - 1), 30.0)
         print(f"rolefleet: {role} exited with code {code} during the run; restarting it in {backoff:.0f} s "
               f"({n} of {self.cfg.run.max_restarts})", file=sys.stderr, flush=True)
-        time.sleep(backoff)
         old = self.procs[role]
+        _end_what_is_left(old)
+        time.sleep(backoff)
         if old.log_file is not None:
             old.log_file.close()
         ports = old.ports() or {}
@@ -197,6 +208,7 @@ class Supervisor:
                     log.warning("%s did not stop within %.0fs; killing it", rp.role, STOP_GRACE_S)
                     rp.proc.kill()
                     rp.proc.wait()
+                _end_what_is_left(rp)
                 if rp.log_file is not None:
                     rp.log_file.close()
 

@@ -1,4 +1,5 @@
-"""`rolefleet up` pieces that need no full run: the identity check of the servers it started."""
+"""`rolefleet up` pieces that need no full run: the identity check of the servers it started, and the
+end of what a killed role leaves behind."""
 
 from pathlib import Path
 
@@ -23,3 +24,37 @@ def test_up_checks_that_each_address_is_answered_by_the_server_it_started(make_c
             sup.check_identity({"reward": "127.0.0.1:1"}, {"reward": ready})
     finally:
         assert terminate(proc) == 0
+
+
+def test_what_a_killed_role_leaves_behind_is_ended(tmp_path):
+    """A role killed by a signal cannot stop its own children (worker ranks, a vLLM engine's
+    processes): the supervisor ends the rest of the role's process group before it restarts it."""
+    import subprocess
+    import sys
+    import time
+
+    from rolefleet.up import RoleProcess, _end_what_is_left
+
+    def dead(pid: int) -> bool:  # gone, or a zombie waiting for its new parent to reap it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    marker = tmp_path / "child.pid"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
+              f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(300)")
+    role = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)  # as Supervisor.start
+    deadline = time.monotonic() + 30
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(marker.read_text())
+    role.kill()
+    role.wait()
+    assert not dead(child)  # orphaned, still running
+    _end_what_is_left(RoleProcess("actor", role, tmp_path / "ready.json", None))
+    deadline = time.monotonic() + 10
+    while not dead(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dead(child)
+    _end_what_is_left(RoleProcess("actor", role, tmp_path / "ready.json", None))  # nothing left: no error
