@@ -323,7 +323,7 @@ class RolloutSection(_Section):
     workers: Optional[int] = Field(None, ge=1, description="CPU groups: the first N of the actor's workers only "
                                    "generate and the others only train (on GPUs devices.rollout says it)")
     sync_bucket_mb: int = Field(256, ge=1, description="split placement: MiB of weights per broadcast "
-                                "from the trainers to the rollout workers")
+                                "from the trainers to the rollout workers (vllm: into its engines)")
 
 
 # Keys that moved: a config still using one gets the new name, not just "extra inputs are not permitted".
