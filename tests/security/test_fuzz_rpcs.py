@@ -78,6 +78,16 @@ MAX_PROMPT_BYTES = 512
 MAX_ITEMS, MAX_ITEM_BYTES = 8, 4096
 
 
+def served_trainer(role, core, server_module, stub_class, tmp_path_factory, update):
+    """A fixture's body: `core` served over gRPC for the module's tests, closed after them."""
+    served = ServedRole(role, lambda server: server_module.add_to_server(core, server))
+    try:
+        yield Trainer(role, core, served, stub_class(served.channel), tmp_path_factory.mktemp(f"{role}-fuzz"), update)
+    finally:
+        served.close()
+        core.close()
+
+
 # --- the actor ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -85,13 +95,8 @@ def actor(tiny_model_dir, tmp_path_factory):
     overrides = ["actor.compute_dtype=float32", f"actor.max_prompt_bytes={MAX_PROMPT_BYTES}",
                  *(f"actor.{limit}" for limit in TRAINER_LIMITS)]
     core = ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}, overrides).actor)
-    served = ServedRole("actor", lambda server: actor_server.add_to_server(core, server))
-    try:
-        yield Trainer("actor", core, served, actor_pb2_grpc.ActorServiceStub(served.channel),
-                      tmp_path_factory.mktemp("actor-fuzz"), actor_update)
-    finally:
-        served.close()
-        core.close()
+    yield from served_trainer("actor", core, actor_server, actor_pb2_grpc.ActorServiceStub, tmp_path_factory,
+                              actor_update)
 
 
 def actor_update(trainer: Trainer, **changes) -> actor_pb2.ActorUpdateRequest:
@@ -208,13 +213,8 @@ def test_actor_checkpoints(actor):
 def critic(tiny_model_dir, tmp_path_factory):
     overrides = ["critic.compute_dtype=float32", *(f"critic.{limit}" for limit in TRAINER_LIMITS)]
     core = CriticCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}, overrides).critic)
-    served = ServedRole("critic", lambda server: critic_server.add_to_server(core, server))
-    try:
-        yield Trainer("critic", core, served, critic_pb2_grpc.CriticServiceStub(served.channel),
-                      tmp_path_factory.mktemp("critic-fuzz"), critic_update)
-    finally:
-        served.close()
-        core.close()
+    yield from served_trainer("critic", core, critic_server, critic_pb2_grpc.CriticServiceStub, tmp_path_factory,
+                              critic_update)
 
 
 def critic_update(trainer: Trainer, **changes) -> critic_pb2.CriticUpdateRequest:
