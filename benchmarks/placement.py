@@ -8,6 +8,7 @@ pipeline modes (`--runs`, any of):
   training on GPU 1 (weights broadcast after each update), async in eager order;
 - rollout_async_stream / _stale2 / _vllm: the same with 64-sequence engine calls (each streams as it
   finishes), with `pipeline.max_staleness: 2`, and with vLLM generating;
+- grpo_colocated / grpo_rollout_async: GRPO (no critic) in the colocated and the rollout-apart maps;
 - rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
   eager / async exact / sync.
 
@@ -46,6 +47,9 @@ RUNS = {  # name: (config, overrides)
     "rollout_async_stale2": ("configs/2gpu_rollout.yaml", ("pipeline.max_staleness=2",)),
     "rollout_async_vllm": ("configs/2gpu_rollout.yaml", ("actor.rollout.backend=vllm",
                                                          "actor.rollout.vllm.gpu_memory_utilization=0.35")),
+    # GRPO (no critic; names starting grpo_): generation on GPU 0 against the actor's training on GPU 1
+    "grpo_colocated": ("configs/2gpu_colocated.yaml", ()),
+    "grpo_rollout_async": ("configs/2gpu_rollout.yaml", ()),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
@@ -90,11 +94,13 @@ def main() -> None:
     if "placement" in parts:
         for name in args.runs.split(","):
             config, overrides = RUNS[name]
-            results[name] = run("ppo", model, runs, args.steps, params, config=config, overrides=overrides,
+            algorithm = "grpo" if name.startswith("grpo_") else "ppo"
+            results[name] = run(algorithm, model, runs, args.steps, params, config=config, overrides=overrides,
                                 warmup=args.warmup)
-            if "colocated" in results and name != "colocated":
+            base = "grpo_colocated" if algorithm == "grpo" else "colocated"
+            if base in results and name != base:
                 results[name]["over_colocated"] = (results[name]["step_tokens_per_s"]
-                                                   / results["colocated"]["step_tokens_per_s"])
+                                                   / results[base]["step_tokens_per_s"])
             save()
     if "scaling" in parts:
         # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
