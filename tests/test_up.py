@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rolefleet.up import RoleFailed, Supervisor
-from tests.e2e.procs import rolefleet, terminate, wait_ready, write_config
+from tests.e2e.procs import gone, rolefleet, terminate, wait_ready, write_config
 
 
 def test_up_checks_that_each_address_is_answered_by_the_server_it_started(make_config, tmp_path):
@@ -35,12 +35,6 @@ def test_what_a_killed_role_leaves_behind_is_ended(tmp_path):
 
     from rolefleet.up import RoleProcess, _end_what_is_left
 
-    def dead(pid: int) -> bool:  # gone, or a zombie waiting for its new parent to reap it
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except FileNotFoundError:
-            return True
-
     marker = tmp_path / "child.pid"
     script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
               f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(300)")
@@ -51,10 +45,7 @@ def test_what_a_killed_role_leaves_behind_is_ended(tmp_path):
     child = int(marker.read_text())
     role.kill()
     role.wait()
-    assert not dead(child)  # orphaned, still running
+    assert not gone(child)  # orphaned, still running
     _end_what_is_left(RoleProcess("actor", role, tmp_path / "ready.json", None))
-    deadline = time.monotonic() + 10
-    while not dead(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert dead(child)
+    assert gone(child, timeout_s=10)
     _end_what_is_left(RoleProcess("actor", role, tmp_path / "ready.json", None))  # nothing left: no error

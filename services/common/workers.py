@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from rolefleet.common.errors import RoleFleetError
+from rolefleet.common.orphans import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,9 @@ def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int, p
     from rolefleet.common.server import set_threads
     from rolefleet.serve import build_core
 
+    # Rank 0 killed (SIGKILL, the OOM killer): a rank inside a collective with it would otherwise
+    # wait for COLLECTIVE_TIMEOUT, holding its GPU (and spinning it, on NCCL).
+    exit_with_parent(1, f"{role} rank {rank}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[rank {rank}] %(levelname)s %(message)s")
     cfg = parse_config(raw_config, [])
     set_threads(getattr(cfg, role).num_threads)

@@ -3,8 +3,9 @@ rolefleet.reward.sandbox, never by hand).
 
 It imports the reward functions it is given (user files, and built-ins such as `math` that must be
 killable), then answers calls over the connection FD until the server closes it. It runs under an
-address-space limit, so it imports the standard library only (no torch, no RoleFleet config): what
-it maps before the limit is set counts against it too.
+address-space limit, so it imports the standard library only (no torch, no RoleFleet config; of
+RoleFleet, only the standard-library `common/orphans.py`): what it maps before the limit is set
+counts against it too.
 
 Protocol (pickled tuples over a multiprocessing Connection; each request gets its reply):
   server -> worker  {"memory_mb": int, "targets": {key: (kind, where, attr, options)}}
@@ -23,17 +24,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import os
 import resource
 import sys
-import threading
-import time
 import zlib
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from numbers import Real
 from pathlib import Path
 from typing import Any, Union
+
+from rolefleet.common.orphans import exit_with_parent
 
 Outcome = Union[float, str]
 # Scores travel as float32: a larger magnitude would arrive as inf.
@@ -126,23 +126,10 @@ def _limit_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _exit_with_parent() -> None:
-    """A worker stuck in a function outlives a server that died without closing it (SIGKILL): it
-    notices that its parent changed and exits."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(3)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def serve(conn: Connection) -> int:
     init = conn.recv()
     memory_mb, targets = init["memory_mb"], init["targets"]
-    _exit_with_parent()
+    exit_with_parent(3, "reward sandbox worker")  # one stuck in a function outlives a killed server
     _limit_memory(memory_mb)
     conn.send(("ok", None))
     functions: dict[str, tuple[Callable, dict]] = {}

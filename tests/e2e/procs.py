@@ -100,6 +100,21 @@ def _started(proc: subprocess.Popen, metrics: Path, timeout_s: float) -> str:
 
 
 
+def gone(pid: int, timeout_s: float = 0.0) -> bool:
+    """Whether `pid` has ended (or is a zombie waiting for its new parent to reap it) within
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def children_of(pid: int) -> list[int]:
     """PIDs of the live child processes of `pid`."""
     found = []
