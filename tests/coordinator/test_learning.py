@@ -29,19 +29,10 @@ def demo_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("demo-model"), task="addition", warm_start_steps=150)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("config, overrides", [
-    ("demo.yaml", []),
-    ("demo_grpo.yaml", []),
-    # Async: which policy version generates a batch depends on timing, so runs vary; lagged ones get
-    # more steps (off-policy samples teach less per step).
-    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=0"]),
-    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=80"]),
-    ("demo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=2"]),
-], ids=["ppo", "grpo", "grpo-async-0", "grpo-async-1", "ppo-async-2"])
-def test_demo_learns(demo_model, tmp_path, config, overrides):
-    cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={demo_model}",
-                                         f"run.output_dir={tmp_path / 'run'}", "train.total_steps=60", *overrides])
+def run_demo(demo_model, out, config: str, overrides: list[str]) -> list[dict]:
+    """The step records of a run of a shipped demo config with in-process roles."""
+    cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={demo_model}", f"run.output_dir={out}",
+                                         *overrides])
     critic = (InProcessCriticClient(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound))
               if cfg.preset.uses_critic else None)
     roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)),
@@ -49,6 +40,32 @@ def test_demo_learns(demo_model, tmp_path, config, overrides):
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     asyncio.run(train(cfg, roles, logger, RunStatus(cfg.run.name, cfg.train.total_steps)))
     logger.close()
-    rewards = [r["reward/mean"] for r in logger.records]
+    return logger.records
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config, overrides", [
+    ("demo.yaml", ["train.total_steps=40"]),
+    ("demo_grpo.yaml", ["train.total_steps=60"]),
+    # Async: which policy version generates a batch depends on timing, so runs vary; lagged ones get
+    # more steps (off-policy samples teach less per step). Staleness 0: the next test.
+    ("demo_grpo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=80"]),
+    ("demo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=2", "train.total_steps=40"]),
+], ids=["ppo", "grpo", "grpo-async-1", "ppo-async-2"])
+def test_demo_learns(demo_model, tmp_path, config, overrides):
+    rewards = [r["reward/mean"] for r in run_demo(demo_model, tmp_path / "run", config, overrides)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.08, (first, last)
+
+
+@pytest.mark.timeout(300)
+def test_async_at_staleness_zero_learns_step_for_step_as_sync(demo_model, tmp_path):
+    """Async at `max_staleness: 0` trains every batch, in order, on the policy that generated it: the
+    same run as sync, so it learns the demo task exactly as the sync GRPO run above does."""
+    steps = ["train.total_steps=8"]
+    sync = run_demo(demo_model, tmp_path / "sync", "demo_grpo.yaml", steps)
+    stale0 = run_demo(demo_model, tmp_path / "async", "demo_grpo.yaml",
+                      ["pipeline.mode=async", "pipeline.max_staleness=0", *steps])
+    keys = ("reward/mean", "actor/loss", "actor/pg_loss", "policy_version")
+    assert [[r[k] for k in keys] for r in stale0] == [[r[k] for k in keys] for r in sync]
+    assert all(r["pipeline/version_lag/max"] == 0 for r in stale0)
