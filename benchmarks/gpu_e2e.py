@@ -86,7 +86,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     run_dir = out / "-".join([algorithm, backend, Path(config).stem, *overrides]).replace("/", "_")
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", config, f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
-           f"actor.rollout.backend={backend}", *overrides]
+           f"actor.rollout.backend={backend}", "run.call_trace=true", *overrides]
     sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=steps, warmup=warmup)
     sampler.start()
     start = time.perf_counter()
@@ -113,7 +113,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
         "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
         "step_tokens_per_s": median("throughput/tokens_per_s"),
         "busy_trace": sampler.samples,  # per sample (0.2 s apart): each GPU's NVML busy percent
-        "run_dir": str(run_dir),
+        "run_dir": str(run_dir),  # its calls.trace.json: every role call on a timeline (run.call_trace)
         # Update-phase MFU over the actor's forward + backward of the response tokens alone (the
         # prompts of the addition task are a few tokens), a lower bound: the critic's update shares
         # the phase in PPO.

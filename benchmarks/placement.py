@@ -13,7 +13,8 @@ pipeline modes (`--runs`, any of):
   eager / async exact / sync.
 
 Prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
-during the run, and the ratios to colocated sync when it ran in the same call; with `--parts
+during the run, and the ratios to colocated sync when it ran in the same call; each run's role
+calls on a timeline (`run.call_trace`) go to OUT/traces/<run>.trace.json; with `--parts
 scaling`, the actor's update phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one
 GPU (scaling efficiency).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -97,6 +99,9 @@ def main() -> None:
             algorithm = "grpo" if name.startswith("grpo_") else "ppo"
             results[name] = run(algorithm, model, runs, args.steps, params, config=config, overrides=overrides,
                                 warmup=args.warmup)
+            traces = out / "traces"  # each run's role calls on a timeline (Perfetto), beside the NVML busy trace
+            traces.mkdir(exist_ok=True)
+            shutil.copyfile(Path(results[name]["run_dir"]) / "calls.trace.json", traces / f"{name}.trace.json")
             base = "grpo_colocated" if algorithm == "grpo" else "colocated"
             if base in results and name != base:
                 results[name]["over_colocated"] = (results[name]["step_tokens_per_s"]

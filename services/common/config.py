@@ -78,6 +78,9 @@ class RunSection(_Section):
                               "many times (the coordinator with run.resume=true), and the coordinator recovers "
                               "from a lost role as often: it reloads the newest checkpoint into every trainer "
                               "role and goes on from there; 0: a lost role ends the run")
+    call_trace: bool = Field(False, description="write every role call the coordinator makes, with its start and "
+                             "end, to <output_dir>/calls.trace.json (Chrome trace event format: open it in "
+                             "Perfetto or chrome://tracing) to see which role waits for which")
     resume: bool = Field(False, description="continue from the newest complete checkpoint of this run "
                          "(checkpoint.dir): roles load it, the data order, RNG streams, policy version and "
                          "KL controller carry on; no checkpoint yet: start from step 1")

@@ -5,14 +5,18 @@ lock is busy). Both loops wrap their role clients in `BusyClock.track`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections import defaultdict
 from dataclasses import fields, replace
 
+from rolefleet.coordinator.call_trace import CallTrace
+
 
 class BusyClock:
-    def __init__(self):
+    def __init__(self, trace: CallTrace | None = None):
+        self.trace = trace  # `run.call_trace`: each call also as a slice on a timeline
         self._mark = time.perf_counter()
         self._marked: dict[str, float] = {}  # busy seconds per role at the mark
         self._active: dict[str, int] = defaultdict(int)
@@ -41,6 +45,10 @@ class BusyClock:
         self._mark, self._marked = now, busy
         return out
 
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+
     def track(self, roles):
         """The same Roles, each client's coroutine methods timed under its field name."""
         return replace(roles, **{f.name: _Tracked(getattr(roles, f.name), f.name, self)
@@ -55,22 +63,34 @@ class _Tracked:
         attr = getattr(self._inner, name)
         if inspect.isasyncgenfunction(attr):  # a stream: busy from the call to its last item
             async def streamed(*args, **kwargs):
-                self._clock.enter(self._role)
-                try:
+                with self._timing(name):
                     async for item in attr(*args, **kwargs):
                         yield item
-                finally:
-                    self._clock.leave(self._role)
 
             return streamed
         if not asyncio.iscoroutinefunction(attr):
             return attr
 
         async def timed(*args, **kwargs):
-            self._clock.enter(self._role)
-            try:
+            with self._timing(name):
                 return await attr(*args, **kwargs)
-            finally:
-                self._clock.leave(self._role)
 
         return timed
+
+    @contextlib.contextmanager
+    def _timing(self, method: str):
+        trace = self._clock.trace
+        self._clock.enter(self._role)
+        call = trace.begin(self._role, method) if trace else None
+        error = None
+        try:
+            yield
+        except GeneratorExit:  # a stream closed by its reader: no error
+            raise
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._clock.leave(self._role)
+            if call is not None:
+                trace.end(call, error)

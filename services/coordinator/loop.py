@@ -29,6 +29,7 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, Unavailable
 from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
+from rolefleet.coordinator.call_trace import CallTrace
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
@@ -153,23 +154,26 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
         status.stepping = True
         if status.state == RunState.STARTING:  # not when paused or stopping meanwhile
             status.state = RunState.RUNNING
-        clock = BusyClock()
+        clock = BusyClock(CallTrace.for_run(cfg.run.out, cfg.run.name) if cfg.run.call_trace else None)
         roles = clock.track(roles)
-        failures, failed_at = 0, -1
-        while True:
-            # What comes after the checkpoint is trained (again) now; the records of it go.
-            start = resumed["step"] if resumed else 0
-            journal.rewind(start)
-            status.rewind(logger.rewind(start))
-            try:
-                await _steps(cfg, roles, logger, status, clock, checkpointer, resumed)
-                break
-            except Unavailable as exc:
-                # A budget per loss: it renews once the run has got past the step it failed at.
-                failures, failed_at = (failures + 1 if status.step <= failed_at else 1), max(failed_at, status.step)
-                if failures > cfg.run.max_restarts or status.stop_requested:
-                    raise
-                resumed = await _recover(cfg, roles, checkpointer, exc, failures)
+        try:
+            failures, failed_at = 0, -1
+            while True:
+                # What comes after the checkpoint is trained (again) now; the records of it go.
+                start = resumed["step"] if resumed else 0
+                journal.rewind(start)
+                status.rewind(logger.rewind(start))
+                try:
+                    await _steps(cfg, roles, logger, status, clock, checkpointer, resumed)
+                    break
+                except Unavailable as exc:
+                    # A budget per loss: it renews once the run has got past the step it failed at.
+                    failures, failed_at = (failures + 1 if status.step <= failed_at else 1), max(failed_at, status.step)
+                    if failures > cfg.run.max_restarts or status.stop_requested:
+                        raise
+                    resumed = await _recover(cfg, roles, checkpointer, exc, failures)
+        finally:
+            clock.close()
     status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
     return status
 
