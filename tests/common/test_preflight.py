@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -128,6 +131,28 @@ def test_positions_are_read_from_a_cached_hub_model_too(make_config, hub_cache, 
     cache_model(hub_cache, "someorg/somemodel", tiny_model_dir)
     message = problems(make_config("model.model_name_or_path=someorg/somemodel", "sampling.max_new_tokens=500"))
     assert "exceeds the 128 positions (max_position_embeddings) of model someorg/somemodel" in message
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"model_type": "gpt2", "n_positions": 1024}, 1024),  # the names transformers maps to max_position_embeddings
+    ({"model_type": "mpt", "max_seq_len": 2048}, 2048),
+    ({"model_type": "llava", "text_config": {"max_position_embeddings": 4096}}, 4096),  # composite: the LM's
+    ({"model_type": "llama", "max_position_embeddings": 0}, None),  # nonsense: no check, the loader decides
+    ({"model_type": "llama", "max_position_embeddings": True}, None),
+    ({"model_type": "llama"}, 2048),  # not in the file: transformers' class default, as the actor will load it
+])
+def test_positions_from_the_config_file_as_transformers_reads_them(tmp_path, config, expected):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert pf.max_positions(str(tmp_path)) == expected
+
+
+def test_up_reads_the_positions_without_importing_transformers(tiny_model_dir):
+    """The check runs in `rolefleet up` before any role starts: transformers' import would cost
+    seconds every time."""
+    code = ("import sys; from rolefleet.common.preflight import max_positions; "
+            f"print(max_positions({tiny_model_dir!r}), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["128", "False"]
 
 
 @pytest.mark.parametrize(
