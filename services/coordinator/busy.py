@@ -45,6 +45,17 @@ class BusyClock:
         self._mark, self._marked = now, busy
         return out
 
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """The coordinator itself waiting (`what`: for what), a slice on the call trace's
+        `coordinator.<what>` track; nothing without a trace."""
+        call = self.trace.begin("coordinator", what) if self.trace else None
+        try:
+            yield
+        finally:
+            if call is not None:
+                self.trace.end(call)
+
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()

@@ -28,6 +28,7 @@ every call is safe to repeat (generation is seeded, scoring pure, updates idempo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -133,7 +134,7 @@ class Pipeline:
         while True:
             index += 1
             await self.status.wait_resumed()  # paused: no new batch starts
-            await self._wait(lambda i=index: self._may_generate(i))
+            await self._wait(lambda i=index: self._may_generate(i), f"generate waits ({self._held_by(index)})")
             rollout = await self._rollout(index)
             async with self.changed:
                 self.generated_batches += 1
@@ -158,7 +159,8 @@ class Pipeline:
             await self.status.wait_resumed()  # paused: no update starts
             if self.status.stop_requested:
                 break
-            rollout = await self.scored.get()
+            with self.clock.waiting("train waits (scored batch)") if self.scored.empty() else contextlib.nullcontext():
+                rollout = await self.scored.get()
             await self._notify()
             rollout = await self._fresh(rollout)
             if rollout is None:  # dropped past the bound; the step trains on the next batch
@@ -178,7 +180,8 @@ class Pipeline:
                 # repeat for a fixed seed). Backed-up queues let the update go first (generation
                 # waits on them). Eager order skips this: the update overlaps the next generation.
                 ahead = min(step + self.p.max_staleness, t.total_steps) + self.counts["dropped_batches"]
-                await self._wait(lambda n=ahead: self.generated_batches >= n or self._backed_up())
+                await self._wait(lambda n=ahead: self.generated_batches >= n or self._backed_up(),
+                                 "update waits (exact order)")
             update_start = time.perf_counter()
             actor_result, critic_result = await asyncio.gather(
                 self._call(self.roles.actor.update, step, rollout.oldest_version, batch,
@@ -245,6 +248,7 @@ class Pipeline:
             except Unavailable as exc:
                 for task in scoring:
                     task.cancel()
+                await asyncio.gather(*scoring, return_exceptions=True)  # their ends taken: no "never retrieved"
                 await self._retry_or_raise(attempt, exc)
         seconds = time.perf_counter() - start
         self.busy["generate"] += seconds
@@ -301,13 +305,24 @@ class Pipeline:
         return (step <= self.cfg.train.total_steps and step - 1 - self.version <= self.p.max_staleness
                 and not self._backed_up())
 
+    def _held_by(self, index: int) -> str:
+        """What keeps batch `index` from being generated now (the call trace's name for the wait)."""
+        step = index - self.counts["dropped_batches"]
+        if step > self.cfg.train.total_steps:
+            return "no batch left"
+        return "staleness bound" if step - 1 - self.version > self.p.max_staleness else "backpressure"
+
     def _backed_up(self) -> bool:
         """Backpressure: a queue downstream of generation is filled past the threshold."""
         return any(q.qsize() > self.p.backpressure_threshold * q.maxsize for q in (self.generated, self.scored))
 
-    async def _wait(self, ready: Callable[[], bool]) -> None:
-        async with self.changed:
-            await self.changed.wait_for(ready)
+    async def _wait(self, ready: Callable[[], bool], what: str | None = None) -> None:
+        """Until `ready()`; a wait that blocks is a slice `what` on the call trace."""
+        if ready():
+            return
+        with self.clock.waiting(what) if what else contextlib.nullcontext():
+            async with self.changed:
+                await self.changed.wait_for(ready)
 
     async def _notify(self) -> None:
         async with self.changed:

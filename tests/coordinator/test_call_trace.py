@@ -89,6 +89,10 @@ def test_an_async_run_traces_every_role_call_inside_its_time(make_config):
     assert {name: calls[name] for name in ("actor.update", "critic.update", "actor.compute_logprobs")} == {
         "actor.update": 4, "critic.update": 4, "actor.compute_logprobs": 4}
     assert calls["actor.generate_stream"] >= 4 and calls["reward.score"] >= 4 and calls["critic.compute_values"] >= 4
+    # The coordinator's own waits: a slow reward keeps the trainer waiting for scored batches, and
+    # generation, running ahead, waits at the staleness bound.
+    assert calls["coordinator.train waits (scored batch)"] >= 1
+    assert calls["coordinator.generate waits (staleness bound)"] >= 1
     assert_no_overlap_within_a_track(events)
 
 
