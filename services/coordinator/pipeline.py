@@ -299,18 +299,18 @@ class Pipeline:
     # --- plumbing ----------------------------------------------------------------------------------
 
     def _may_generate(self, index: int) -> bool:
-        """Batch `index` is still needed (a dropped batch needs a replacement), can be trained on in
+        return self._held_by(index) is None
+
+    def _held_by(self, index: int) -> str | None:
+        """What keeps batch `index` from being generated now (the call trace's name for the wait),
+        or None: it is still needed (a dropped batch needs a replacement), can be trained on in
         time, and nothing downstream is backed up."""
         step = index - self.counts["dropped_batches"]  # the step it will be trained at (if none else drops)
-        return (step <= self.cfg.train.total_steps and step - 1 - self.version <= self.p.max_staleness
-                and not self._backed_up())
-
-    def _held_by(self, index: int) -> str:
-        """What keeps batch `index` from being generated now (the call trace's name for the wait)."""
-        step = index - self.counts["dropped_batches"]
         if step > self.cfg.train.total_steps:
             return "no batch left"
-        return "staleness bound" if step - 1 - self.version > self.p.max_staleness else "backpressure"
+        if step - 1 - self.version > self.p.max_staleness:
+            return "staleness bound"
+        return "backpressure" if self._backed_up() else None
 
     def _backed_up(self) -> bool:
         """Backpressure: a queue downstream of generation is filled past the threshold."""
