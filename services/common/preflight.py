@@ -96,9 +96,11 @@ def check_models(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
             where += " (from model.model_name_or_path)"
         if (problem := model_problem(path)) is not None:
             problems.append(f"{where}: {problem}")
-        elif (problem := positions_problem(cfg.sampling.max_new_tokens, path)) is not None:
+            continue
+        positions = max_positions(path)
+        if (problem := positions_problem(cfg.sampling.max_new_tokens, path, positions)) is not None:
             problems.append(f"sampling.max_new_tokens: {problem} ({where})")
-        elif (limit := cfg.data.max_prompt_tokens) and (positions := max_positions(path)) is not None \
+        elif (limit := cfg.data.max_prompt_tokens) and positions is not None \
                 and limit + cfg.sampling.max_new_tokens > positions:
             # Known before any load: a prompt at the limit plus a full response would be refused at step 1.
             problems.append(f"data.max_prompt_tokens: {limit} + sampling.max_new_tokens "
@@ -167,14 +169,20 @@ def hub_offline() -> bool:
 
 
 def _in_hub_cache(repo_id: str) -> bool:
+    return _cached_config(repo_id) is not None
+
+
+def _cached_config(repo_id: str) -> Optional[Path]:
+    """The config.json of `repo_id` in the local hub cache, or None."""
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
 
 
-def positions_problem(max_new_tokens: int, path: str) -> Optional[str]:
-    """A response of max_new_tokens after a prompt of at least one token must fit the positions."""
-    limit = max_positions(path)
+def positions_problem(max_new_tokens: int, path: str, limit: Optional[int]) -> Optional[str]:
+    """A response of max_new_tokens after a prompt of at least one token must fit the positions
+    (`limit`: `max_positions(path)`)."""
     if limit is None or max_new_tokens + 1 <= limit:
         return None
     return (f"{max_new_tokens} plus at least one prompt token exceeds the {limit} positions "
@@ -206,15 +214,10 @@ def _config_json(path: str) -> Optional[dict]:
     local = Path(path).expanduser()
     if local.is_dir():
         file = local / "config.json"
-    elif not _is_repo_id(path):
-        return None
     else:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(path, "config.json")
-        if not isinstance(cached, str):
-            return None
-        file = Path(cached)
+        file = _cached_config(path) if _is_repo_id(path) else None
+    if file is None:
+        return None
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):

@@ -134,7 +134,8 @@ class Pipeline:
         while True:
             index += 1
             await self.status.wait_resumed()  # paused: no new batch starts
-            await self._wait(lambda i=index: self._may_generate(i), f"generate waits ({self._held_by(index)})")
+            if (held := self._held_by(index)) is not None:
+                await self._wait(lambda i=index: self._may_generate(i), f"generate waits ({held})")
             rollout = await self._rollout(index)
             async with self.changed:
                 self.generated_batches += 1
