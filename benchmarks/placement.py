@@ -47,6 +47,7 @@ RUNS = {  # name: (config, overrides)
     # ... streaming smaller engine calls, two updates of staleness, vLLM generating (its own processes)
     "rollout_async_stream": ("configs/2gpu_rollout.yaml", ("actor.rollout.batch_size=64",)),
     "rollout_async_stale2": ("configs/2gpu_rollout.yaml", ("pipeline.max_staleness=2",)),
+    "rollout_async_threads1": ("configs/2gpu_rollout.yaml", ("coordinator.num_threads=1",)),
     "rollout_async_vllm": ("configs/2gpu_rollout.yaml", ("actor.rollout.backend=vllm",
                                                          "actor.rollout.vllm.gpu_memory_utilization=0.35")),
     # GRPO (no critic; names starting grpo_): generation on GPU 0 against the actor's training on GPU 1

@@ -229,3 +229,23 @@ def test_a_bad_data_file_is_found_before_any_role_starts(config_file, tmp_path, 
     assert cli.main(["up", str(config_file), f"data.path={data}"]) == 2
     err = capsys.readouterr().err
     assert "data.path: " in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("overrides, threads", [((), 1), (("coordinator.num_threads=3",), 3)])
+def test_the_coordinator_runs_torch_on_one_thread_unless_told(config_file, monkeypatch, overrides, threads):
+    """Its per-step tensor work is small; a thread per core stalled it on a shared GPU node."""
+    import asyncio
+
+    import torch
+
+    from rolefleet.common.config import load_config
+    from rolefleet.serve import serve_role
+
+    async def no_coordinator(cfg, ready_file, security):
+        return None
+
+    seen = []
+    monkeypatch.setattr("rolefleet.coordinator.server.run_coordinator", no_coordinator)
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    asyncio.run(serve_role("coordinator", load_config(config_file, list(overrides))))
+    assert seen == [threads]

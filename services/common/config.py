@@ -508,6 +508,10 @@ class RewardSection(Endpoint):
 
 
 class CoordinatorSection(Endpoint):
+    # One thread: the coordinator's tensor work (targets, checks) is small, and on a node shared with
+    # the role processes a pool of torch threads per core stalls on every op (docs/benchmarks.md,
+    # "The coordinator's CPU threads": 0.3-0.4 s a step at 16 threads against 0.02 s at 1).
+    num_threads: Optional[int] = Field(1, ge=1, description="torch CPU threads of the coordinator")
     http_enabled: bool = Field(True, description="serve the HTTP control plane (FastAPI: status, steps, roles, "
                                "pause, resume, stop; OpenAPI at /openapi.json)")
     http_host: str = Field("127.0.0.1", description="interface the HTTP control plane binds (loopback unless set)")

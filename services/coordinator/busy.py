@@ -46,8 +46,8 @@ class BusyClock:
         return out
 
     @contextlib.contextmanager
-    def waiting(self, what: str):
-        """The coordinator itself waiting (`what`: for what), a slice on the call trace's
+    def span(self, what: str):
+        """The coordinator itself waiting or working (`what`: on what), a slice on the call trace's
         `coordinator.<what>` track; nothing without a trace."""
         call = self.trace.begin("coordinator", what) if self.trace else None
         try:

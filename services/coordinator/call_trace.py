@@ -11,11 +11,13 @@ coordinator shows as a second process).
 
 Tracks: one per role method ("actor.update", "reward.score"...), and another lane of the same name
 for each call that overlaps one already in flight (streamed chunks scored at once), so slices on a
-track never overlap.
+track never overlap. The coordinator's own waits and work are on `coordinator.*` tracks, and so is
+any time its event loop was blocked (`watch_event_loop`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 FILE = "calls.trace.json"
+BLOCKED, BLOCKED_S = "coordinator.event loop blocked", 0.05
 
 
 class Call(NamedTuple):
@@ -52,18 +55,26 @@ class CallTrace:
         busy = self._busy.setdefault(name, set())
         lane = next(i for i in range(len(busy) + 1) if i not in busy)
         busy.add(lane)
-        track = (name, lane)
+        return Call((name, lane), self._now_us())
+
+    def end(self, call: Call, error: BaseException | None = None) -> None:
+        self._busy[call.track[0]].discard(call.track[1])
+        self._slice(call.track, call.start_us, self._now_us(), error)
+
+    def add(self, name: str, start: float, end: float) -> None:
+        """A slice on track `name` from `start` to `end` (`time.perf_counter()` readings) that
+        overlaps no other of that track."""
+        self._slice((name, 0), self._wall_us(start), self._wall_us(end))
+
+    def _slice(self, track: tuple[str, int], start_us: float, end_us: float,
+               error: BaseException | None = None) -> None:
+        name, lane = track
         if track not in self._tids:
             self._tids[track] = len(self._tids) + 1
             self._write({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": self._tids[track],
                          "args": {"name": name if lane == 0 else f"{name} ({lane + 1})"}})
-        return Call(track, self._now_us())
-
-    def end(self, call: Call, error: BaseException | None = None) -> None:
-        name, lane = call.track
-        self._busy[name].discard(lane)
-        event = {"ph": "X", "name": name, "cat": name.split(".")[0], "pid": self._pid, "tid": self._tids[call.track],
-                 "ts": round(call.start_us, 1), "dur": round(self._now_us() - call.start_us, 1)}
+        event = {"ph": "X", "name": name, "cat": name.split(".")[0], "pid": self._pid, "tid": self._tids[track],
+                 "ts": round(start_us, 1), "dur": round(end_us - start_us, 1)}
         if error is not None:
             event["args"] = {"error": f"{type(error).__name__}: {error}"[:200]}
         self._write(event)
@@ -72,11 +83,28 @@ class CallTrace:
         self._file.close()
 
     def _now_us(self) -> float:
-        return self._wall0 + (time.perf_counter() - self._perf0) * 1e6
+        return self._wall_us(time.perf_counter())
+
+    def _wall_us(self, perf: float) -> float:
+        return self._wall0 + (perf - self._perf0) * 1e6
 
     def _write(self, event: dict) -> None:
         if not self._file.closed:  # a call still in flight when the run ended is left out
             self._file.write(json.dumps(event, separators=(",", ":")) + ",\n")
+
+
+async def watch_event_loop(trace: CallTrace, every_s: float = 0.01, threshold_s: float = BLOCKED_S) -> None:
+    """Until cancelled: each time the coordinator's event loop ran nothing else for more than
+    `threshold_s` (a callback's CPU work, or the GIL held by another thread), a slice over that time
+    on the `coordinator.event loop blocked` track. Every call starts and ends on the loop, so a gap
+    between one call's end and the next call's start that no wait explains shows up here if the
+    loop was the cause."""
+    while True:
+        due = time.perf_counter() + every_s
+        await asyncio.sleep(every_s)
+        now = time.perf_counter()
+        if now - due > threshold_s:
+            trace.add(BLOCKED, due, now)
 
 
 def _open_for_append(path: Path) -> IO[str]:

@@ -29,7 +29,7 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, Unavailable
 from rolefleet.common.roles import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
-from rolefleet.coordinator.call_trace import CallTrace
+from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
@@ -156,6 +156,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
             status.state = RunState.RUNNING
         clock = BusyClock(CallTrace.for_run(cfg.run.out, cfg.run.name) if cfg.run.call_trace else None)
         roles = clock.track(roles)
+        watch = asyncio.create_task(watch_event_loop(clock.trace)) if clock.trace else None
         try:
             failures, failed_at = 0, -1
             while True:
@@ -173,6 +174,8 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
                         raise
                     resumed = await _recover(cfg, roles, checkpointer, exc, failures)
         finally:
+            if watch is not None:
+                watch.cancel()
             clock.close()
     status.state = RunState.STOPPED if status.step < cfg.train.total_steps else RunState.FINISHED
     return status

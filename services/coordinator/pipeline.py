@@ -160,7 +160,7 @@ class Pipeline:
             await self.status.wait_resumed()  # paused: no update starts
             if self.status.stop_requested:
                 break
-            with self.clock.waiting("train waits (scored batch)") if self.scored.empty() else contextlib.nullcontext():
+            with self.clock.span("train waits (scored batch)") if self.scored.empty() else contextlib.nullcontext():
                 rollout = await self.scored.get()
             await self._notify()
             rollout = await self._fresh(rollout)
@@ -170,9 +170,11 @@ class Pipeline:
             start = time.perf_counter()
             samples, batch = rollout.samples, rollout.batch
             logprobs = await self._call(self.roles.actor.compute_logprobs, batch, s.temperature, True)
-            require_finite(samples, rollout.reward.total, rollout.values, logprobs, self.cfg.reward.function)
-            targets = step_targets(self.cfg.preset.estimator, batch, rollout.reward.total, rollout.values,
-                                   logprobs.logprobs, logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
+            with self.clock.span("train computes targets"):
+                require_finite(samples, rollout.reward.total, rollout.values, logprobs, self.cfg.reward.function)
+                targets = step_targets(self.cfg.preset.estimator, batch, rollout.reward.total, rollout.values,
+                                       logprobs.logprobs, logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
+                policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
             step_kl_coef = kl_coef
             kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
             if self.p.order == "exact":
@@ -185,8 +187,8 @@ class Pipeline:
                                  "update waits (exact order)")
             update_start = time.perf_counter()
             actor_result, critic_result = await asyncio.gather(
-                self._call(self.roles.actor.update, step, rollout.oldest_version, batch,
-                           policy_targets_for(self.cfg, targets, logprobs, samples), s.temperature),
+                self._call(self.roles.actor.update, step, rollout.oldest_version, batch, policy_targets,
+                           s.temperature),
                 self._call(self.roles.critic.update, step, batch, targets.returns, rollout.values,
                            rollout.values_version)
                 if self.roles.critic else _none(),
@@ -321,7 +323,7 @@ class Pipeline:
         """Until `ready()`; a wait that blocks is a slice `what` on the call trace."""
         if ready():
             return
-        with self.clock.waiting(what) if what else contextlib.nullcontext():
+        with self.clock.span(what) if what else contextlib.nullcontext():
             async with self.changed:
                 await self.changed.wait_for(ready)
 

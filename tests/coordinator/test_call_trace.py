@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
-from rolefleet.coordinator.call_trace import FILE, CallTrace, read_trace
+from rolefleet.coordinator.call_trace import BLOCKED, FILE, CallTrace, read_trace, watch_event_loop
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunStatus
@@ -93,7 +93,28 @@ def test_an_async_run_traces_every_role_call_inside_its_time(make_config):
     # generation, running ahead, waits at the staleness bound.
     assert calls["coordinator.train waits (scored batch)"] >= 1
     assert calls["coordinator.generate waits (staleness bound)"] >= 1
+    assert calls["coordinator.train computes targets"] == 4
     assert_no_overlap_within_a_track(events)
+
+
+def test_a_blocked_event_loop_is_a_slice_over_the_time_it_was_blocked(tmp_path):
+    trace = CallTrace.for_run(tmp_path, "r")
+
+    async def main() -> tuple[float, float]:
+        watch = asyncio.create_task(watch_event_loop(trace))
+        await asyncio.sleep(0.1)  # the loop free: nothing to show
+        start = time.time() * 1e6
+        time.sleep(0.3)  # CPU work inside a callback: nothing else on the loop runs meanwhile
+        end = time.time() * 1e6
+        await asyncio.sleep(0.1)
+        watch.cancel()
+        return start, end
+
+    start, end = asyncio.run(main())
+    trace.close()
+    (blocked,) = [e for e in slices(read_trace(tmp_path / FILE)) if e["name"] == BLOCKED]
+    assert 0.25e6 <= blocked["dur"] <= 0.35e6
+    assert start - 0.05e6 <= blocked["ts"] and blocked["ts"] + blocked["dur"] <= end + 0.05e6
 
 
 def test_no_trace_unless_asked(make_config):
