@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from rolefleet.actor import wire
-from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import ActorUpdateResult, LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
@@ -28,10 +28,10 @@ class ActorClient(Protocol):
                         first_group_id: int = 0) -> AsyncIterator[list[Sample]]:
         """The samples of `generate`, in the same order, as they finish (a list per arrival)."""
         ...
-    async def compute_logprobs(self, batch: SequenceBatch, temperature: float,
-                               include_reference: bool) -> LogProbs: ...
+    async def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
+                               reference_only: bool = False) -> LogProbs: ...
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
-                     temperature: float) -> UpdateResult: ...
+                     temperature: float) -> ActorUpdateResult: ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo: ...
     async def load_checkpoint(self, path: str) -> CheckpointInfo: ...
@@ -49,8 +49,9 @@ class InProcessActorClient:
         async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling, first_group_id)):
             yield chunk
 
-    async def compute_logprobs(self, batch, temperature, include_reference):
-        return await asyncio.to_thread(self.core.compute_logprobs, batch, temperature, include_reference)
+    async def compute_logprobs(self, batch, temperature, include_reference, reference_only=False):
+        return await asyncio.to_thread(self.core.compute_logprobs, batch, temperature, include_reference,
+                                       reference_only)
 
     async def update(self, step, policy_version, batch, targets, temperature):
         return await asyncio.to_thread(self.core.update, step, policy_version, batch, targets, temperature)
@@ -83,9 +84,9 @@ class GrpcActorClient(GrpcTrainerClient):
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from None
 
-    async def compute_logprobs(self, batch, temperature, include_reference):
+    async def compute_logprobs(self, batch, temperature, include_reference, reference_only=False):
         request = actor_pb2.ComputeLogProbsRequest(batch=batch.to_proto(), temperature=temperature,
-                                                   include_reference=include_reference)
+                                                   include_reference=include_reference, reference_only=reference_only)
         return wire.logprobs_from_proto(await call(self.stub.ComputeLogProbs(request, timeout=self.timeout_s)))
 
     async def update(self, step, policy_version, batch, targets, temperature):

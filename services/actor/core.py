@@ -20,7 +20,7 @@ from rolefleet.actor.placement import ActorPlacement, engine_size
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
-from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
+from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, ActorUpdateResult, LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
 from rolefleet.common import checkpoint, metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
@@ -102,6 +102,7 @@ class ActorCore:
         # only a weight sync takes both.
         self.state = TrainerState(ROLE)
         self._lock = self.state.lock
+        self._one_pass_logprobs: tuple[int, LogProbs | None] = (0, None)  # (step, its update's logprobs)
         self._rollout_lock = threading.Lock() if self.placement.split else self._lock
         self.rollout_version = 0  # the policy version whose weights the engines hold
         metrics.MODEL_VERSION.labels(ROLE).set(0)
@@ -235,17 +236,22 @@ class ActorCore:
 
     # --- training ---------------------------------------------------------------------------------
 
-    def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool) -> LogProbs:
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
+                         reference_only: bool = False) -> LogProbs:
+        """The policy's logprobs and entropy, and the reference's logprobs if asked for, of the
+        batch's response tokens; `reference_only`: the reference's alone (for a one-pass update)."""
         batch.check_limits(self.limits, vocab_size=self.vocab_size)
         temperature = require_temperature(temperature)
+        if reference_only and not include_reference:
+            raise InvalidArgument("include_reference", "false with reference_only: nothing asked for")
         with self._lock:
-            return spmd(self, "_compute_logprobs", batch, temperature, include_reference, self.policy_version,
-                        ranks=self.placement.train_ranks)
+            return spmd(self, "_compute_logprobs", batch, temperature, include_reference, not reference_only,
+                        self.policy_version, ranks=self.placement.train_ranks)
 
     def _compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
-                          version: int) -> LogProbs:
+                          include_policy: bool, version: int) -> LogProbs:
         """SPMD (`workers.spmd`): each rank its share of the micro-batches, gathered in token order."""
-        return self.trainer.compute_logprobs(batch, temperature, include_reference, version)
+        return self.trainer.compute_logprobs(batch, temperature, include_reference, version, include_policy)
 
     def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                temperature: float) -> UpdateResult:
@@ -254,15 +260,22 @@ class ActorCore:
         self._check_targets(batch, targets)
         temperature = require_temperature(temperature)
 
-        return self.state.update(step, policy_version, lambda: self._train_and_publish(batch, targets, temperature),
-                                 max_lag=self.max_staleness)
+        result = self.state.update(step, policy_version,
+                                   lambda: self._train_and_publish(step, batch, targets, temperature),
+                                   max_lag=self.max_staleness)
+        kept_step, logprobs = self._one_pass_logprobs
+        return ActorUpdateResult(**vars(result), logprobs=logprobs if kept_step == step else None)
 
-    def _train_and_publish(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
-        stats = spmd(self, "_train", batch, targets, temperature, ranks=self.placement.train_ranks)
+    def _train_and_publish(self, step: int, batch: SequenceBatch, targets: PolicyTargets,
+                           temperature: float) -> dict[str, float]:
+        stats, logprobs = spmd(self, "_train", batch, targets, temperature, ranks=self.placement.train_ranks)
+        if logprobs is not None:  # a one-pass update's: kept for its replay, the newest step's only
+            self._one_pass_logprobs = (step, replace(logprobs, policy_version=self.state.version))
         stats["weight_sync_s"] = self._publish_weights(self.state.version + 1)
         return stats
 
-    def _train(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
+    def _train(self, batch: SequenceBatch, targets: PolicyTargets,
+               temperature: float) -> tuple[dict[str, float], LogProbs | None]:
         """SPMD over the trainers: every rank steps its shard or replica with the group's gradients."""
         self.updates_run += 1
         with profiled(ROLE, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, self.rank):
@@ -355,7 +368,10 @@ class ActorCore:
 
     def _check_targets(self, batch: SequenceBatch, targets: PolicyTargets) -> None:
         batch.check_per_token(targets.advantages, "advantages", "target")
-        batch.check_per_token(targets.old_logprobs, "old_logprobs", "logprob")
+        if targets.old_logprobs is not None:
+            batch.check_per_token(targets.old_logprobs, "old_logprobs", "logprob")
+        elif (problem := self.cfg.one_pass_problem()) is not None:
+            raise InvalidArgument("old_logprobs", f"required: {problem}")
         if self.cfg.kl_loss_coef > 0 and targets.ref_logprobs is None:
             raise InvalidArgument("ref_logprobs", "required: actor.kl_loss_coef > 0 adds a KL loss term")
         if self.cfg.is_correction != "none" and targets.rollout_logprobs is None:

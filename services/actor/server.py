@@ -34,7 +34,7 @@ class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):
     async def ComputeLogProbs(self, request: actor_pb2.ComputeLogProbsRequest, context):
         batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
         result = await asyncio.to_thread(
-            self.core.compute_logprobs, batch, request.temperature, request.include_reference
+            self.core.compute_logprobs, batch, request.temperature, request.include_reference, request.reference_only
         )
         return wire.logprobs_to_proto(result)
 

@@ -32,7 +32,14 @@ from rolefleet.common.modeling import (
 )
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import group_micro_batches, map_micro_batches, my_share, sum_over_ranks
+from rolefleet.common.workers import (
+    group_micro_batches,
+    map_micro_batches,
+    merge_over_ranks,
+    my_share,
+    rank_and_world,
+    sum_over_ranks,
+)
 
 
 class LogprobModule(torch.nn.Module):
@@ -86,14 +93,16 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
-                         policy_version: int) -> LogProbs:
+                         policy_version: int, include_policy: bool = True) -> LogProbs:
         """Over the worker group (each rank its share of the micro-batches, every rank the whole
         result)."""
         self.model.eval()
         budget, packed, lockstep = self.cfg.max_tokens_per_micro_batch, self.packed, self.sharded
-        logprobs, entropy = map_micro_batches(
-            batch, budget, lambda mb: self.forward(self.policy, mb, temperature, with_entropy=True), packed, lockstep)
-        ref = None
+        logprobs = entropy = ref = None
+        if include_policy:
+            logprobs, entropy = map_micro_batches(
+                batch, budget, lambda mb: self.forward(self.policy, mb, temperature, with_entropy=True), packed,
+                lockstep)
         if include_reference:
             with self._reference_on_device():  # one visit of an offloaded reference per call
                 (ref,) = map_micro_batches(
@@ -114,65 +123,102 @@ class PolicyTrainer:
         else:
             yield
 
-    def update(self, batch: SequenceBatch, targets: PolicyTargets, temperature: float) -> dict[str, float]:
-        """Policy-loss epochs over mini-batches; returns each statistic averaged over optimizer steps."""
+    def update(self, batch: SequenceBatch, targets: PolicyTargets,
+               temperature: float) -> tuple[dict[str, float], LogProbs | None]:
+        """Policy-loss epochs over mini-batches; returns each statistic averaged over optimizer steps.
+        Without old logprobs (one pass: one optimizer step, `ActorSection.one_pass_problem`) the
+        forward's own, detached, are the old ones (the ratio is 1, its gradient the policy
+        gradient), and they come back with the forward's entropy, in the batch's token order."""
+        one_pass: list = [] if targets.old_logprobs is None else None  # (rows, logprobs, entropy) per micro-batch
+
         def step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
             def part(x: torch.Tensor | None) -> torch.Tensor | None:
                 return None if x is None else mb.pad_responses(x[tokens]).to(self.device)
 
-            return self._step(mb, part(targets.advantages), part(targets.old_logprobs),
-                              part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature)
+            stats, seen = self._step(mb, part(targets.advantages), part(targets.old_logprobs),
+                                     part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature)
+            if one_pass is not None:
+                one_pass.append((tokens, merge_over_ranks(mb, seen)))
+            return stats
 
         self.model.train()
         try:
-            return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, step)
+            stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, step)
         finally:
             self.model.eval()
+        if one_pass is None:
+            return stats, None
+        (tokens, (logprobs, entropy)), = one_pass  # one mini-batch, its rows in a shuffled order
+        in_order = torch.empty_like(logprobs), torch.empty_like(entropy)
+        in_order[0][tokens], in_order[1][tokens] = logprobs, entropy
+        return stats, LogProbs(logprobs=in_order[0], ref_logprobs=None, entropy=in_order[1], policy_version=0)
 
-    def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
+    def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
               ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
-              temperature: float) -> dict[str, float]:
+              temperature: float) -> tuple[dict[str, float], list]:
         """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch.
         Statistics stay on the device until the step is done: two host syncs per step in all (the
-        micro-batch shares, and the gradient norm with the statistics), not one per statistic."""
+        micro-batch shares, and the gradient norm with the statistics), not one per statistic.
+        Also returns, for a one-pass update (no `old_logprobs`), this rank's (rows, (logprobs,
+        entropy)) per micro-batch."""
         cfg, mask = self.cfg, mb.response_mask().to(self.device)
-        weights, stats = None, {}
-        if rollout_logprobs is not None:
+        weights, stats, seen = None, {}, []
+        first_rank = rank_and_world()[0] == 0  # mini-batch-wide statistics: once over the ranks' sum
+        if rollout_logprobs is not None and old_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.
             weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
-            stats["is_weight_mean"] = masked_mean(weights, mask)
+            if first_rank:
+                stats["is_weight_mean"] = masked_mean(weights, mask)
+        if rollout_logprobs is not None and first_rank:
             stats["is_masked_frac"] = 1.0 - mask.sum() / mb.response_lengths.sum().clamp(min=1).to(self.device)
         micro = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
                  for rows in group_micro_batches(mb, cfg.max_tokens_per_micro_batch, self.packed)]
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
                                     + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
+        tokens = mask.sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         scale = loss_scale(self.sharded)
         # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
         # sharding needs every rank to run as many).
         for ((rows, part), weight), real in my_share(list(zip(micro, parts)), self.sharded):
             share = weight / max(total, 1.0) if real else 0.0
-            loss, micro_stats = self._micro_loss(mb.select(rows), part(advantages), part(old_logprobs),
-                                                 part(ref_logprobs), part(weights), part(mask), temperature)
+            loss, micro_stats, one_pass = self._micro_loss(
+                mb.select(rows), part(advantages), part(old_logprobs), part(ref_logprobs), part(weights), part(mask),
+                temperature, part(rollout_logprobs))
             (loss * (share * scale)).backward()
             for name, value in micro_stats.items():
                 stats[name] = stats.get(name, 0.0) + value * share
+            if one_pass is not None and real:
+                logprobs, entropy, micro_weights = one_pass
+                seen.append((rows, (logprobs, entropy)))
+                if micro_weights is not None:  # their mean over the mini-batch's tokens, a part per micro-batch
+                    stats["is_weight_mean"] = stats.get("is_weight_mean", 0.0) + (micro_weights * part(mask)).sum() / tokens
         reduce_gradients(self.model, self.sharded)
         stats = sum_over_ranks(stats)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
         grad_norm = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
         out = dict(zip(stats, torch.stack([torch.as_tensor(v, device=self.device).float() for v in stats.values()])
                        .tolist()))
-        return {**out, "lr": lr, "grad_norm": grad_norm}
+        return {**out, "lr": lr, "grad_norm": grad_norm}, seen
 
-    def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor,
+    def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
                     ref_logprobs: torch.Tensor | None, weights: torch.Tensor | None, mask: torch.Tensor,
-                    temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    temperature: float, rollout_logprobs: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple | None]:
+        """The micro-batch's loss and statistics; for a one-pass update (no `old_logprobs`), also
+        its packed logprobs and entropy and its IS weights (None without a correction)."""
         cfg = self.cfg
+        one_pass = old_logprobs is None
         # Entropy costs two more passes over [tokens, vocab] (and their backward): computed here only
-        # as a loss term; the `entropy` metric of every step comes from ComputeLogProbs.
-        logprobs, entropy = self.forward(self.policy, mb, temperature, with_entropy=cfg.entropy_coef > 0)
-        logprobs = mb.pad_responses(logprobs)
+        # as a loss term, or for the `entropy` metric of a one-pass update (no backward then: it is
+        # not in the loss); otherwise the metric comes from ComputeLogProbs.
+        packed, entropy = self.forward(self.policy, mb, temperature, with_entropy=cfg.entropy_coef > 0 or one_pass)
+        logprobs = mb.pad_responses(packed)
+        if one_pass:
+            # The policy before this update's only optimizer step is the proximal policy itself.
+            old_logprobs = logprobs.detach()
+            if rollout_logprobs is not None:
+                weights, _ = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
         loss, pg_stats = self.policy_loss(
             logprobs, old_logprobs, advantages, mask, clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,
             dual_clip=cfg.dual_clip, agg=cfg.loss_agg_mode, weights=weights, norm_length=cfg.loss_norm_length,
@@ -187,7 +233,8 @@ class PolicyTrainer:
             loss = loss + cfg.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
         stats["loss"] = loss.detach()
-        return loss, stats
+        seen = (packed.detach(), entropy.detach(), weights) if one_pass else None
+        return loss, stats, seen
 
 
 def _rows_of(rows: torch.Tensor, width: int):

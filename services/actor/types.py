@@ -10,6 +10,7 @@ import torch
 
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.roles import UpdateResult
 
 
 class FinishReason(IntEnum):  # values match rolefleet.v1.FinishReason
@@ -65,9 +66,9 @@ def with_ids(samples: list[Sample], first_group_id: int) -> list[Sample]:
 
 @dataclass(frozen=True)
 class LogProbs:
-    logprobs: torch.Tensor                 # float32 [N]
+    logprobs: torch.Tensor | None          # float32 [N]; None: the reference's alone were asked for
     ref_logprobs: torch.Tensor | None      # float32 [N]
-    entropy: torch.Tensor                  # float32 [N]
+    entropy: torch.Tensor | None           # float32 [N], with `logprobs`
     policy_version: int
 
 
@@ -76,6 +77,16 @@ class PolicyTargets:
     """Per-token inputs of one policy update, packed [N] like the batch's responses."""
 
     advantages: torch.Tensor
-    old_logprobs: torch.Tensor                      # recomputed by the training engine
+    old_logprobs: torch.Tensor | None               # recomputed by the training engine; None: a one-pass
+                                                    # update takes them from its own forward
     ref_logprobs: torch.Tensor | None = None        # for the KL loss term
     rollout_logprobs: torch.Tensor | None = None    # for importance-sampling correction
+
+
+@dataclass(frozen=True)
+class ActorUpdateResult(UpdateResult):
+    """An actor's Update answer. A one-pass update (no old logprobs sent) also returns the logprobs
+    and entropy of its own forward, before its optimizer step: the old policy's, for the step's
+    metrics. A replay of the newest step returns them too; of an older one, not."""
+
+    logprobs: LogProbs | None = None

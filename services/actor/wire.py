@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rolefleet.actor.types import FinishReason, LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import ActorUpdateResult, FinishReason, LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import actor_pb2, common_pb2
-from rolefleet.common.roles import UpdateResult
 
 
 def sampling_to_proto(s: SamplingParams) -> actor_pb2.SamplingParams:
@@ -44,41 +43,45 @@ def sample_from_proto(m: actor_pb2.GenerateResponse) -> Sample:
 
 
 def logprobs_to_proto(lp: LogProbs) -> actor_pb2.ComputeLogProbsResponse:
-    return actor_pb2.ComputeLogProbsResponse(
-        logprobs=codec.encode(lp.logprobs),
-        ref_logprobs=codec.encode(lp.ref_logprobs) if lp.ref_logprobs is not None else None,
-        entropy=codec.encode(lp.entropy),
-        policy_version=lp.policy_version,
-    )
+    return actor_pb2.ComputeLogProbsResponse(**_per_token(lp), policy_version=lp.policy_version)
 
 
 def logprobs_from_proto(m: actor_pb2.ComputeLogProbsResponse) -> LogProbs:
-    return LogProbs(
-        logprobs=codec.decode_as(m.logprobs, "logprobs", torch.float32, 1),
-        ref_logprobs=codec.decode_as(m.ref_logprobs, "ref_logprobs", torch.float32, 1)
-        if m.HasField("ref_logprobs") else None,
-        entropy=codec.decode_as(m.entropy, "entropy", torch.float32, 1),
-        policy_version=m.policy_version,
-    )
+    return LogProbs(**_per_token_from(m, ("logprobs", "ref_logprobs", "entropy")), policy_version=m.policy_version)
+
+
+def _per_token(lp: LogProbs) -> dict:
+    """A LogProbs' tensors as message fields; absent ones stay unset."""
+    return {name: codec.encode(getattr(lp, name)) for name in ("logprobs", "ref_logprobs", "entropy")
+            if getattr(lp, name) is not None}
+
+
+def _per_token_from(m, names: tuple[str, ...]) -> dict:
+    return {name: codec.decode_as(getattr(m, name), name, torch.float32, 1) if m.HasField(name) else None
+            for name in names}
 
 
 def stats_to_proto(stats: dict[str, float]) -> common_pb2.TrainStats:
     return common_pb2.TrainStats(values=stats)
 
 
-def update_result_to_proto(r: UpdateResult) -> actor_pb2.ActorUpdateResponse:
-    return actor_pb2.ActorUpdateResponse(step=r.step, policy_version=r.model_version,
-                                         stats=stats_to_proto(r.stats))
+def update_result_to_proto(r: ActorUpdateResult) -> actor_pb2.ActorUpdateResponse:
+    return actor_pb2.ActorUpdateResponse(step=r.step, policy_version=r.model_version, stats=stats_to_proto(r.stats),
+                                         **(_per_token(r.logprobs) if r.logprobs is not None else {}))
 
 
-def update_result_from_proto(m: actor_pb2.ActorUpdateResponse) -> UpdateResult:
-    return UpdateResult(step=m.step, model_version=m.policy_version, stats=dict(m.stats.values))
+def update_result_from_proto(m: actor_pb2.ActorUpdateResponse) -> ActorUpdateResult:
+    one_pass = _per_token_from(m, ("logprobs", "entropy"))
+    logprobs = (LogProbs(**one_pass, ref_logprobs=None, policy_version=m.policy_version - 1)
+                if one_pass["logprobs"] is not None else None)
+    return ActorUpdateResult(step=m.step, model_version=m.policy_version, stats=dict(m.stats.values),
+                             logprobs=logprobs)
 
 
 def policy_targets_to_proto(t: PolicyTargets) -> dict:
     """The per-token fields of an ActorUpdateRequest; absent optional tensors stay unset."""
-    fields = {"advantages": codec.encode(t.advantages), "old_logprobs": codec.encode(t.old_logprobs)}
-    for name in ("ref_logprobs", "rollout_logprobs"):
+    fields = {"advantages": codec.encode(t.advantages)}
+    for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
         if getattr(t, name) is not None:
             fields[name] = codec.encode(getattr(t, name))
     return fields
@@ -90,7 +93,7 @@ def policy_targets_from_proto(m: actor_pb2.ActorUpdateRequest, batch: SequenceBa
 
     return PolicyTargets(
         advantages=batch.per_token(m.advantages, "advantages"),
-        old_logprobs=batch.per_token(m.old_logprobs, "old_logprobs"),
+        old_logprobs=optional("old_logprobs"),
         ref_logprobs=optional("ref_logprobs"),
         rollout_logprobs=optional("rollout_logprobs"),
     )

@@ -44,19 +44,32 @@ def _weight(log_w: torch.Tensor, log_cap: float = MAX_LOG_WEIGHT) -> torch.Tenso
     return torch.exp(log_w.clamp(-MAX_LOG_WEIGHT, min(log_cap, MAX_LOG_WEIGHT)))
 
 
+def _drops_tokens(drops: bool):
+    """Whether the correction's mask may drop tokens (`drops_tokens`): then the loss's divisor
+    depends on every token's old logprob, so they must be known before an update's first forward."""
+    def mark(fn):
+        fn.drops_tokens = drops
+        return fn
+
+    return mark
+
+
 @IS_CORRECTIONS.register("none")
+@_drops_tokens(False)
 def no_correction(old_logprobs, rollout_logprobs, mask, threshold: float):
     check_inputs(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
     return torch.ones_like(upcast(old_logprobs)), mask
 
 
 @IS_CORRECTIONS.register("token_truncate")
+@_drops_tokens(False)
 def token_truncate(old_logprobs, rollout_logprobs, mask, threshold: float):
     log_w, m = _log_w(old_logprobs, rollout_logprobs, mask, threshold)
     return torch.where(m, _weight(log_w, math.log(threshold)), 0), mask
 
 
 @IS_CORRECTIONS.register("token_mask")
+@_drops_tokens(True)
 def token_mask(old_logprobs, rollout_logprobs, mask, threshold: float):
     log_w, m = _log_w(old_logprobs, rollout_logprobs, mask, threshold)
     bound = math.log(threshold)
@@ -65,6 +78,7 @@ def token_mask(old_logprobs, rollout_logprobs, mask, threshold: float):
 
 
 @IS_CORRECTIONS.register("seq_truncate")
+@_drops_tokens(False)
 def seq_truncate(old_logprobs, rollout_logprobs, mask, threshold: float):
     log_w, m = _log_w(old_logprobs, rollout_logprobs, mask, threshold)
     seq_log_w = log_w.sum(-1, keepdim=True)
@@ -72,6 +86,7 @@ def seq_truncate(old_logprobs, rollout_logprobs, mask, threshold: float):
 
 
 @IS_CORRECTIONS.register("seq_mask")
+@_drops_tokens(True)
 def seq_mask(old_logprobs, rollout_logprobs, mask, threshold: float):
     log_w, m = _log_w(old_logprobs, rollout_logprobs, mask, threshold)
     seq_log_w = log_w.sum(-1, keepdim=True)

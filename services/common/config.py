@@ -359,6 +359,10 @@ class ActorSection(_TrainerSection):
     kl_loss_estimator: str = "k3"
     is_correction: str = Field("none", description="rollout/train importance-sampling correction")
     is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto", description="auto: an update of one optimizer step takes the PPO ratio's old logprobs from its "
+        "own forward (no ComputeLogProbs pass of the policy) where nothing needs them earlier; recompute: always "
+        "a separate pass before the update")
 
     _loss = field_validator("policy_loss")(lambda cls, v: _one_of(POLICY_LOSSES, v))
 
@@ -390,6 +394,18 @@ class ActorSection(_TrainerSection):
         elif self.clip_ratio_high is None:
             self.clip_ratio_high = self.clip_ratio
         return self
+
+
+    def one_pass_problem(self) -> Optional[str]:
+        """Why an update cannot take its old logprobs from its own forward (the policy before its
+        optimizer step, that is, the proximal policy), or None."""
+        if self.ppo_epochs * self.num_mini_batches > 1:
+            return (f"the update makes {self.ppo_epochs * self.num_mini_batches} optimizer steps (actor.ppo_epochs "
+                    "x actor.num_mini_batches), and every one after the first needs the policy before the first")
+        if IS_CORRECTIONS.get(self.is_correction).drops_tokens:
+            return (f"actor.is_correction={self.is_correction} drops tokens by their old logprobs, which fixes "
+                    "the loss's divisor before the first forward")
+        return None
 
 
 class CriticSection(_TrainerSection):
@@ -697,6 +713,13 @@ class RoleFleetConfig(_Section):
     @property
     def preset(self):
         return ALGORITHMS[self.algorithm]
+
+    @property
+    def one_pass_update(self) -> bool:
+        """`actor.old_logprobs: auto` and it can: the actor's update computes each step's old
+        logprobs in its own forward, and ComputeLogProbs asks for the reference's alone. A KL
+        penalty in the rewards (`train.kl_coef`) needs the policy's logprobs before the advantages."""
+        return self.actor.old_logprobs == "auto" and self.train.kl_coef == 0 and self.actor.one_pass_problem() is None
 
     def roles(self) -> list[str]:
         """Roles this run starts, in start order (the coordinator last); the critic only if needed."""

@@ -138,8 +138,16 @@ def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep
     for rows, real in my_share(group_micro_batches(batch, max_tokens, packed), lockstep):
         out = fn(batch.select(rows))
         if real:
-            done.append((rows, tuple(part.float().cpu() for part in out)))
-    done = [item for part in all_gather(done) for item in part]
+            done.append((rows, out))
+    return merge_over_ranks(batch, done)
+
+
+def merge_over_ranks(batch, done: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> tuple:
+    """Packed per-token tensors of the whole batch, in its token order, on every rank, from each
+    rank's (rows, (packed tensors of those rows...)) for its share of the micro-batches."""
+    done = [(rows, tuple(part.float().cpu() for part in parts)) for rows, parts in done]
+    if rank_and_world()[1] > 1:
+        done = [item for part in all_gather(done) for item in part]
     width = len(done[0][1]) if done else 0
     return tuple(batch.merge_rows([(rows, parts[i]) for rows, parts in done]) for i in range(width))
 

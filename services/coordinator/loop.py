@@ -38,7 +38,7 @@ from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import Targets, step_targets
+from rolefleet.coordinator.targets import Targets, after_one_pass, step_targets
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
 from rolefleet.reward.types import ScoreItem
@@ -240,11 +240,15 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         batch, version = to_batch(samples), policy_version_of(samples)
 
         # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
+        # A one-pass update takes the policy's from its own forward (during the critic's warm-up
+        # the actor makes none: its logprobs come from here then).
+        warming = step <= t.critic_warmup_steps
+        one_pass = cfg.one_pass_update and not warming
         reward, critic_values, logprobs = await timer("score", asyncio.gather(
             roles.reward.score(score_items(records, samples)),
             roles.critic.compute_values(batch) if roles.critic else _nothing(),
             # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
-            roles.actor.compute_logprobs(batch, s.temperature, include_reference=True),
+            roles.actor.compute_logprobs(batch, s.temperature, include_reference=True, reference_only=one_pass),
         ))
         values = critic_values.values if critic_values else torch.zeros(batch.num_response_tokens)
         scores = reward.total
@@ -258,7 +262,6 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
 
         # 4. Policy and value updates at once; during the critic's warm-up the policy waits (the
         # actor numbers its own steps from the first one it applies).
-        warming = step <= t.critic_warmup_steps
         actor_result, critic_result = await timer("update", asyncio.gather(
             _unchanged(step, version) if warming else roles.actor.update(
                 step - t.critic_warmup_steps, version, batch, policy_targets_for(cfg, targets, logprobs, samples),
@@ -266,6 +269,8 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
             roles.critic.update(step, batch, targets.returns, values, critic_values.model_version)
             if roles.critic else _nothing(),
         ))
+        if one_pass:
+            logprobs, targets = after_one_pass(t, logprobs, targets, actor_result)
 
         # 5. Log.
         timer.seconds["step"] = time.perf_counter() - start

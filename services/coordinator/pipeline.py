@@ -11,11 +11,13 @@ stages that run at once, joined by bounded queues.
    samples, one engine call's worth) goes to reward.Score and critic.ComputeValues at once, while
    the actor generates on.
 2. score: the batch's scores and values, chunk by chunk (most of them in already), while the actor
-   generates the next batch or trains on the previous one.
+   generates the next batch or trains on the previous one; for a one-pass update
+   (`RoleFleetConfig.one_pass_update`) the reference's logprobs too, which no update changes.
 3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
    again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
    proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
-   `actor.is_correction`); advantages; actor.Update | critic.Update, once the batches the bound lets
+   `actor.is_correction`), unless the update is one pass (its own forward computes them: the
+   policy's pass that waits for the update before is gone); advantages; actor.Update | critic.Update, once the batches the bound lets
    precede this update have been generated (`pipeline.order: exact`: each batch lags by exactly the
    bound, whatever the timing, so runs repeat for a fixed seed; `eager`: at once, so that a split
    actor trains while it generates, each batch lagging by what the timing gives, within the bound);
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rolefleet.actor.types import Sample
+from rolefleet.actor.types import LogProbs, Sample
 from rolefleet.algos import KL_CONTROLLERS
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
@@ -58,7 +60,7 @@ from rolefleet.coordinator.loop import (
 )
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import step_targets
+from rolefleet.coordinator.targets import after_one_pass, step_targets
 from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
 from rolefleet.tasks import PromptRecord
@@ -78,6 +80,7 @@ class Rollout:
     reward: ScoreResult | None = None
     values: torch.Tensor | None = None
     values_version: int = 0  # the critic version that computed the oldest of them (its Update's fence)
+    reference: LogProbs | None = None  # for a one-pass update: the reference's logprobs, asked for with the scores
     score_s: float = 0.0
 
     @property
@@ -169,7 +172,9 @@ class Pipeline:
             step += 1
             start = time.perf_counter()
             samples, batch = rollout.samples, rollout.batch
-            logprobs = await self._call(self.roles.actor.compute_logprobs, batch, s.temperature, True)
+            one_pass = rollout.reference is not None  # the update computes the policy's logprobs itself
+            logprobs = (rollout.reference if one_pass else
+                        await self._call(self.roles.actor.compute_logprobs, batch, s.temperature, True))
             with self.clock.span("train computes targets"):
                 require_finite(samples, rollout.reward.total, rollout.values, logprobs, self.cfg.reward.function)
                 targets = step_targets(self.cfg.preset.estimator, batch, rollout.reward.total, rollout.values,
@@ -193,6 +198,8 @@ class Pipeline:
                            rollout.values_version)
                 if self.roles.critic else _none(),
             )
+            if one_pass:
+                logprobs, targets = after_one_pass(t, logprobs, targets, actor_result)
             lag = torch.tensor([self.version - smp.policy_version for smp in samples], dtype=torch.float32)
             self.trained += [smp.sample_id for smp in samples]
             self.checkpointer.trained(step, samples, actor_result.model_version)
@@ -268,7 +275,12 @@ class Pipeline:
     async def _score(self, rollout: Rollout) -> None:
         """The scores and values of the streamed chunks (most already done), in sample order."""
         start = time.perf_counter()
-        rewards, values = zip(*await asyncio.gather(*rollout.scoring))
+        # A one-pass update's batch needs the reference's logprobs alone, whatever the policy by
+        # then: asked for now, so they are in before the update before it is done.
+        reference = (self._call(self.roles.actor.compute_logprobs, rollout.batch, self.cfg.sampling.temperature, True,
+                                True) if self.cfg.one_pass_update else _none())
+        (*scored, rollout.reference) = await asyncio.gather(*rollout.scoring, reference)
+        rewards, values = zip(*scored)
         rollout.reward = ScoreResult.concat(list(rewards))
         if self.roles.critic:
             critic_values = CriticValues.concat(list(values))

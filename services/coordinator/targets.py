@@ -3,14 +3,17 @@ advantage estimator. Batches stay packed; tensors are padded only around the pur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from rolefleet.actor.types import ActorUpdateResult, LogProbs
 
 from rolefleet.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from rolefleet.algos.functional import masked_whiten
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import TrainSection
+from rolefleet.common.errors import FailedPrecondition
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,13 @@ class Targets:
 
 
 def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, values: torch.Tensor,
-                 logprobs: torch.Tensor, ref_logprobs: torch.Tensor, group_ids: torch.Tensor, kl_coef: float,
+                 logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor, group_ids: torch.Tensor, kl_coef: float,
                  train: TrainSection) -> Targets:
-    """scores [B]; values, logprobs, ref_logprobs packed [N]; group_ids [B]."""
+    """scores [B]; values, logprobs, ref_logprobs packed [N]; group_ids [B]. Without the policy's
+    logprobs (a one-pass update computes them; `RoleFleetConfig.one_pass_update` asks for no KL
+    penalty) the KL is 0 until `after_one_pass` fills it in."""
     mask = batch.response_mask()
-    kl = KL_ESTIMATORS.get(train.kl_estimator)(logprobs, ref_logprobs)
+    kl = torch.zeros_like(ref_logprobs) if logprobs is None else KL_ESTIMATORS.get(train.kl_estimator)(logprobs, ref_logprobs)
     token_rewards = batch.pad_responses(-kl_coef * kl)
     token_rewards[torch.arange(len(batch)), batch.response_lengths - 1] += scores
     # Each estimator takes the inputs its signature declares from these.
@@ -36,3 +41,13 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
     if train.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     return Targets(batch.pack_responses(advantages), batch.pack_responses(returns), kl)
+
+
+def after_one_pass(train: TrainSection, logprobs: LogProbs, targets: Targets,
+                   actor: ActorUpdateResult) -> tuple[LogProbs, Targets]:
+    """A one-pass update's step: the policy's logprobs and entropy that its forward computed (before
+    its optimizer step) beside the reference's, and the KL metric from them."""
+    if actor.logprobs is None:
+        raise FailedPrecondition(f"the actor's one-pass update of step {actor.step} returned no logprobs")
+    full = replace(logprobs, logprobs=actor.logprobs.logprobs, entropy=actor.logprobs.entropy)
+    return full, replace(targets, kl=KL_ESTIMATORS.get(train.kl_estimator)(full.logprobs, full.ref_logprobs))

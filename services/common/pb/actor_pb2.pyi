@@ -68,14 +68,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, prompt_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ..., group_id: _Optional[int] = ..., sample_id: _Optional[int] = ...) -> None: ...
 
 class ComputeLogProbsRequest(_message.Message):
-    __slots__ = ("batch", "include_reference", "temperature")
+    __slots__ = ("batch", "include_reference", "temperature", "reference_only")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_ONLY_FIELD_NUMBER: _ClassVar[int]
     batch: _common_pb2.SequenceBatch
     include_reference: bool
     temperature: float
-    def __init__(self, batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., include_reference: _Optional[bool] = ..., temperature: _Optional[float] = ...) -> None: ...
+    reference_only: bool
+    def __init__(self, batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., include_reference: _Optional[bool] = ..., temperature: _Optional[float] = ..., reference_only: _Optional[bool] = ...) -> None: ...
 
 class ComputeLogProbsResponse(_message.Message):
     __slots__ = ("logprobs", "ref_logprobs", "entropy", "policy_version")
@@ -110,11 +112,15 @@ class ActorUpdateRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ActorUpdateResponse(_message.Message):
-    __slots__ = ("step", "policy_version", "stats")
+    __slots__ = ("step", "policy_version", "stats", "logprobs", "entropy")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     stats: _common_pb2.TrainStats
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.TrainStats, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.Tensor
+    entropy: _common_pb2.Tensor
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.TrainStats, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
