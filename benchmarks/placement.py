@@ -8,6 +8,8 @@ pipeline modes (`--runs`, any of):
   training on GPU 1 (weights broadcast after each update), async in eager order;
 - rollout_async_stream / _stale2 / _vllm: the same with 64-sequence engine calls (each streams as it
   finishes), with `pipeline.max_staleness: 2`, and with vLLM generating;
+- rollout_async_threads16 / _recompute (and grpo_rollout_async_recompute): the same with the
+  coordinator on 16 torch threads, and with old logprobs in a pass of their own before each update;
 - grpo_colocated / grpo_rollout_async: GRPO (no critic) in the colocated and the rollout-apart maps;
 - rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
   eager / async exact / sync.
@@ -47,12 +49,16 @@ RUNS = {  # name: (config, overrides)
     # ... streaming smaller engine calls, two updates of staleness, vLLM generating (its own processes)
     "rollout_async_stream": ("configs/2gpu_rollout.yaml", ("actor.rollout.batch_size=64",)),
     "rollout_async_stale2": ("configs/2gpu_rollout.yaml", ("pipeline.max_staleness=2",)),
-    "rollout_async_threads1": ("configs/2gpu_rollout.yaml", ("coordinator.num_threads=1",)),
+    # ... the coordinator on a torch thread per core (its default before 2026-11-30), old logprobs
+    # in a pass of their own before each update (`actor.old_logprobs: recompute`, the default before)
+    "rollout_async_threads16": ("configs/2gpu_rollout.yaml", ("coordinator.num_threads=16",)),
+    "rollout_async_recompute": ("configs/2gpu_rollout.yaml", ("actor.old_logprobs=recompute",)),
     "rollout_async_vllm": ("configs/2gpu_rollout.yaml", ("actor.rollout.backend=vllm",
                                                          "actor.rollout.vllm.gpu_memory_utilization=0.35")),
     # GRPO (no critic; names starting grpo_): generation on GPU 0 against the actor's training on GPU 1
     "grpo_colocated": ("configs/2gpu_colocated.yaml", ()),
     "grpo_rollout_async": ("configs/2gpu_rollout.yaml", ()),
+    "grpo_rollout_async_recompute": ("configs/2gpu_rollout.yaml", ("actor.old_logprobs=recompute",)),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),

@@ -20,7 +20,15 @@ from rolefleet.actor.placement import ActorPlacement, engine_size
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.trainer import PolicyTrainer
-from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, ActorUpdateResult, LogProbs, PolicyTargets, Sample, SamplingParams, with_ids
+from rolefleet.actor.types import (
+    SAMPLES_PER_GROUP_LIMIT,
+    ActorUpdateResult,
+    LogProbs,
+    PolicyTargets,
+    Sample,
+    SamplingParams,
+    with_ids,
+)
 from rolefleet.common import checkpoint, metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection

@@ -51,9 +51,10 @@ class LogprobModule(torch.nn.Module):
         super().__init__()
         self.model, self.chunk_tokens, self.packed = model, chunk_tokens, packed
 
-    def forward(self, batch: SequenceBatch, device: torch.device, temperature: float,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed)
+    def forward(self, batch: SequenceBatch, device: torch.device, temperature: float, with_entropy: bool,
+                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed,
+                           entropy_grad)
 
 
 class PolicyTrainer:
@@ -85,11 +86,11 @@ class PolicyTrainer:
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def forward(self, module: LogprobModule, batch: SequenceBatch, temperature: float,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, module: LogprobModule, batch: SequenceBatch, temperature: float, with_entropy: bool,
+                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `module`."""
         with autocast(self.device, self.dtype):
-            return module(batch, self.device, temperature, with_entropy)
+            return module(batch, self.device, temperature, with_entropy, entropy_grad)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
@@ -209,10 +210,11 @@ class PolicyTrainer:
         its packed logprobs and entropy and its IS weights (None without a correction)."""
         cfg = self.cfg
         one_pass = old_logprobs is None
-        # Entropy costs two more passes over [tokens, vocab] (and their backward): computed here only
-        # as a loss term, or for the `entropy` metric of a one-pass update (no backward then: it is
-        # not in the loss); otherwise the metric comes from ComputeLogProbs.
-        packed, entropy = self.forward(self.policy, mb, temperature, with_entropy=cfg.entropy_coef > 0 or one_pass)
+        # Entropy costs more passes over [tokens, vocab] (and their backward): computed here only as
+        # a loss term, or for the `entropy` metric of a one-pass update (then without a graph, once);
+        # otherwise the metric comes from ComputeLogProbs.
+        packed, entropy = self.forward(self.policy, mb, temperature, with_entropy=cfg.entropy_coef > 0 or one_pass,
+                                       entropy_grad=cfg.entropy_coef > 0)
         logprobs = mb.pad_responses(packed)
         if one_pass:
             # The policy before this update's only optimizer step is the proximal policy itself.

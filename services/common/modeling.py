@@ -138,14 +138,19 @@ def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: tor
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  chunk_tokens: int, with_entropy: bool,
+                  entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) the entropy of softmax(head(hidden) / temperature), fp32 [N].
 
     The head runs `chunk_tokens` rows at a time, so no [N, V] fp32 logits tensor ever exists for a
     whole batch (151k-vocabulary models: 0.6 MB per token). With gradients on, each chunk is
     checkpointed: its logits are freed after the forward and recomputed in the backward.
+    `entropy_grad=False`: the entropy is for a metric, not a loss; it is computed without a graph,
+    once per chunk (the backward's recomputation of a chunk skips its [chunk, V] passes).
     """
-    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    detached: dict[int, torch.Tensor] = {}
+
+    def chunk(h: torch.Tensor, t: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = head(h).float()
         if temperature != 1.0:  # a full [chunk, V] pass: skipped at the usual training temperature
             logits = logits / temperature
@@ -154,30 +159,41 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
         token = -torch.nn.functional.cross_entropy(logits, t, reduction="none")
         if not with_entropy:
             return token, token.new_zeros(())
-        # Not algos.entropy_from_logits: its guards for -inf logits cost more passes over [chunk, V],
-        # and a linear head's logits are finite.
-        logp = torch.log_softmax(logits, dim=-1)
-        return token, -(logp.exp() * logp).sum(-1)
+        if entropy_grad or not torch.is_grad_enabled():
+            return token, _entropy(logits)
+        if i not in detached:  # no_grad saves nothing for the backward: its recomputation may skip it
+            with torch.no_grad():
+                detached[i] = _entropy(logits)
+        return token, token.new_zeros(())
 
     tokens, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    for i, start in enumerate(range(0, hidden.shape[0], chunk_tokens)):
         h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if torch.is_grad_enabled():
-            token, entropy = torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False)
+            token, entropy = torch.utils.checkpoint.checkpoint(chunk, h, t, i, use_reentrant=False)
         else:
-            token, entropy = chunk(h, t)
+            token, entropy = chunk(h, t, i)
         tokens.append(token)
-        entropies.append(entropy)
+        entropies.append(detached.get(i, entropy))
     return torch.cat(tokens), torch.cat(entropies) if with_entropy else None
 
 
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    # Not algos.entropy_from_logits: its guards for -inf logits cost more passes over [chunk, V],
+    # and a linear head's logits are finite.
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
-                chunk_tokens: int, with_entropy: bool, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_tokens: int, with_entropy: bool, packed: bool = False,
+                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
     backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
     backbone, head = split_lm(model)
     hidden = response_hidden(backbone, batch, device, packed)
-    return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy)
+    return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy,
+                         entropy_grad)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

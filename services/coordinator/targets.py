@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from rolefleet.actor.types import ActorUpdateResult, LogProbs
-
 from rolefleet.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from rolefleet.algos.functional import masked_whiten
 from rolefleet.common.batch import SequenceBatch

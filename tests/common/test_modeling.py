@@ -22,3 +22,30 @@ def test_decoder_layers_are_found_after_fsdp_swapped_their_class():
     for layer in layers:  # what fully_shard does to a module it shards
         layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
     assert decoder_layers(model) == layers
+
+
+def test_a_metric_entropy_is_computed_once_per_chunk_without_a_graph(monkeypatch):
+    """`entropy_grad=False`: the entropy of every chunk, as with a graph, but none in the backward's
+    recomputation of the checkpointed chunks, and the gradient of the logprobs unchanged."""
+    from rolefleet.common import modeling
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50)
+    hidden, targets = torch.randn(10, 8), torch.randint(0, 50, (10,))
+    calls = []
+    real = modeling._entropy
+    monkeypatch.setattr(modeling, "_entropy", lambda logits: calls.append(len(logits)) or real(logits))
+
+    def grads(entropy_grad: bool):
+        head.zero_grad()
+        calls.clear()
+        logprobs, entropy = modeling.head_logprobs(hidden, head, targets, 0.7, 4, True, entropy_grad)
+        logprobs.sum().backward()
+        return entropy, head.weight.grad.clone(), list(calls)
+
+    with_graph, grad_a, calls_a = grads(True)
+    metric, grad_b, calls_b = grads(False)
+    assert torch.allclose(metric, with_graph.detach()) and not metric.requires_grad
+    assert torch.allclose(grad_a, grad_b)
+    assert sorted(calls_a) == [2, 2, 4, 4, 4, 4]  # a graph: each chunk's entropy again in the backward
+    assert calls_b == [4, 4, 2]           # a metric: once per chunk
