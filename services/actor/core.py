@@ -43,7 +43,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.common.profiling import profiled
-from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
+from rolefleet.common.roles import CheckpointInfo, RoleStatus
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
 from rolefleet.common.workers import (
@@ -262,7 +262,7 @@ class ActorCore:
         return self.trainer.compute_logprobs(batch, temperature, include_reference, version, include_policy)
 
     def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
-               temperature: float) -> UpdateResult:
+               temperature: float) -> ActorUpdateResult:
         """One policy update. A repeat of an applied step returns its recorded result unchanged."""
         batch.check_limits(self.limits, vocab_size=self.vocab_size)
         self._check_targets(batch, targets)

@@ -130,7 +130,7 @@ class PolicyTrainer:
         Without old logprobs (one pass: one optimizer step, `ActorSection.one_pass_problem`) the
         forward's own, detached, are the old ones (the ratio is 1, its gradient the policy
         gradient), and they come back with the forward's entropy, in the batch's token order."""
-        one_pass: list = [] if targets.old_logprobs is None else None  # (rows, logprobs, entropy) per micro-batch
+        one_pass: list | None = [] if targets.old_logprobs is None else None  # (tokens, (logprobs, entropy))
 
         def step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
             def part(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -183,14 +183,14 @@ class PolicyTrainer:
         # sharding needs every rank to run as many).
         for ((rows, part), weight), real in my_share(list(zip(micro, parts)), self.sharded):
             share = weight / max(total, 1.0) if real else 0.0
-            loss, micro_stats, one_pass = self._micro_loss(
+            loss, micro_stats, own = self._micro_loss(
                 mb.select(rows), part(advantages), part(old_logprobs), part(ref_logprobs), part(weights), part(mask),
                 temperature, part(rollout_logprobs))
             (loss * (share * scale)).backward()
             for name, value in micro_stats.items():
                 stats[name] = stats.get(name, 0.0) + value * share
-            if one_pass is not None and real:
-                logprobs, entropy, micro_weights = one_pass
+            if own is not None and real:
+                logprobs, entropy, micro_weights = own
                 seen.append((rows, (logprobs, entropy)))
                 if micro_weights is not None:  # their mean over the mini-batch's tokens, a part per micro-batch
                     stats["is_weight_mean"] = stats.get("is_weight_mean", 0.0) + (micro_weights * part(mask)).sum() / tokens

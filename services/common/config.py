@@ -395,7 +395,6 @@ class ActorSection(_TrainerSection):
             self.clip_ratio_high = self.clip_ratio
         return self
 
-
     def one_pass_problem(self) -> Optional[str]:
         """Why an update cannot take its old logprobs from its own forward (the policy before its
         optimizer step, that is, the proximal policy), or None."""
