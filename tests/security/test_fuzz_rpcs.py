@@ -469,10 +469,13 @@ def test_load_of_a_directory_without_weights_is_refused(actor, role_json):
 
 
 def test_save_onto_a_directory_that_is_no_checkpoint_deletes_nothing(actor):
-    other = actor.root / "step-00000001" / "critic"
+    # A checkpoint root of its own: the fuzzing before may have saved a checkpoint onto actor.root
+    # itself (a path it tries), which makes that one a checkpoint of this role.
+    root = actor.root / "a-checkpoint-root"
+    other = root / "step-00000001" / "critic"
     other.mkdir(parents=True, exist_ok=True)
     (other / "role.json").write_text("{}")
-    request = common_pb2.SaveCheckpointRequest(step=actor.last_step, path=str(actor.root))
+    request = common_pb2.SaveCheckpointRequest(step=actor.last_step, path=str(root))
     outcome = call(actor.stub.SaveCheckpoint, request)
     actor.check(outcome, common_pb2.SaveCheckpointRequest, "Save onto the checkpoint root")
     assert (other / "role.json").is_file()
