@@ -17,11 +17,11 @@ stages that run at once, joined by bounded queues.
    again or dropped, `pipeline.on_stale`); actor.ComputeLogProbs with the current policy (the
    proximal policy: the PPO ratio starts at 1, and the rollout policy's lag is corrected by
    `actor.is_correction`), unless the update is one pass (its own forward computes them: the
-   policy's pass that waits for the update before is gone); advantages; actor.Update | critic.Update, once the batches the bound lets
-   precede this update have been generated (`pipeline.order: exact`: each batch lags by exactly the
-   bound, whatever the timing, so runs repeat for a fixed seed; `eager`: at once, so that a split
-   actor trains while it generates, each batch lagging by what the timing gives, within the bound);
-   the step's record.
+   policy's pass that waits for the update before is gone); advantages; actor.Update |
+   critic.Update, once the batches the bound lets precede this update have been generated
+   (`pipeline.order: exact`: each batch lags by exactly the bound, whatever the timing, so runs
+   repeat for a fixed seed; `eager`: at once, so that a split actor trains while it generates, each
+   batch lagging by what the timing gives, within the bound); the step's record.
 
 A transient failure (UNAVAILABLE, a deadline) of a role call is retried `pipeline.retries` times:
 every call is safe to repeat (generation is seeded, scoring pure, updates idempotent per step).
@@ -275,8 +275,8 @@ class Pipeline:
     async def _score(self, rollout: Rollout) -> None:
         """The scores and values of the streamed chunks (most already done), in sample order."""
         start = time.perf_counter()
-        # A one-pass update's batch needs the reference's logprobs alone, whatever the policy by
-        # then: asked for now, so they are in before the update before it is done.
+        # A one-pass update's batch needs the reference's logprobs alone, which no update changes:
+        # asked for now, beside the scores, the actor computes them as soon as its trainer is free.
         reference = (self._call(self.roles.actor.compute_logprobs, rollout.batch, self.cfg.sampling.temperature, True,
                                 True) if self.cfg.one_pass_update else _none())
         (*scored, rollout.reference) = await asyncio.gather(*rollout.scoring, reference)
