@@ -29,7 +29,7 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
     logprobs (a one-pass update computes them; `RoleFleetConfig.one_pass_update` asks for no KL
     penalty) the KL is 0 until `after_one_pass` fills it in."""
     mask = batch.response_mask()
-    kl = torch.zeros_like(ref_logprobs) if logprobs is None else KL_ESTIMATORS.get(train.kl_estimator)(logprobs, ref_logprobs)
+    kl = torch.zeros_like(ref_logprobs) if logprobs is None else kl_to_reference(train, logprobs, ref_logprobs)
     token_rewards = batch.pad_responses(-kl_coef * kl)
     token_rewards[torch.arange(len(batch)), batch.response_lengths - 1] += scores
     # Each estimator takes the inputs its signature declares from these.
@@ -49,4 +49,9 @@ def after_one_pass(train: TrainSection, logprobs: LogProbs, targets: Targets,
     if actor.logprobs is None:
         raise FailedPrecondition(f"the actor's one-pass update of step {actor.step} returned no logprobs")
     full = replace(logprobs, logprobs=actor.logprobs.logprobs, entropy=actor.logprobs.entropy)
-    return full, replace(targets, kl=KL_ESTIMATORS.get(train.kl_estimator)(full.logprobs, full.ref_logprobs))
+    return full, replace(targets, kl=kl_to_reference(train, full.logprobs, full.ref_logprobs))
+
+
+def kl_to_reference(train: TrainSection, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL estimate (`train.kl_estimator`) of the policy to the reference, packed [N]."""
+    return KL_ESTIMATORS.get(train.kl_estimator)(logprobs, ref_logprobs)
