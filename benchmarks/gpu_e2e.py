@@ -39,18 +39,28 @@ class BusySampler(threading.Thread):
         self.nvml = pynvml
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self.period_s, self.samples, self.done = period_s, [], threading.Event()
+        self.times: list[float] = []  # wall-clock seconds of each sample
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
             if self.metrics is not None and not self.warmup <= self.steps_done() < self.steps:
                 continue
             self.samples.append([self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles])
+            self.times.append(time.time())
 
     def steps_done(self) -> int:
         try:
             return self.metrics.read_bytes().count(b"\n")
         except FileNotFoundError:
             return 0
+
+    def counter_events(self) -> list[dict]:
+        """The samples as Chrome trace counters ("GPU busy %", one series per GPU) on the wall clock
+        of a run's calls.trace.json, so that a dip in NVML lines up with the calls around it."""
+        meta = {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "NVML"}}
+        return [meta] + [{"ph": "C", "name": "GPU busy %", "pid": 0, "ts": round(t * 1e6),
+                          "args": {f"gpu{i}": v for i, v in enumerate(sample)}}
+                         for t, sample in zip(self.times, self.samples)]
 
     def busy_per_gpu(self) -> list[float]:
         return [statistics.mean(col) / 100 for col in zip(*self.samples)] if self.samples else []
@@ -96,6 +106,10 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     if proc.returncode != 0:
         raise SystemExit(f"{algorithm}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trace = run_dir / "calls.trace.json"
+    if trace.exists():  # the NVML samples beside the calls (the file's format: one event per line)
+        with trace.open("a") as f:
+            f.writelines(json.dumps(event) + ",\n" for event in sampler.counter_events())
     later = records[warmup:] or records
 
     def median(key: str) -> float:
@@ -113,7 +127,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
         "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
         "step_tokens_per_s": median("throughput/tokens_per_s"),
         "busy_trace": sampler.samples,  # per sample (0.2 s apart): each GPU's NVML busy percent
-        "run_dir": str(run_dir),  # its calls.trace.json: every role call on a timeline (run.call_trace)
+        "run_dir": str(run_dir),  # its calls.trace.json: every role call on a timeline (run.call_trace), and NVML
         # Update-phase MFU over the actor's forward + backward of the response tokens alone (the
         # prompts of the addition task are a few tokens), a lower bound: the critic's update shares
         # the phase in PPO.

@@ -11,6 +11,7 @@ pipeline modes (`--runs`, any of):
 - rollout_async_threads16 / _recompute (and grpo_rollout_async_recompute): the same with the
   coordinator on 16 torch threads, and with old logprobs in a pass of their own before each update;
 - grpo_colocated / grpo_rollout_async: GRPO (no critic) in the colocated and the rollout-apart maps;
+  grpo_rollout_async_threads4: the actor's processes on 4 torch CPU threads (`actor.num_threads`);
 - rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
   eager / async exact / sync.
 
@@ -22,6 +23,7 @@ GPU (scaling efficiency).
 
     python benchmarks/placement.py --out OUT_DIR [--steps 10 --warmup 3] [--parts placement,scaling] [--runs colocated,rollout_async]
     python benchmarks/placement.py --out OUT_DIR --parts scaling --sharding fsdp --profile-update 6
+    python benchmarks/placement.py --out OUT_DIR --runs grpo_rollout_async --profile-update 8
 
 Needs two GPUs (nvidia-h200-x2); the node8_* runs eight, the node4_* runs four. Medians and busy time over the steps after the first `--warmup`
 (torch.compile recompiles for new shapes during the first few steps).
@@ -59,6 +61,7 @@ RUNS = {  # name: (config, overrides)
     "grpo_colocated": ("configs/2gpu_colocated.yaml", ()),
     "grpo_rollout_async": ("configs/2gpu_rollout.yaml", ()),
     "grpo_rollout_async_recompute": ("configs/2gpu_rollout.yaml", ("actor.old_logprobs=recompute",)),
+    "grpo_rollout_async_threads4": ("configs/2gpu_rollout.yaml", ("actor.num_threads=4",)),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
@@ -86,8 +89,9 @@ def main() -> None:
                    "update on one GPU against two): one device call may not fit both")
     p.add_argument("--runs", default=",".join(RUNS), help=f"placement runs, any of {', '.join(RUNS)}")
     p.add_argument("--sharding", default="fsdp,replicate", help="scaling: the two-GPU ways to run the update")
-    p.add_argument("--profile-update", type=int, default=0, help="scaling: profile this update of each actor "
-                   "worker (actor.profile_updates) into OUT/profiles/<run>/; 0: none")
+    p.add_argument("--profile-update", type=int, default=0, help="profile this update and this generation of "
+                   "each actor worker (actor.profile_updates, actor.rollout.profile_generates) into "
+                   "OUT/profiles/<run>/; 0: none")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     out = Path(args.out)
@@ -100,13 +104,18 @@ def main() -> None:
     def save() -> None:  # after every run: a device call cut short still returns what finished
         (out / "placement.json").write_text(json.dumps(results, indent=2))
 
+    def profile(name: str) -> tuple[str, ...]:
+        """--profile-update N: the actor's N-th update and N-th generation of each worker profiled."""
+        return (f"actor.profile_updates=[{args.profile_update}]", f"actor.rollout.profile_generates=[{args.profile_update}]",
+                f"actor.profile_dir={(out / 'profiles' / name).resolve()}") if args.profile_update else ()
+
     if "placement" in parts:
         for name in args.runs.split(","):
             config, overrides = RUNS[name]
             algorithm = "grpo" if name.startswith("grpo_") else "ppo"
-            results[name] = run(algorithm, model, runs, args.steps, params, config=config, overrides=overrides,
-                                warmup=args.warmup)
-            traces = out / "traces"  # each run's role calls on a timeline (Perfetto), beside the NVML busy trace
+            results[name] = run(algorithm, model, runs, args.steps, params, config=config,
+                                overrides=(*overrides, *profile(name)), warmup=args.warmup)
+            traces = out / "traces"  # each run's role calls on a timeline (Perfetto), with NVML busy counters
             traces.mkdir(exist_ok=True)
             shutil.copyfile(Path(results[name]["run_dir"]) / "calls.trace.json", traces / f"{name}.trace.json")
             base = "grpo_colocated" if algorithm == "grpo" else "colocated"
@@ -117,10 +126,6 @@ def main() -> None:
     if "scaling" in parts:
         # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
         # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
-        def profile(name: str) -> tuple[str, ...]:
-            return (f"actor.profile_updates=[{args.profile_update}]",
-                    f"actor.profile_dir={(out / 'profiles' / name).resolve()}") if args.profile_update else ()
-
         one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml", overrides=profile("one_gpu"))
         results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
         save()

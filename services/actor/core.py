@@ -98,6 +98,7 @@ class ActorCore:
         # None: anywhere (a core used in-process).
         self.checkpoint_root = None
         self.updates_run = 0  # by this process: what `actor.profile_updates` counts
+        self.generates_run = 0  # ... and its generations, `actor.rollout.profile_generates`
         self.ref_model, self.trainer = None, None
         if self.trains:
             self.ref_model = self._load_reference()
@@ -206,7 +207,7 @@ class ActorCore:
             if self.group is None or self.placement.engine_ranks == [self.rank]:
                 # This process drives the only engine (alone, or the split actor's only rollout
                 # worker): each engine call's samples stream as they finish.
-                chunks = self.engine.generate(prompt_ids, sampling, version)
+                chunks = self._engine_chunks(prompt_ids, sampling, version)
             else:  # each engine generates its share of the prompts; one chunk when all are done
                 chunks = iter([spmd(self, "_generate_share", prompt_ids, sampling, version,
                                     ranks=self.placement.engine_ranks)])
@@ -222,9 +223,17 @@ class ActorCore:
         if mine:
             offset = mine[0]
             seeded = replace(sampling, seed=derived_seed(sampling.seed, offset))
-            for chunk in self.engine.generate([prompt_ids[i] for i in mine], seeded, version):
+            for chunk in self._engine_chunks([prompt_ids[i] for i in mine], seeded, version):
                 samples += [replace(s, prompt_index=s.prompt_index + offset) for s in chunk]
         return [s for part in all_gather(samples) for s in part]
+
+    def _engine_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams,
+                       version: int) -> Iterator[list[Sample]]:
+        """This process's engine's samples, each engine call as it finishes."""
+        self.generates_run += 1
+        with profiled(ROLE, self.generates_run, self.cfg.rollout.profile_generates, self.cfg.profile_dir,
+                      self.rank, what="generate"):
+            yield from self.engine.generate(prompt_ids, sampling, version)
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()

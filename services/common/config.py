@@ -327,6 +327,10 @@ class RolloutSection(_Section):
                                    "generate and the others only train (on GPUs devices.rollout says it)")
     sync_bucket_mb: int = Field(256, ge=1, description="split placement: MiB of weights per broadcast "
                                 "from the trainers to the rollout workers (vllm: into its engines)")
+    profile_generates: list[int] = Field(default_factory=list, description="generations of each generating "
+                                         "worker process to run under torch.profiler (1: its first), as "
+                                         "actor.profile_updates: actor-generate<N>-rank<R>.* in actor.profile_dir "
+                                         "(vllm: this process's side only, not the engine's own processes)")
 
 
 # Keys that moved: a config still using one gets the new name, not just "extra inputs are not permitted".

@@ -1,5 +1,6 @@
-"""torch.profiler around chosen updates of a trainer role (`<role>.profile_updates`): where an
-update's time goes, per worker rank, before anyone optimizes it (docs/operations.md "Profiling")."""
+"""torch.profiler around chosen updates of a trainer role (`<role>.profile_updates`) and chosen
+engine calls of the actor's rollout workers (`actor.rollout.profile_generates`): where their time
+goes, per worker rank, before anyone optimizes it (docs/operations.md "Profiling")."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ TABLE_ROWS = 40
 
 
 @contextlib.contextmanager
-def profiled(role: str, update: int, wanted: Sequence[int], out: str, rank: int) -> Iterator[None]:
-    """Profile this process's `update`-th update (1: its first) when it is one of `wanted`: a Chrome
-    trace and a table of the ops by device time (CPU time without a GPU) go to `out`."""
-    if update not in wanted:
+def profiled(role: str, number: int, wanted: Sequence[int], out: str, rank: int,
+             what: str = "update") -> Iterator[None]:
+    """Profile this process's `number`-th `what` (1: its first) when it is one of `wanted`: a Chrome
+    trace and a table of the ops by device time (CPU time without a GPU) go to `out`, named
+    `<role>-<what><number>-rank<rank>`."""
+    if number not in wanted:
         yield
         return
     cuda = torch.cuda.is_available()
@@ -29,9 +32,9 @@ def profiled(role: str, update: int, wanted: Sequence[int], out: str, rank: int)
             torch.cuda.synchronize()
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
-    stem = directory / f"{role}-update{update}-rank{rank}"
+    stem = directory / f"{role}-{what}{number}-rank{rank}"
     profile.export_chrome_trace(f"{stem}.json")
     table = profile.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                          row_limit=TABLE_ROWS)
     Path(f"{stem}.txt").write_text(table)
-    log.info("%s: update %d profiled on rank %d: %s.json, %s.txt", role, update, rank, stem, stem)
+    log.info("%s: %s %d profiled on rank %d: %s.json, %s.txt", role, what, number, rank, stem, stem)
