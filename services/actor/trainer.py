@@ -47,14 +47,14 @@ class LogprobModule(torch.nn.Module):
     time). One module, so that sharded (FSDP) its root unit's forward hook gathers the embeddings
     and the head, which calling the backbone and the head separately would skip."""
 
-    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool):
+    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool, compiled: bool):
         super().__init__()
-        self.model, self.chunk_tokens, self.packed = model, chunk_tokens, packed
+        self.model, self.chunk_tokens, self.packed, self.compiled = model, chunk_tokens, packed, compiled
 
     def forward(self, batch: SequenceBatch, device: torch.device, temperature: float, with_entropy: bool,
                 entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed,
-                           entropy_grad)
+                           entropy_grad, self.compiled)
 
 
 class PolicyTrainer:
@@ -68,8 +68,8 @@ class PolicyTrainer:
         self.dtype = compute_dtype(device, cfg.compute_dtype)
         if cfg.loss_norm_length is None:  # the config fills it in; a default per micro-batch width would be wrong
             raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
-        self.policy = LogprobModule(model, cfg.logprob_chunk_tokens, self.packed)
-        self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed)
+        self.policy = LogprobModule(model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
+        self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
         # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.

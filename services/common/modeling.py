@@ -6,6 +6,7 @@ tiny demo and test models are saved directories that take the same path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -138,44 +139,61 @@ def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: tor
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int, with_entropy: bool,
-                  entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  chunk_tokens: int, with_entropy: bool, entropy_grad: bool = True,
+                  compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) the entropy of softmax(head(hidden) / temperature), fp32 [N].
 
     The head runs `chunk_tokens` rows at a time, so no [N, V] fp32 logits tensor ever exists for a
     whole batch (151k-vocabulary models: 0.6 MB per token). With gradients on, each chunk is
     checkpointed: its logits are freed after the forward and recomputed in the backward.
-    `entropy_grad=False`: the entropy is for a metric, not a loss; it is computed without a graph,
-    once per chunk (the backward's recomputation of a chunk skips its [chunk, V] passes).
+    `entropy_grad=False`: the entropy is for a metric, not a loss, and is computed without a graph.
+    `compiled`: the maths on each chunk's logits runs through `compiled_token_stats`.
     """
-    detached: dict[int, torch.Tensor] = {}
+    if not with_entropy:
+        entropy = "none"
+    elif entropy_grad or not torch.is_grad_enabled():
+        entropy = "grad"
+    else:
+        entropy = "metric"
+    stats = compiled_token_stats if compiled else token_stats
+    metric: dict[int, torch.Tensor] = {}  # chunk -> its metric entropy, from the chunk's first forward
 
     def chunk(h: torch.Tensor, t: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = head(h).float()
-        if temperature != 1.0:  # a full [chunk, V] pass: skipped at the usual training temperature
-            logits = logits / temperature
-        # Fused log-softmax + gather: its backward writes softmax - onehot in one pass, where
-        # log_softmax(...).gather(...) would allocate and scatter a dense [chunk, V] gradient.
-        token = -torch.nn.functional.cross_entropy(logits, t, reduction="none")
-        if not with_entropy:
-            return token, token.new_zeros(())
-        if entropy_grad or not torch.is_grad_enabled():
-            return token, _entropy(logits)
-        if i not in detached:  # no_grad saves nothing for the backward: its recomputation may skip it
-            with torch.no_grad():
-                detached[i] = _entropy(logits)
-        return token, token.new_zeros(())
+        # Eager, the backward's recomputation of a chunk skips the metric's [chunk, V] passes (no_grad
+        # saved nothing for it); compiled, the metric rides on the pass that reads the logits anyway,
+        # and each recomputation is the same graph as the forward it repeats.
+        wanted = "none" if entropy == "metric" and i in metric and not compiled else entropy
+        token, ent = stats(head(h), t, temperature, wanted)
+        if entropy == "metric":
+            metric.setdefault(i, ent)
+        return token, ent if entropy == "grad" else token.new_zeros(())
 
     tokens, entropies = [], []
     for i, start in enumerate(range(0, hidden.shape[0], chunk_tokens)):
         h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if torch.is_grad_enabled():
-            token, entropy = torch.utils.checkpoint.checkpoint(chunk, h, t, i, use_reentrant=False)
+            token, ent = torch.utils.checkpoint.checkpoint(chunk, h, t, i, use_reentrant=False)
         else:
-            token, entropy = chunk(h, t, i)
+            token, ent = chunk(h, t, i)
         tokens.append(token)
-        entropies.append(detached.get(i, entropy))
+        entropies.append(metric.get(i, ent))
     return torch.cat(tokens), torch.cat(entropies) if with_entropy else None
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From one chunk's logits [n, V]: log p(target) and, unless `entropy` is "none", the entropy
+    of softmax(logits / temperature), fp32 [n]; "metric": the entropy without a graph."""
+    x = logits.float()
+    if temperature != 1.0:  # a full [chunk, V] pass: skipped at the usual training temperature
+        x = x / temperature
+    # Fused log-softmax + gather: its backward writes softmax - onehot in one pass, where
+    # log_softmax(...).gather(...) would allocate and scatter a dense [chunk, V] gradient.
+    token = -torch.nn.functional.cross_entropy(x, targets, reduction="none")
+    if entropy == "none":
+        return token, None
+    with torch.no_grad() if entropy == "metric" else contextlib.nullcontext():
+        return token, _entropy(x)
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -185,15 +203,22 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+# `token_stats` compiled (with `compile_layers`): eager, it makes several passes over [chunk, V]
+# (an fp32 copy of the logits, a log-softmax per loss and per entropy, the entropy's products); as
+# one graph it reads the bf16 logits in one or two reductions, and its backward writes the logits'
+# gradient in one pass. Compiled on first use; a new chunk length makes it shape-generic.
+compiled_token_stats = torch.compile(token_stats)
+
+
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
-                chunk_tokens: int, with_entropy: bool, packed: bool = False,
-                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_tokens: int, with_entropy: bool, packed: bool = False, entropy_grad: bool = True,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
     backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
     backbone, head = split_lm(model)
     hidden = response_hidden(backbone, batch, device, packed)
     return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy,
-                         entropy_grad)
+                         entropy_grad, compiled)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -14,20 +14,22 @@ from tests.helpers import save_after_one_update_over_two_workers
 pytestmark = pytest.mark.gpu
 
 
-def cores(model_dir, dtype):
+def cores(model_dir, dtype, compiled=False):
     cfg = parse_config({"model": {"model_name_or_path": model_dir}},
                        # hf: where vLLM is installed, auto would pick it (tests/actor/test_vllm.py's), and its
                        # in-process engine keeps a one-process torch.distributed world a later worker group cannot join.
                        ["actor.rollout.backend=hf", "actor.kl_loss_coef=0.1", "actor.is_correction=token_truncate",
                         "actor.lr=1e-2",
                         f"actor.compute_dtype={dtype}", f"critic.compute_dtype={dtype}",
-                        "actor.max_tokens_per_micro_batch=40", "critic.max_tokens_per_micro_batch=40"])
+                        "actor.max_tokens_per_micro_batch=40", "critic.max_tokens_per_micro_batch=40",
+                        f"actor.compile_layers={compiled}", f"critic.compile_layers={compiled}"])
     return ActorCore(cfg.actor), CriticCore(cfg.critic)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_actor_and_critic_train_on_cuda(tiny_model_dir, dtype):
-    actor, critic = cores(tiny_model_dir, dtype)
+@pytest.mark.parametrize("dtype, compiled", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_actor_and_critic_train_on_cuda(tiny_model_dir, dtype, compiled):
+    """compiled: `compile_layers`, the layers, the sampler and the LM head's logprob maths compiled."""
+    actor, critic = cores(tiny_model_dir, dtype, compiled)
     assert actor.device.type == "cuda" and next(actor.model.parameters()).is_cuda
     samples = actor.generate(["1+2=", "13+4="] * 8, SamplingParams(max_new_tokens=4, n=2, seed=0))
     batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
@@ -48,11 +50,13 @@ def test_actor_and_critic_train_on_cuda(tiny_model_dir, dtype):
     assert critic.compute_values(batch).mean() > values.mean()
 
 
-@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-3), ("bfloat16", 0.1)])
-def test_graph_decode_matches_a_plain_forward(tiny_model_dir, dtype, tolerance):
+@pytest.mark.parametrize("dtype, tolerance, compiled", [("float32", 1e-3, False), ("bfloat16", 0.1, False),
+                                                        ("float32", 1e-3, True)])
+def test_graph_decode_matches_a_plain_forward(tiny_model_dir, dtype, tolerance, compiled):
     """The CUDA-graph decode path records the logprobs a plain forward of the same weights gives
-    for the same tokens (bf16: up to rounding of the incremental forward)."""
-    actor, _ = cores(tiny_model_dir, dtype)
+    for the same tokens (bf16: up to rounding of the incremental forward); compiled, with the
+    compiled layers and sampler captured in the graph."""
+    actor, _ = cores(tiny_model_dir, dtype, compiled)
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=0, top_k=5, temperature=0.8)
     samples = actor.generate(["1+2=", "13+4=", "7="] * 4, sampling)
     assert actor.engine._loop._buffers.graph is not None  # the captured step ran, not the eager one

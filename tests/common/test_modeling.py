@@ -1,3 +1,4 @@
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -49,3 +50,30 @@ def test_a_metric_entropy_is_computed_once_per_chunk_without_a_graph(monkeypatch
     assert torch.allclose(grad_a, grad_b)
     assert sorted(calls_a) == [2, 2, 4, 4, 4, 4]  # a graph: each chunk's entropy again in the backward
     assert calls_b == [4, 4, 2]           # a metric: once per chunk
+
+
+@pytest.mark.parametrize("with_entropy, entropy_grad", [(True, True), (True, False), (False, True)])
+def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, entropy_grad):
+    """`compile_layers`: each chunk's logprobs and entropy through `compiled_token_stats`, in the
+    checkpointed chunks of a training forward and without a graph: the same numbers and gradients."""
+    from rolefleet.common import modeling
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden, targets = torch.randn(10, 8, requires_grad=True), torch.randint(0, 50, (10,))
+
+    def run(compiled: bool):
+        head.zero_grad()
+        hidden.grad = None
+        logprobs, entropy = modeling.head_logprobs(hidden, head, targets, 0.7, 4, with_entropy, entropy_grad, compiled)
+        loss = logprobs.sum() + (entropy.sum() if with_entropy and entropy_grad else 0)
+        loss.backward()
+        with torch.no_grad():
+            plain = modeling.head_logprobs(hidden, head, targets, 0.7, 4, True, compiled=compiled)
+        return logprobs.detach(), entropy, head.weight.grad.clone(), hidden.grad.clone(), *plain
+
+    for eager, compiled in zip(run(False), run(True)):
+        if eager is None:
+            assert compiled is None
+        else:
+            torch.testing.assert_close(compiled, eager.detach())
