@@ -4,6 +4,9 @@ dimensions; prints per-phase seconds, generated tokens/s, weight-sync time and t
 fraction (NVML sampled every 0.2 s while the run trains).
 
     python benchmarks/gpu_e2e.py --shape qwen2-0.5b --out OUT_DIR
+    python benchmarks/gpu_e2e.py --out OUT_DIR --algorithms grpo --steps 12 --warmup 3 --profile 11 [--set actor.compile_layers=false]
+
+With --profile N, medians and GPU busy time stop at step N - 2 (`measured_until`).
 
 The first step of a run includes the static KV cache's compilation; medians are over the later steps.
 """
@@ -90,14 +93,17 @@ PEAK_FLOPS = 790e12  # bf16 dense, H200 (measured 769-798 TFLOP/s on the machine
 
 
 def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend: str = "hf",
-        config: str = "configs/gpu_1x.yaml", overrides: tuple[str, ...] = (), warmup: int = 1) -> dict:
+        config: str = "configs/gpu_1x.yaml", overrides: tuple[str, ...] = (), warmup: int = 1,
+        until: int = 0) -> dict:
     """One `rolefleet up` run; medians and GPU busy time over the steps after the first `warmup`
-    (compilation: torch.compile specializes on the first shapes it meets, then on dynamic ones)."""
+    (compilation: torch.compile specializes on the first shapes it meets, then on dynamic ones) up to
+    step `until` (0: the last)."""
+    until = until or steps
     run_dir = out / "-".join([algorithm, backend, Path(config).stem, *overrides]).replace("/", "_")
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", config, f"algorithm={algorithm}",
            f"model.model_name_or_path={model}", f"run.output_dir={run_dir}", f"train.total_steps={steps}",
            f"actor.rollout.backend={backend}", "run.call_trace=true", *overrides]
-    sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=steps, warmup=warmup)
+    sampler = BusySampler(metrics=run_dir / "metrics.jsonl", steps=until, warmup=warmup)
     sampler.start()
     start = time.perf_counter()
     proc = _run_to_the_end(cmd)
@@ -110,7 +116,7 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
     if trace.exists():  # the NVML samples beside the calls (the file's format: one event per line)
         with trace.open("a") as f:
             f.writelines(json.dumps(event) + ",\n" for event in sampler.counter_events())
-    later = records[warmup:] or records
+    later = records[warmup:until] or records
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in later)
@@ -157,6 +163,17 @@ def count_parameters(model_dir: Path) -> int:
         return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
+def measured_until(steps: int, warmup: int, profile: int) -> int:
+    """The last step medians count: with a profiled step N, N - 2. The profiler's own cost lands on
+    step N, and in async mode on step N - 1 too (its weight sync waits for the profiled generation)."""
+    if not profile:
+        return steps
+    if profile - 2 <= warmup:
+        raise SystemExit(f"--profile {profile} leaves no step after the {warmup} of warm-up to measure: "
+                         f"profile step {warmup + 3} or later")
+    return profile - 2
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen2-0.5b")
@@ -165,14 +182,25 @@ def main() -> None:
     p.add_argument("--algorithms", default="grpo,ppo")
     p.add_argument("--backends", default="hf", help="actor.rollout.backend values to run each algorithm with")
     p.add_argument("--trl", action="store_true", help="also run the GRPO workload through TRL (benchmarks/trl_grpo.py)")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of medians and GPU busy time")
+    p.add_argument("--profile", type=int, default=0, help="profile this update and this generation of the actor "
+                   "(actor.profile_updates, actor.rollout.profile_generates) into OUT/profiles/<algorithm>-<backend>/; 0: none")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     runs = Path(tempfile.mkdtemp())  # run outputs (logs, events) stay there; OUT gets the summary
     params = count_parameters(model)
-    results = [run(a, model, runs, args.steps, params, b) for b in args.backends.split(",")
-               for a in args.algorithms.split(",")]
+
+    def overrides(name: str) -> tuple[str, ...]:
+        profile = (f"actor.profile_updates=[{args.profile}]", f"actor.rollout.profile_generates=[{args.profile}]",
+                   f"actor.profile_dir={(out / 'profiles' / name).resolve()}") if args.profile else ()
+        return (*args.set, *profile)
+
+    until = measured_until(args.steps, args.warmup, args.profile)
+    results = [run(a, model, runs, args.steps, params, b, overrides=overrides(f"{a}-{b}"), warmup=args.warmup,
+                   until=until) for b in args.backends.split(",") for a in args.algorithms.split(",")]
     if args.trl:
         results.append(trl_side_by_side(model, args.steps, next(r for r in results if r["algorithm"] == "grpo")))
     for r in results:

@@ -23,7 +23,7 @@ GPU (scaling efficiency).
 
     python benchmarks/placement.py --out OUT_DIR [--steps 10 --warmup 3] [--parts placement,scaling] [--runs colocated,rollout_async]
     python benchmarks/placement.py --out OUT_DIR --parts scaling --sharding fsdp --profile-update 6
-    python benchmarks/placement.py --out OUT_DIR --runs grpo_rollout_async --profile-update 8
+    python benchmarks/placement.py --out OUT_DIR --runs grpo_rollout_async --steps 12 --profile-update 11
 
 Needs two GPUs (nvidia-h200-x2); the node8_* runs eight, the node4_* runs four. Medians and busy time over the steps after the first `--warmup`
 (torch.compile recompiles for new shapes during the first few steps).
@@ -37,7 +37,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gpu_e2e import count_parameters, run
+from gpu_e2e import count_parameters, measured_until, run
 
 from rolefleet.common.tiny_model import make_tiny_model
 
@@ -114,7 +114,8 @@ def main() -> None:
             config, overrides = RUNS[name]
             algorithm = "grpo" if name.startswith("grpo_") else "ppo"
             results[name] = run(algorithm, model, runs, args.steps, params, config=config,
-                                overrides=(*overrides, *profile(name)), warmup=args.warmup)
+                                overrides=(*overrides, *profile(name)), warmup=args.warmup,
+                                until=measured_until(args.steps, args.warmup, args.profile_update))
             traces = out / "traces"  # each run's role calls on a timeline (Perfetto), with NVML busy counters
             traces.mkdir(exist_ok=True)
             shutil.copyfile(Path(results[name]["run_dir"]) / "calls.trace.json", traces / f"{name}.trace.json")
@@ -126,12 +127,14 @@ def main() -> None:
     if "scaling" in parts:
         # The actor's update over two GPUs against one (GRPO: the update phase is the actor's alone),
         # sharded (FSDP2) and replicated: perfect scaling halves the phase (efficiency 1.0).
-        one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml", overrides=profile("one_gpu"))
+        until = measured_until(args.steps, 1, args.profile_update)
+        one = run("grpo", model, runs, args.steps, params, config="configs/gpu_1x.yaml", overrides=profile("one_gpu"),
+                  until=until)
         results["update_scaling"] = {"one_gpu_update_s": one["update_s"]}
         save()
         for sharding in args.sharding.split(","):
             two = run("grpo", model, runs, args.steps, params, config=RUNS["colocated"][0],
-                      overrides=(f"actor.sharding={sharding}", *profile(sharding)))
+                      overrides=(f"actor.sharding={sharding}", *profile(sharding)), until=until)
             results["update_scaling"][sharding] = {"update_s": two["update_s"], "step_s": two["step_s"],
                                                    "efficiency": one["update_s"] / (2 * two["update_s"])}
             save()

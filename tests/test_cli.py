@@ -249,3 +249,19 @@ def test_the_coordinator_runs_torch_on_one_thread_unless_told(config_file, monke
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
     asyncio.run(serve_role("coordinator", load_config(config_file, list(overrides))))
     assert seen == [threads]
+
+
+@pytest.mark.parametrize("num_threads, gpu, expected", [(None, True, [1]), (None, False, []), (3, True, [3]),
+                                                        (3, False, [3])])
+def test_a_role_that_drives_a_gpu_runs_torch_on_one_thread_unless_told(monkeypatch, num_threads, gpu, expected):
+    """`<role>.num_threads` unset: one thread where the process drives a GPU (its CPU work is batch
+    glue), torch's default (untouched) where the role computes on the CPU."""
+    import torch
+
+    from rolefleet.common.server import set_threads
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    set_threads(num_threads)
+    assert seen == expected

@@ -59,7 +59,8 @@ class Endpoint(_Section):
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0 picks a free one")
     address: Optional[str] = Field(None, description="host:port clients dial; default host:port")
-    num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default torch's")
+    num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads; default torch's on the CPU, "
+                                       "1 in a process that drives a GPU")
 
     def dial_address(self, role: str) -> str:
         if self.address:
