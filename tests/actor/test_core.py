@@ -171,3 +171,22 @@ def test_samples_carry_run_unique_group_and_sample_ids(core):
         core.generate(["1+2="], SamplingParams(max_new_tokens=2), first_group_id=-1)
     with pytest.raises(InvalidArgument, match="sampling.n"):
         core.generate(["1+2="], SamplingParams(max_new_tokens=2, n=SAMPLES_PER_GROUP_LIMIT))
+
+
+def test_the_rollout_lock_is_let_go_once_the_engine_has_made_the_last_sample(tiny_model_dir):
+    """A streamed request holds the engine between its chunks; once the last chunk is made, a weight
+    sync or the next request need not wait for the caller to send it. A request dropped midway
+    lets go too."""
+    from tests.actor.test_trainer import make_core
+
+    core = make_core(tiny_model_dir, "actor.rollout.batch_size=2")
+    lock = core._rollout_lock
+    chunks = core.generate_chunks(["1+2=", "13+4="], SamplingParams(max_new_tokens=3, n=2, seed=0))
+    assert len(next(chunks)) == 2 and lock.locked()
+    assert len(next(chunks)) == 2 and not lock.locked()
+    assert next(chunks, None) is None and not lock.locked()
+    dropped = core.generate_chunks(["1+2=", "13+4="], SamplingParams(max_new_tokens=3, n=2, seed=0))
+    next(dropped)
+    assert lock.locked()
+    dropped.close()
+    assert not lock.locked()
