@@ -11,7 +11,8 @@ pipeline modes (`--runs`, any of):
 - rollout_async_threads16 / _recompute (and grpo_rollout_async_recompute): the same with the
   coordinator on 16 torch threads, and with old logprobs in a pass of their own before each update;
 - grpo_colocated / grpo_rollout_async: GRPO (no critic) in the colocated and the rollout-apart maps;
-  grpo_rollout_async_threads4: the actor's processes on 4 torch CPU threads (`actor.num_threads`);
+- grpo_rollout_async_torch_threads / rollout_async_torch_threads: the GPU roles on torch's default CPU
+  threads (one per core, their default before) instead of one (`<role>.num_threads`);
 - rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
   eager / async exact / sync.
 
@@ -37,11 +38,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from gpu_e2e import count_parameters, measured_until, run
 
 from rolefleet.common.tiny_model import make_tiny_model
 
 ASYNC = ("pipeline.mode=async", "pipeline.max_staleness=1")
+TORCH_THREADS = torch.get_num_threads()  # torch's default on this host (nothing has set it yet)
 RUNS = {  # name: (config, overrides)
     "colocated": ("configs/2gpu_colocated.yaml", ()),
     "split": ("configs/2gpu.yaml", ()),
@@ -61,7 +64,11 @@ RUNS = {  # name: (config, overrides)
     "grpo_colocated": ("configs/2gpu_colocated.yaml", ()),
     "grpo_rollout_async": ("configs/2gpu_rollout.yaml", ()),
     "grpo_rollout_async_recompute": ("configs/2gpu_rollout.yaml", ("actor.old_logprobs=recompute",)),
-    "grpo_rollout_async_threads4": ("configs/2gpu_rollout.yaml", ("actor.num_threads=4",)),
+    # ... the GPU roles on torch's default CPU threads (a thread per core; their default before
+    # 2026-11-30, sixth session) against the one they now get
+    "grpo_rollout_async_torch_threads": ("configs/2gpu_rollout.yaml", (f"actor.num_threads={TORCH_THREADS}",)),
+    "rollout_async_torch_threads": ("configs/2gpu_rollout.yaml", (f"actor.num_threads={TORCH_THREADS}",
+                                                                  f"critic.num_threads={TORCH_THREADS}")),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
