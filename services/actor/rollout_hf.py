@@ -101,7 +101,7 @@ class HFRolloutEngine:
         prompts = [prompt_ids[p] for p, _ in chunk]
         generated, logprobs = self._sample(prompts, sampling)
         # Each row up to and including its first EOS (the policy is trained to stop), found for the
-        # whole batch at once: per-row tensor work here was tens of ms of GPU idle per call.
+        # whole batch at once, and the texts decoded in one batch.
         eos = generated == self.tokenizer.eos_token_id
         stopped = eos.any(dim=1)
         lengths = torch.where(stopped, eos.int().argmax(dim=1) + 1, generated.shape[1]).tolist()
