@@ -24,6 +24,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
+from rolefleet.common.modeling import compiled
+
 log = logging.getLogger(__name__)
 
 ATTENTION = "rolefleet_cache"
@@ -159,15 +161,6 @@ def sample_next(logits: torch.Tensor, temperature: torch.Tensor | float, top_k: 
     return tokens, logprobs
 
 
-# Eager, `sample_next` makes about ten passes over the [B, V] logits at every decode step (an fp32
-# copy, the tempered logits, the noise, its log, the noisy scores, the argmax, the log-sum-exp);
-# profiled on a 151k vocabulary at B=256 they took a quarter of the step's GPU time. Compiled, the
-# noise is drawn inside the kernels that reduce over the logits. It draws other random numbers than
-# the eager function does, from the same seeded generator, and is captured into the step's graph
-# like any other kernels.
-compiled_sample_next = torch.compile(sample_next)
-
-
 # --- the loop ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -199,10 +192,16 @@ class DecodeLoop:
     frees them (the trainer wants the memory)."""
 
     def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, stop_ids: list[int],
-                 prefill_tokens: int, compiled: bool = False):
-        """`compiled` (`compile_layers`): the sampling too runs as one compiled graph (`compiled_sample_next`)."""
+                 prefill_tokens: int, compile: bool = False):
+        """`compile` (`compile_layers`): the sampling runs compiled too. Eager, `sample_next` makes
+        about ten passes over the [B, V] logits at every decode step (an fp32 copy, the tempered
+        logits, the noise, its log, the noisy scores, the argmax, the log-sum-exp); profiled on a
+        151k vocabulary at B=256 they took a quarter of the step's GPU time. Compiled, the noise is
+        drawn inside the kernels that reduce over the logits: other random numbers than the eager
+        function's, from the same seeded generator, captured into the step's graph like any other
+        kernel."""
         self.model = model
-        self.sample = compiled_sample_next if compiled else sample_next
+        self.sample = compiled(sample_next) if compile else sample_next
         self.device = device
         self.pad_id = pad_id
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)

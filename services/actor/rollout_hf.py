@@ -59,7 +59,7 @@ class HFRolloutEngine:
         self.cfg = cfg
         self._loop = None if cfg.rollout.decode == "generate" else DecodeLoop(
             self.model, device, tokenizer.pad_token_id, [tokenizer.eos_token_id], cfg.max_tokens_per_micro_batch,
-            compiled=cfg.compile_layers)
+            compile=cfg.compile_layers)
 
     # --- weights and memory -------------------------------------------------------------------------
 
@@ -154,6 +154,6 @@ class HFRolloutEngine:
         """Packed logprobs [N] of the sampled tokens under the engine's own weights."""
         (logprobs,) = batch.map_micro_batches(self.cfg.max_tokens_per_micro_batch, lambda mb: lm_logprobs(
             self.model, mb, self.device, temperature, self.cfg.logprob_chunk_tokens, with_entropy=False,
-            compiled=self.cfg.compile_layers)[:1])
+            compile=self.cfg.compile_layers)[:1])
         return logprobs
 

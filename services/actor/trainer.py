@@ -47,14 +47,14 @@ class LogprobModule(torch.nn.Module):
     time). One module, so that sharded (FSDP) its root unit's forward hook gathers the embeddings
     and the head, which calling the backbone and the head separately would skip."""
 
-    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool, compiled: bool):
+    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool, compile: bool):
         super().__init__()
-        self.model, self.chunk_tokens, self.packed, self.compiled = model, chunk_tokens, packed, compiled
+        self.model, self.chunk_tokens, self.packed, self.compile = model, chunk_tokens, packed, compile
 
     def forward(self, batch: SequenceBatch, device: torch.device, temperature: float, with_entropy: bool,
                 entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed,
-                           entropy_grad, self.compiled)
+                           entropy_grad, self.compile)
 
 
 class PolicyTrainer:

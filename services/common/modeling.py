@@ -7,6 +7,7 @@ tiny demo and test models are saved directories that take the same path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -140,14 +141,18 @@ def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: tor
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
                   chunk_tokens: int, with_entropy: bool, entropy_grad: bool = True,
-                  compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  compile: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) the entropy of softmax(head(hidden) / temperature), fp32 [N].
 
     The head runs `chunk_tokens` rows at a time, so no [N, V] fp32 logits tensor ever exists for a
     whole batch (151k-vocabulary models: 0.6 MB per token). With gradients on, each chunk is
     checkpointed: its logits are freed after the forward and recomputed in the backward.
     `entropy_grad=False`: the entropy is for a metric, not a loss, and is computed without a graph.
-    `compiled`: the maths on each chunk's logits runs through `compiled_token_stats`.
+    `compiled` (`compile_layers`): the maths on each chunk's logits runs compiled. Eager, it makes
+    several passes over [chunk, V] (an fp32 copy of the logits, a log-softmax per loss and per
+    entropy, the entropy's products); as one graph it reads the bf16 logits in one or two
+    reductions, and its backward writes the logits' gradient in one pass. A new chunk length makes
+    the graph shape-generic.
     """
     if not with_entropy:
         entropy = "none"
@@ -155,14 +160,14 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
         entropy = "grad"
     else:
         entropy = "metric"
-    stats = compiled_token_stats if compiled else token_stats
+    stats = compiled(token_stats) if compile else token_stats
     metric: dict[int, torch.Tensor] = {}  # chunk -> its metric entropy, from the chunk's first forward
 
     def chunk(h: torch.Tensor, t: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Eager, the backward's recomputation of a chunk skips the metric's [chunk, V] passes (no_grad
         # saved nothing for it); compiled, the metric rides on the pass that reads the logits anyway,
         # and each recomputation is the same graph as the forward it repeats.
-        wanted = "none" if entropy == "metric" and i in metric and not compiled else entropy
+        wanted = "none" if entropy == "metric" and i in metric and not compile else entropy
         token, ent = stats(head(h), t, temperature, wanted)
         if entropy == "metric":
             metric.setdefault(i, ent)
@@ -203,22 +208,22 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-# `token_stats` compiled (with `compile_layers`): eager, it makes several passes over [chunk, V]
-# (an fp32 copy of the logits, a log-softmax per loss and per entropy, the entropy's products); as
-# one graph it reads the bf16 logits in one or two reductions, and its backward writes the logits'
-# gradient in one pass. Compiled on first use; a new chunk length makes it shape-generic.
-compiled_token_stats = torch.compile(token_stats)
+@functools.cache
+def compiled(fn):
+    """`torch.compile(fn)`, made on first use: only runs with `compile_layers` pay for importing
+    the compiler (about a second of every role process's start)."""
+    return torch.compile(fn)
 
 
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
                 chunk_tokens: int, with_entropy: bool, packed: bool = False, entropy_grad: bool = True,
-                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                compile: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
     backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
     backbone, head = split_lm(model)
     hidden = response_hidden(backbone, batch, device, packed)
     return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy,
-                         entropy_grad, compiled)
+                         entropy_grad, compile)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

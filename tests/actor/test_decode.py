@@ -6,10 +6,10 @@ import logging
 import pytest
 import torch
 
-from rolefleet.actor.decode import UnsupportedModel, compiled_sample_next, sample_next
+from rolefleet.actor.decode import UnsupportedModel, sample_next
 from rolefleet.actor.types import FinishReason, SamplingParams
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.modeling import lm_logprobs
+from rolefleet.common.modeling import compiled, lm_logprobs
 from tests.actor.test_trainer import make_core
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
@@ -44,16 +44,16 @@ def test_recorded_logprob_is_the_untruncated_tempered_one():
 
 
 def test_the_compiled_sampler_draws_from_the_same_distribution():
-    """`compile_layers`: the decode loop samples through `compiled_sample_next`, whose noise comes
+    """`compile_layers`: the decode loop samples through `sample_next` compiled, whose noise comes
     from other kernels; its draws follow the same truncated, tempered softmax and it records the
     same logprobs."""
     probs = torch.softmax(LOGITS[0] / 0.7, -1)
-    assert torch.allclose(draws(0, None, 0.7, sample=compiled_sample_next), probs, atol=0.015)
-    truncated = draws(3, 0.7, sample=compiled_sample_next)  # top-3, then a 0.7 nucleus of those: the top two
+    assert torch.allclose(draws(0, None, 0.7, sample=compiled(sample_next)), probs, atol=0.015)
+    truncated = draws(3, 0.7, sample=compiled(sample_next))  # top-3, then a 0.7 nucleus of those: the top two
     top = torch.softmax(LOGITS[0, :2], -1)
     assert (truncated[2:] == 0).all() and torch.allclose(truncated[:2], top, atol=0.015)
     torch.manual_seed(0)
-    tokens, logprobs = compiled_sample_next(LOGITS.expand(64, -1), torch.tensor([0.5]), 2, torch.tensor([0.9]))
+    tokens, logprobs = compiled(sample_next)(LOGITS.expand(64, -1), torch.tensor([0.5]), 2, torch.tensor([0.9]))
     assert torch.allclose(logprobs, torch.log_softmax(LOGITS[0] / 0.5, -1)[tokens], atol=1e-6)
 
 

@@ -54,7 +54,7 @@ def test_a_metric_entropy_is_computed_once_per_chunk_without_a_graph(monkeypatch
 
 @pytest.mark.parametrize("with_entropy, entropy_grad", [(True, True), (True, False), (False, True)])
 def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, entropy_grad):
-    """`compile_layers`: each chunk's logprobs and entropy through `compiled_token_stats`, in the
+    """`compile_layers`: each chunk's logprobs and entropy through `token_stats` compiled, in the
     checkpointed chunks of a training forward and without a graph: the same numbers and gradients."""
     from rolefleet.common import modeling
 
@@ -62,14 +62,14 @@ def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, 
     head = torch.nn.Linear(8, 50, bias=False)
     hidden, targets = torch.randn(10, 8, requires_grad=True), torch.randint(0, 50, (10,))
 
-    def run(compiled: bool):
+    def run(compile: bool):
         head.zero_grad()
         hidden.grad = None
-        logprobs, entropy = modeling.head_logprobs(hidden, head, targets, 0.7, 4, with_entropy, entropy_grad, compiled)
+        logprobs, entropy = modeling.head_logprobs(hidden, head, targets, 0.7, 4, with_entropy, entropy_grad, compile)
         loss = logprobs.sum() + (entropy.sum() if with_entropy and entropy_grad else 0)
         loss.backward()
         with torch.no_grad():
-            plain = modeling.head_logprobs(hidden, head, targets, 0.7, 4, True, compiled=compiled)
+            plain = modeling.head_logprobs(hidden, head, targets, 0.7, 4, True, compile=compile)
         return logprobs.detach(), entropy, head.weight.grad.clone(), hidden.grad.clone(), *plain
 
     for eager, compiled in zip(run(False), run(True)):
