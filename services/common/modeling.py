@@ -148,7 +148,7 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     whole batch (151k-vocabulary models: 0.6 MB per token). With gradients on, each chunk is
     checkpointed: its logits are freed after the forward and recomputed in the backward.
     `entropy_grad=False`: the entropy is for a metric, not a loss, and is computed without a graph.
-    `compiled` (`compile_layers`): the maths on each chunk's logits runs compiled. Eager, it makes
+    `compile` (`compile_layers`): the maths on each chunk's logits runs compiled. Eager, it makes
     several passes over [chunk, V] (an fp32 copy of the logits, a log-softmax per loss and per
     entropy, the entropy's products); as one graph it reads the bf16 logits in one or two
     reductions, and its backward writes the logits' gradient in one pass. A new chunk length makes
