@@ -49,12 +49,13 @@ class LogprobModule(torch.nn.Module):
 
     def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool, compile: bool):
         super().__init__()
-        self.model, self.chunk_tokens, self.packed, self.compile = model, chunk_tokens, packed, compile
+        # Not `self.compile`: that is nn.Module's method.
+        self.model, self.chunk_tokens, self.packed, self.compile_head = model, chunk_tokens, packed, compile
 
     def forward(self, batch: SequenceBatch, device: torch.device, temperature: float, with_entropy: bool,
                 entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed,
-                           entropy_grad, self.compile)
+                           entropy_grad, self.compile_head)
 
 
 class PolicyTrainer:
