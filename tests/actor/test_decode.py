@@ -57,6 +57,16 @@ def test_the_compiled_sampler_draws_from_the_same_distribution():
     assert torch.allclose(logprobs, torch.log_softmax(LOGITS[0] / 0.5, -1)[tokens], atol=1e-6)
 
 
+def test_compile_layers_puts_the_compiled_sampler_and_head_maths_in_the_engine_and_trainer(tiny_model_dir):
+    """The config's switch reaches both: the decode loop samples through the compiled sampler, and
+    the trainer's and the reference's logprob passes compile the LM head's maths."""
+    eager = make_core(tiny_model_dir)
+    assert eager.engine._loop.sample is sample_next and not eager.trainer.policy.compile_head
+    core = make_core(tiny_model_dir, "actor.compile_layers=true")
+    assert core.engine._loop.sample is compiled(sample_next)
+    assert core.trainer.policy.compile_head and core.trainer.reference.compile_head
+
+
 def sequences(samples):
     return SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
 

@@ -53,7 +53,7 @@ def test_a_metric_entropy_is_computed_once_per_chunk_without_a_graph(monkeypatch
 
 
 @pytest.mark.parametrize("with_entropy, entropy_grad", [(True, True), (True, False), (False, True)])
-def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, entropy_grad):
+def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, entropy_grad, monkeypatch):
     """`compile_layers`: each chunk's logprobs and entropy through `token_stats` compiled, in the
     checkpointed chunks of a training forward and without a graph: the same numbers and gradients."""
     from rolefleet.common import modeling
@@ -61,6 +61,8 @@ def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, 
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False)
     hidden, targets = torch.randn(10, 8, requires_grad=True), torch.randint(0, 50, (10,))
+    made, real = [], modeling.compiled
+    monkeypatch.setattr(modeling, "compiled", lambda fn: made.append(fn) or real(fn))
 
     def run(compile: bool):
         head.zero_grad()
@@ -72,7 +74,11 @@ def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, 
             plain = modeling.head_logprobs(hidden, head, targets, 0.7, 4, True, compile=compile)
         return logprobs.detach(), entropy, head.weight.grad.clone(), hidden.grad.clone(), *plain
 
-    for eager, compiled in zip(run(False), run(True)):
+    eager_run = run(False)
+    assert made == []
+    compiled_run = run(True)
+    assert set(made) == {modeling.token_stats}  # the compiled path ran, not the eager one again
+    for eager, compiled in zip(eager_run, compiled_run):
         if eager is None:
             assert compiled is None
         else:
