@@ -14,7 +14,7 @@ pipeline modes (`--runs`, any of):
 - grpo_rollout_async_torch_threads / rollout_async_torch_threads: the GPU roles on torch's default CPU
   threads (one per core, their default before) instead of one (`<role>.num_threads`);
 - rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
-  eager / async exact / sync.
+  eager / async exact / sync; rollout_critic_both: the critic over both GPUs (two workers).
 
 Prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
 during the run, and the ratios to colocated sync when it ran in the same call; each run's role
@@ -70,6 +70,8 @@ RUNS = {  # name: (config, overrides)
     "rollout_async_torch_threads": ("configs/2gpu_rollout.yaml", (f"actor.num_threads={TORCH_THREADS}",
                                                                   f"critic.num_threads={TORCH_THREADS}")),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
+    # ... the critic over both GPUs (two workers): half its work beside generation, half beside training
+    "rollout_critic_both": ("configs/2gpu_rollout.yaml", ("devices.critic=[0,1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
     # One node of 8 GPUs (issue 15; run with --shape qwen2-1.5b): every role over all 8, sync, against

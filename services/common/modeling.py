@@ -151,8 +151,7 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     `compile` (`compile_layers`): the maths on each chunk's logits runs compiled. Eager, it makes
     several passes over [chunk, V] (an fp32 copy of the logits, a log-softmax per loss and per
     entropy, the entropy's products); as one graph it reads the bf16 logits in one or two
-    reductions, and its backward writes the logits' gradient in one pass. A new chunk length makes
-    the graph shape-generic.
+    reductions, and its backward writes the logits' gradient in one pass, for any chunk length.
     """
     if not with_entropy:
         entropy = "none"
@@ -211,8 +210,21 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def compiled(fn):
     """`torch.compile(fn)`, made on first use: only runs with `compile_layers` pay for importing
-    the compiler (about a second of every role process's start)."""
-    return torch.compile(fn)
+    the compiler (about a second of every role process's start). The first dimension of every
+    tensor argument (rows: tokens of a chunk, sequences of a decode batch) is compiled
+    shape-generic from the first call. Left to dynamo, the first graph would be specialized and the
+    first new row count (a ragged last chunk, a smaller decode batch) would recompile it mid-run:
+    10 s of one update on an H200 (docs/benchmarks.md)."""
+    graph = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def rows_dynamic(*args, **kwargs):
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return graph(*args, **kwargs)
+
+    return rows_dynamic
 
 
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,

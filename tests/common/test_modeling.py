@@ -83,3 +83,25 @@ def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, 
             assert compiled is None
         else:
             torch.testing.assert_close(compiled, eager.detach())
+
+
+def test_a_compiled_function_takes_any_row_count_without_recompiling():
+    """`compiled`: the rows of a chunk or a decode batch change from call to call (a ragged last
+    chunk, a smaller batch). The first graph is already shape-generic in them, so a new count runs
+    it instead of compiling another mid-run; the other dimensions stay specialized. (A single row
+    is a shape of its own to dynamo, as everywhere in torch.compile.)"""
+    from torch._dynamo.utils import counters
+
+    from rolefleet.common.modeling import compiled
+
+    def stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+    fn = compiled(stats)
+    counters.clear()
+    for rows in (8, 5, 13, 2):
+        logits, targets = torch.randn(rows, 50), torch.randint(0, 50, (rows,))
+        torch.testing.assert_close(fn(logits, targets), stats(logits, targets))
+    assert counters["stats"]["unique_graphs"] == 1
+    fn(torch.randn(4, 60), torch.randint(0, 60, (4,)))  # a new vocabulary: a graph of its own
+    assert counters["stats"]["unique_graphs"] == 2
