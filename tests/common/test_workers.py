@@ -19,6 +19,17 @@ COMMON = {"compute_dtype": "float32", "lr": 1e-2, "num_threads": 1, "max_tokens_
           "num_mini_batches": 2, "ppo_epochs": 2}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The test process's cores (the single-process reference, and rank 0) on the workers' one
+    thread (`num_threads` above): the same kernels in the same order, so an exact comparison of
+    weights holds. At two threads against one, CPU reductions may round differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(model_dir, sharding):
     return parse_config({"model": {"model_name_or_path": model_dir},
                          "actor": {**COMMON, "kl_loss_coef": 0.1, "entropy_coef": 0.01, "workers": 2,
