@@ -42,7 +42,7 @@ from rolefleet.common.modeling import (
     require_temperature,
     weights_digest,
 )
-from rolefleet.common.profiling import profiled
+from rolefleet.common.profiling import NewGraphs, profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
@@ -98,6 +98,7 @@ class ActorCore:
         # None: anywhere (a core used in-process).
         self.checkpoint_root = None
         self.updates_run = 0  # by this process: what `actor.profile_updates` counts
+        self.new_graphs = NewGraphs(ROLE)
         self.generates_run = 0  # ... and its generations, `actor.rollout.profile_generates`
         self.ref_model, self.trainer = None, None
         if self.trains:
@@ -304,6 +305,7 @@ class ActorCore:
         if logprobs is not None:  # a one-pass update's: kept for its replay, the newest step's only
             self._one_pass_logprobs = (step, replace(logprobs, policy_version=self.state.version))
         stats["weight_sync_s"] = self._publish_weights(self.state.version + 1)
+        metrics.COMPILED_GRAPHS.labels(ROLE).inc(stats["compiled_graphs"])
         return stats
 
     def _train(self, batch: SequenceBatch, targets: PolicyTargets,
@@ -313,7 +315,9 @@ class ActorCore:
         with profiled(ROLE, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, self.rank):
             if self.engine is not None:
                 self.engine.sleep()  # colocated: the trainer needs the memory more than the engine's caches
-            return self.trainer.update(batch, targets, temperature)
+            stats, logprobs = self.trainer.update(batch, targets, temperature)
+        stats["compiled_graphs"] = self.new_graphs.take()
+        return stats, logprobs
 
     @property
     def policy_version(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -38,3 +39,28 @@ def profiled(role: str, number: int, wanted: Sequence[int], out: str, rank: int,
                                          row_limit=TABLE_ROWS)
     Path(f"{stem}.txt").write_text(table)
     log.info("%s: %s %d profiled on rank %d: %s.json, %s.txt", role, what, number, rank, stem, stem)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (0 before anything imported it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
+class NewGraphs:
+    """The graphs torch.compile made in this process since the last `take` (a trainer's: its
+    update's and the logprob passes' before it). A new input shape or mode that no compiled graph
+    covers compiles another, seconds on a GPU paid by the call that meets it: logged once the first
+    update's compiling is over."""
+
+    def __init__(self, role: str) -> None:
+        self.role, self.seen, self.takes = role, compiled_graphs(), 0
+
+    def take(self) -> int:
+        now = compiled_graphs()
+        new, self.seen = now - self.seen, now
+        self.takes += 1
+        if new and self.takes > 1:
+            log.info("%s: torch.compile made %d graph(s) since the last update (a new shape or mode; "
+                     "TORCH_LOGS=recompiles names the guard that failed)", self.role, new)
+        return new

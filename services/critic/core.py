@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rolefleet.algos import VALUE_LOSSES
-from rolefleet.common import checkpoint
+from rolefleet.common import checkpoint, metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.modeling import (
@@ -21,7 +21,7 @@ from rolefleet.common.modeling import (
     release_memory,
     weights_digest,
 )
-from rolefleet.common.profiling import profiled
+from rolefleet.common.profiling import NewGraphs, profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState
@@ -67,6 +67,7 @@ class CriticCore:
         # None: anywhere (a core used in-process).
         self.checkpoint_root = None
         self.updates_run = 0  # by this process: what `critic.profile_updates` counts
+        self.new_graphs = NewGraphs(ROLE)
         self.state = TrainerState(ROLE, versioned="value-model")  # Update's fence: the version of its old values  # model lock, step ledger, model version
         self._lock = self.state.lock
 
@@ -96,8 +97,12 @@ class CriticCore:
         batch.check_per_token(returns, "returns", "target")
         batch.check_per_token(old_values, "old_values", "target")
 
-        return self.state.update(step, values_version, lambda: spmd(self, "_train", batch, returns, old_values),
-                                 max_lag=self.max_staleness)
+        def train() -> dict[str, float]:
+            stats = spmd(self, "_train", batch, returns, old_values)
+            metrics.COMPILED_GRAPHS.labels(ROLE).inc(stats["compiled_graphs"])
+            return stats
+
+        return self.state.update(step, values_version, train, max_lag=self.max_staleness)
 
     def _train(self, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
         """SPMD: every rank the same mini-batches (same generator), its share of their micro-batches."""
@@ -109,9 +114,11 @@ class CriticCore:
         self.model.train()
         try:
             with profiled(ROLE, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, rank):
-                return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
+                stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
         finally:
             self.model.eval()
+        stats["compiled_graphs"] = self.new_graphs.take()
+        return stats
 
     @property
     def model_version(self) -> int:

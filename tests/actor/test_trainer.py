@@ -184,3 +184,25 @@ def test_update_takes_a_batch_within_the_staleness_bound_and_names_the_oldest_ve
     with pytest.raises(FailedPrecondition, match="claims policy version 3; actor is only at 2"):
         core.update(3, 3, batch, targets, 1.0)
     assert core.digest() == digest and core.ledger.last_step == 2  # refusals changed nothing
+
+
+
+def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_model_dir, caplog):
+    """Each update's `compiled_graphs` statistic, and the Prometheus counter, say how many graphs
+    torch.compile made in the trainer's process since the update before it (the counting itself:
+    tests/common/test_profiling.py); one that made some after the first update is logged."""
+    from prometheus_client import REGISTRY
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("rolefleet_compiled_graphs_total", {"role": "actor"}) or 0.0
+
+    core = make_core(tiny_model_dir, *ONE_STEP)
+    _, batch, lp = rollout(core)
+    targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs)
+    assert core.update(1, 0, batch, targets, 1.0).stats["compiled_graphs"] == 0  # eager
+    before = counted()
+    core.new_graphs.seen -= 2  # as if a new shape had compiled two graphs since
+    with caplog.at_level("INFO", logger="rolefleet.common.profiling"):
+        assert core.update(2, 1, batch, targets, 1.0).stats["compiled_graphs"] == 2
+    assert counted() == before + 2
+    assert "made 2 graph(s) since the last update" in caplog.text

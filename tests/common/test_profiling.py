@@ -41,3 +41,30 @@ def test_the_chosen_updates_are_profiled_per_role(tiny_model_dir, tmp_path):
     trace = json.loads((out / "critic-update1-rank0.json").read_text())
     assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
     assert actor.policy_version == 2  # profiled updates apply as any other
+
+
+def test_new_graphs_counts_what_torch_compile_made_between_takes():
+    from rolefleet.common.profiling import NewGraphs
+
+    fn = torch.compile(lambda x: torch.sin(x) * 2)
+    graphs = NewGraphs("actor")
+    assert graphs.take() == 0
+    fn(torch.randn(4, 3))
+    assert graphs.take() == 1
+    fn(torch.randn(4, 3))  # a shape it covers
+    assert graphs.take() == 0
+    fn(torch.randn(4, 3, dtype=torch.float64))  # a new dtype: another graph
+    assert graphs.take() == 1
+
+
+def test_a_critic_update_counts_the_graphs_made_since_the_last_one(tiny_model_dir):
+    from prometheus_client import REGISTRY
+
+    critic = CriticCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}}, []).critic)
+    batch = SequenceBatch.from_lists([torch.tensor([5, 6, 7])], [torch.tensor([8, 9])])
+    values = critic.compute_values(batch)
+    assert critic.update(1, batch, torch.ones_like(values), values).stats["compiled_graphs"] == 0  # eager
+    before = REGISTRY.get_sample_value("rolefleet_compiled_graphs_total", {"role": "critic"})
+    critic.new_graphs.seen -= 3  # as if a new shape had compiled three graphs since
+    assert critic.update(2, batch, torch.ones_like(values), values).stats["compiled_graphs"] == 3
+    assert REGISTRY.get_sample_value("rolefleet_compiled_graphs_total", {"role": "critic"}) == before + 3
