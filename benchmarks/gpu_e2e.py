@@ -132,6 +132,10 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
         "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),
         "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
         "step_tokens_per_s": median("throughput/tokens_per_s"),
+        # Updates after the first that recompiled (they or the logprob passes before them): outliers
+        # in a window of steps; [role, step, graphs made].
+        "recompiles": [[role, r["step"], r[f"{role}/compiled_graphs"]] for r in records[1:]
+                       for role in ("actor", "critic") if r.get(f"{role}/compiled_graphs")],
         "busy_trace": sampler.samples,  # per sample (0.2 s apart): each GPU's NVML busy percent
         "run_dir": str(run_dir),  # its calls.trace.json: every role call on a timeline (run.call_trace), and NVML
         # Update-phase MFU over the actor's forward + backward of the response tokens alone (the
