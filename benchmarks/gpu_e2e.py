@@ -43,6 +43,7 @@ class BusySampler(threading.Thread):
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self.period_s, self.samples, self.done = period_s, [], threading.Event()
         self.times: list[float] = []  # wall-clock seconds of each sample
+        self.sample_steps: list[int] = []  # ... and the step in progress then (0: no metrics read)
 
     def run(self) -> None:
         while not self.done.wait(self.period_s):
@@ -50,6 +51,7 @@ class BusySampler(threading.Thread):
                 continue
             self.samples.append([self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles])
             self.times.append(time.time())
+            self.sample_steps.append(self.steps_done() + 1 if self.metrics is not None else 0)
 
     def steps_done(self) -> int:
         try:
@@ -65,13 +67,20 @@ class BusySampler(threading.Thread):
                           "args": {f"gpu{i}": v for i, v in enumerate(sample)}}
                          for t, sample in zip(self.times, self.samples)]
 
-    def busy_per_gpu(self) -> list[float]:
-        return [statistics.mean(col) / 100 for col in zip(*self.samples)] if self.samples else []
+    def busy_per_gpu(self, skip_steps: frozenset[int] = frozenset()) -> list[float]:
+        return mean_busy(self.samples, self.sample_steps, skip_steps)
 
     def busy(self) -> float:
         """GPU 0's (the one-GPU runs)."""
         per_gpu = self.busy_per_gpu()
         return per_gpu[0] if per_gpu else 0.0
+
+
+def mean_busy(samples: list[list[float]], steps: list[int], skip_steps: frozenset[int] = frozenset()) -> list[float]:
+    """Each GPU's mean NVML busy fraction over the samples (percent, one list per sample), leaving
+    out those taken while a step of `skip_steps` was in progress (`steps`: each sample's)."""
+    kept = [sample for sample, step in zip(samples, steps) if step not in skip_steps]
+    return [statistics.mean(col) / 100 for col in zip(*kept)] if kept else []
 
 
 def _run_to_the_end(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -117,6 +126,10 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
         with trace.open("a") as f:
             f.writelines(json.dumps(event) + ",\n" for event in sampler.counter_events())
     later = records[warmup:until] or records
+    # Updates after the first that recompiled (they or the logprob passes before them): outliers in
+    # a window of steps; [role, step, graphs made].
+    recompiles = [[role, r["step"], r[f"{role}/compiled_graphs"]] for r in records[1:]
+                  for role in ("actor", "critic") if r.get(f"{role}/compiled_graphs")]
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in later)
@@ -127,15 +140,14 @@ def run(algorithm: str, model: Path, out: Path, steps: int, params: int, backend
         "algorithm": algorithm, "backend": backend, "config": config, "overrides": list(overrides),
         "steps": len(records), "wall_s": wall,
         "gpu_busy": sampler.busy(), "gpu_busy_per_gpu": sampler.busy_per_gpu(),
+        # ... without the steps whose update recompiled (seconds of one GPU's compiling, the other idle)
+        "gpu_busy_per_gpu_steady": sampler.busy_per_gpu(frozenset(step for _, step, _ in recompiles)),
         "step_s": median("timing/step_s"), "generate_s": median("timing/generate_s"),
         "score_s": median("timing/score_s"), "update_s": median("timing/update_s"),
         "first_step_s": records[0]["timing/step_s"], "generated_tokens_per_s": statistics.median(generated),
         "response_length": median("response_length/mean"), "weight_sync_s": median("actor/weight_sync_s"),
         "step_tokens_per_s": median("throughput/tokens_per_s"),
-        # Updates after the first that recompiled (they or the logprob passes before them): outliers
-        # in a window of steps; [role, step, graphs made].
-        "recompiles": [[role, r["step"], r[f"{role}/compiled_graphs"]] for r in records[1:]
-                       for role in ("actor", "critic") if r.get(f"{role}/compiled_graphs")],
+        "recompiles": recompiles,
         "busy_trace": sampler.samples,  # per sample (0.2 s apart): each GPU's NVML busy percent
         "run_dir": str(run_dir),  # its calls.trace.json: every role call on a timeline (run.call_trace), and NVML
         # Update-phase MFU over the actor's forward + backward of the response tokens alone (the

@@ -47,3 +47,12 @@ def test_trace_steps_reads_step_time_and_busy_between_two_updates():
     assert window["busy"] == {"gpu0": pytest.approx(0.8), "gpu1": pytest.approx(0.5)} and window["samples"] == 2
     with pytest.raises(SystemExit, match="4 updates"):
         trace_steps.window(updates, after=3, until=5)
+
+
+def test_mean_busy_leaves_out_the_samples_of_the_steps_asked():
+    gpu_e2e = load("gpu_e2e")
+    samples = [[80, 60], [90, 70], [0, 100], [10, 100], [70, 50]]
+    steps = [4, 4, 5, 5, 6]  # step 5 recompiled: one GPU compiling, the other idle
+    assert gpu_e2e.mean_busy(samples, steps) == pytest.approx([0.5, 0.76])
+    assert gpu_e2e.mean_busy(samples, steps, frozenset({5})) == pytest.approx([0.8, 0.6])
+    assert gpu_e2e.mean_busy(samples, steps, frozenset({4, 5, 6})) == []
