@@ -20,8 +20,8 @@ Prints seconds per step, generated tokens per second of step time, each GPU's NV
 during the run (`gpu_busy_per_gpu`, and `gpu_busy_per_gpu_steady` without the steps whose update
 recompiled, listed in `recompiles`), and the ratios to colocated sync when it ran in the same
 call; each run's role calls on a timeline (`run.call_trace`) go to OUT/traces/<run>.trace.json;
-with `--parts scaling`, the actor's update phase (GRPO) on two GPUs, FSDP2-sharded and replicated, against one
-GPU (scaling efficiency).
+with `--parts scaling`, the actor's update phase (GRPO) on two GPUs, FSDP2-sharded and
+replicated, against one GPU (scaling efficiency).
 
     python benchmarks/placement.py --out OUT_DIR [--steps 10 --warmup 3] [--parts placement,scaling] [--runs colocated,rollout_async]
     python benchmarks/placement.py --out OUT_DIR --parts scaling --sharding fsdp --profile-update 6

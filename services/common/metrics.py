@@ -39,7 +39,8 @@ STAGE_SECONDS = Counter(
     "rolefleet_stage_busy_seconds", "Time the coordinator spent in each step phase", ["role", "stage"]
 )
 TRAIN_STEPS = Counter("rolefleet_train_steps", "Training steps applied", ["role"])
-COMPILED_GRAPHS = Counter("rolefleet_compiled_graphs", "Graphs torch.compile made in a trainer role (its first update's, then any recompile for a new shape or mode)", ["role"])
+COMPILED_GRAPHS = Counter("rolefleet_compiled_graphs", "Graphs torch.compile made in a trainer role (its first "
+                          "update's, then any recompile for a new shape or mode)", ["role"])
 PIPELINE_QUEUE_DEPTH = Gauge("rolefleet_pipeline_queue_depth", "Rollout batches waiting between stages of the "
                              "async pipeline", ["role", "queue"])
 PIPELINE_STALE_SAMPLES = Counter("rolefleet_pipeline_stale_samples", "Samples that aged past "

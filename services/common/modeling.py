@@ -213,8 +213,8 @@ def compiled(fn):
     the compiler (about a second of every role process's start). The first dimension of every
     tensor argument (rows: tokens of a chunk, sequences of a decode batch) is compiled
     shape-generic from the first call. Left to dynamo, the first graph would be specialized and the
-    first new row count (a ragged last chunk, a smaller decode batch) would recompile it mid-run:
-    10 s of one update on an H200 (docs/benchmarks.md)."""
+    first new row count (a ragged last chunk, a smaller decode batch) would recompile it mid-run,
+    at seconds of that call on a GPU."""
     graph = torch.compile(fn)
 
     @functools.wraps(fn)

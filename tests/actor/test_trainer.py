@@ -186,7 +186,6 @@ def test_update_takes_a_batch_within_the_staleness_bound_and_names_the_oldest_ve
     assert core.digest() == digest and core.ledger.last_step == 2  # refusals changed nothing
 
 
-
 def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_model_dir, caplog):
     """Each update's `compiled_graphs` statistic, and the Prometheus counter, say how many graphs
     torch.compile made in the trainer's process since the update before it (the counting itself:
