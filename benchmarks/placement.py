@@ -4,8 +4,8 @@ pipeline modes (`--runs`, any of):
 
 - colocated: `configs/2gpu_colocated.yaml`, every role over both GPUs (two workers each), sync;
 - split / split_async: `configs/2gpu.yaml`, actor on GPU 0, critic on GPU 1, sync / async;
-- rollout_async: `configs/2gpu_rollout.yaml`, the actor generating on GPU 0 beside the critic and
-  training on GPU 1 (weights broadcast after each update), async in eager order;
+- rollout_async: `configs/2gpu_rollout.yaml`, the actor generating on GPU 0 and training on GPU 1
+  (weights broadcast after each update), the critic over both GPUs, async in eager order;
 - rollout_async_stream / _stale2 / _vllm: the same with 64-sequence engine calls (each streams as it
   finishes), with `pipeline.max_staleness: 2`, and with vLLM generating;
 - rollout_async_threads16 / _recompute (and grpo_rollout_async_recompute): the same with the
@@ -13,8 +13,9 @@ pipeline modes (`--runs`, any of):
 - grpo_colocated / grpo_rollout_async: GRPO (no critic) in the colocated and the rollout-apart maps;
 - grpo_rollout_async_torch_threads / rollout_async_torch_threads: the GPU roles on torch's default CPU
   threads (one per core, their default before) instead of one (`<role>.num_threads`);
-- rollout_critic1 / _exact / _sync: the same with the critic on GPU 1 beside the trainer, async
-  eager / async exact / sync; rollout_critic_both: the critic over both GPUs (two workers).
+- rollout_critic0: the same with the critic on GPU 0 beside the engine (the config's map before
+  2026-11-30, eighth session); rollout_critic1 / _exact / _sync: with the critic on GPU 1 beside the
+  trainer, async eager / async exact / sync.
 
 Prints seconds per step, generated tokens per second of step time, each GPU's NVML busy fraction
 during the run (`gpu_busy_per_gpu`, and `gpu_busy_per_gpu_steady` without the steps whose update
@@ -50,7 +51,7 @@ RUNS = {  # name: (config, overrides)
     "colocated": ("configs/2gpu_colocated.yaml", ()),
     "split": ("configs/2gpu.yaml", ()),
     "split_async": ("configs/2gpu.yaml", ASYNC),
-    # The actor generating on GPU 0 and training on GPU 1; the critic on GPU 0 (the config's) or 1.
+    # The actor generating on GPU 0 and training on GPU 1; the critic over both (the config's), on 0 or on 1.
     "rollout_async": ("configs/2gpu_rollout.yaml", ()),  # async, eager order (the config's)
     # ... streaming smaller engine calls, two updates of staleness, vLLM generating (its own processes)
     "rollout_async_stream": ("configs/2gpu_rollout.yaml", ("actor.rollout.batch_size=64",)),
@@ -70,9 +71,8 @@ RUNS = {  # name: (config, overrides)
     "grpo_rollout_async_torch_threads": ("configs/2gpu_rollout.yaml", (f"actor.num_threads={TORCH_THREADS}",)),
     "rollout_async_torch_threads": ("configs/2gpu_rollout.yaml", (f"actor.num_threads={TORCH_THREADS}",
                                                                   f"critic.num_threads={TORCH_THREADS}")),
+    "rollout_critic0": ("configs/2gpu_rollout.yaml", ("devices.critic=[0]",)),
     "rollout_critic1": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]",)),
-    # ... the critic over both GPUs (two workers): half its work beside generation, half beside training
-    "rollout_critic_both": ("configs/2gpu_rollout.yaml", ("devices.critic=[0,1]",)),
     "rollout_critic1_exact": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.order=exact")),
     "rollout_critic1_sync": ("configs/2gpu_rollout.yaml", ("devices.critic=[1]", "pipeline.mode=sync")),
     # One node of 8 GPUs (issue 15; run with --shape qwen2-1.5b): every role over all 8, sync, against

@@ -316,7 +316,7 @@ class ActorCore:
             if self.engine is not None:
                 self.engine.sleep()  # colocated: the trainer needs the memory more than the engine's caches
             stats, logprobs = self.trainer.update(batch, targets, temperature)
-        stats["compiled_graphs"] = self.new_graphs.take()
+        stats["compiled_graphs"] = self.new_graphs.take_over_ranks()
         return stats, logprobs
 
     @property

@@ -267,9 +267,23 @@ def compile_decoder_layers(model: torch.nn.Module, hooks_outside: bool = False) 
     # Variants per layer: grad on/off, train/eval, policy/reference/critic weights. Past the limit
     # dynamo would quietly run the layer eagerly.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Micro-batch widths change every step: one shape-generic graph.
+    kwargs = {"dynamic": True, "options": layer_compile_options()}
     for layer in layers:
         if hooks_outside:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer.forward = torch.compile(layer.forward, **kwargs)
         else:
-            layer.compile(dynamic=True)  # micro-batch widths change every step: one shape-generic graph
+            layer.compile(**kwargs)
     return len(layers)
+
+
+def layer_compile_options() -> dict[str, bool]:
+    """Inductor options for the decoder layers. Inductor fuses the norm's two backward reductions
+    (over tokens, over channels) only past a size (tokens x hidden >= 5 Mi elements), a decision it
+    guards on: the first micro-batch over that size, often steps into a run, recompiled every layer
+    graph (10-20 s on an H200, measured 2026-11-30). Without the size checks the fusion's choice does
+    not depend on the token count, so one graph serves every width."""
+    from torch._inductor import config as inductor
+
+    return {"triton.mix_order_reduction_non_strict_mode": True} \
+        if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode") else {}

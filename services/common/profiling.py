@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.common.workers import sum_over_ranks
+
 log = logging.getLogger(__name__)
 TABLE_ROWS = 40
 
@@ -48,10 +50,11 @@ def compiled_graphs() -> int:
 
 
 class NewGraphs:
-    """The graphs torch.compile made in this process since the last `take` (a trainer's: its
-    update's and the logprob passes' before it). A new input shape or mode that no compiled graph
-    covers compiles another, seconds on a GPU paid by the call that meets it: logged once the first
-    update's compiling is over."""
+    """The graphs torch.compile made since the last `take` (a trainer's: its update's and the
+    logprob passes' before it), in this process and, from `take_over_ranks`, in all of the role's
+    worker processes. A new input shape or mode that no compiled graph covers compiles another,
+    seconds on a GPU paid by the call that meets it: logged by the process that made it once the
+    first update's compiling is over."""
 
     def __init__(self, role: str) -> None:
         self.role, self.seen, self.takes = role, compiled_graphs(), 0
@@ -64,3 +67,9 @@ class NewGraphs:
             log.info("%s: torch.compile made %d graph(s) since the last update (a new shape or mode; "
                      "TORCH_LOGS=recompiles names the guard that failed)", self.role, new)
         return new
+
+    def take_over_ranks(self) -> int:
+        """`take` summed over the ranks of this process's group (SPMD: every rank calls it). A rank
+        compiles alone when only its share of the micro-batches has a new shape (no padding, more
+        tokens past an Inductor size heuristic): rank 0's count alone would miss it."""
+        return int(sum_over_ranks({"graphs": self.take()})["graphs"])

@@ -117,7 +117,7 @@ class CriticCore:
                 stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, train_step)
         finally:
             self.model.eval()
-        stats["compiled_graphs"] = self.new_graphs.take()
+        stats["compiled_graphs"] = self.new_graphs.take_over_ranks()
         return stats
 
     @property

@@ -7,7 +7,8 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
-from rolefleet.common.modeling import lm_logprobs
+from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs, load_causal_lm
+from rolefleet.common.profiling import NewGraphs
 from rolefleet.critic.core import CriticCore
 from tests.helpers import save_after_one_update_over_two_workers
 
@@ -149,3 +150,18 @@ def test_fsdp_over_two_gpus_saves_shards_that_one_gpu_loads(tiny_model_dir, tmp_
     single = ActorCore(cfg.actor.model_copy(update={"workers": 1}))
     single.load_checkpoint(str(tmp_path / "actor"))
     assert single.device.type == "cuda" and single.digest() == digest and single.policy_version == 1
+
+
+def test_compiled_layers_train_on_any_token_count_with_one_graph(tiny_model_dir):
+    """`compile_layers`: one layer graph for forward and backward serves a micro-batch of a few
+    hundred tokens and one past Inductor's size heuristic for fusing the norm's backward reductions
+    (tokens x hidden >= 5 Mi); before `layer_compile_options`, the second recompiled every layer."""
+    model = load_causal_lm(tiny_model_dir, torch.device("cuda")).to(torch.bfloat16)
+    compile_decoder_layers(model)
+    graphs = NewGraphs("test")
+    tokens = -(-(5 << 20) // model.config.hidden_size) * 2  # twice the threshold's token count
+    for rows, width in ((2, 256), (16, -(-tokens // 16))):
+        ids = torch.randint(3, model.config.vocab_size, (rows, width), device="cuda")
+        model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().mean().backward()
+        made = graphs.take()
+        assert made > 0 if (rows, width) == (2, 256) else made == 0, (rows, width, made)

@@ -10,6 +10,7 @@ from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.profiling import compiled_graphs
 from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.core import CriticCore
 from tests.helpers import save_after_one_update_over_two_workers
@@ -228,3 +229,23 @@ def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path):
     assert single.digest() == digest and single.policy_version == 1 and single.ledger.last_step == 1
     assert single.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=5))[0].policy_version == 1
     assert single.update(2, 1, batch, targets, 1.0).model_version == 2
+
+
+def test_an_update_counts_the_graphs_every_worker_compiled(tiny_model_dir):
+    """`compiled_graphs` is the group's count: rank 0's (this process's) alone would miss a graph
+    only another rank's micro-batches made it compile."""
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir},
+                        "critic": {**COMMON, "workers": 2, "sharding": "replicate", "compile_layers": True,
+                                   "num_mini_batches": 1, "ppo_epochs": 1}}, [])
+    batch = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])] * 2,
+                                     [torch.tensor([9, 2]), torch.tensor([10, 4, 2])] * 2)
+    group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"))
+    try:
+        critic = CriticCore(cfg.critic)
+        critic.group = group
+        here = compiled_graphs()
+        made = critic.update(1, batch, torch.ones(10), torch.zeros(10)).stats["compiled_graphs"]
+        assert compiled_graphs() > here  # this rank compiled its micro-batches' layers
+        assert made > compiled_graphs() - here  # ... and the other rank its own
+    finally:
+        group.stop()
