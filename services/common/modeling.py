@@ -281,8 +281,8 @@ def layer_compile_options() -> dict[str, bool]:
     """Inductor options for the decoder layers. Inductor fuses the norm's two backward reductions
     (over tokens, over channels) only past a size (tokens x hidden >= 5 Mi elements), a decision it
     guards on: the first micro-batch over that size, often steps into a run, recompiled every layer
-    graph (10-20 s on an H200, measured 2026-11-30). Without the size checks the fusion's choice does
-    not depend on the token count, so one graph serves every width."""
+    graph (about 20 s for Qwen2-0.5B on an H200, 2026-11-30). Without the size checks the fusion's
+    choice does not depend on the token count, so one graph serves every width."""
     from torch._inductor import config as inductor
 
     return {"triton.mix_order_reduction_non_strict_mode": True} \
