@@ -64,7 +64,8 @@ def peak_gb(fn) -> float:
 
 def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams, decode: str) -> dict:
     core.cfg.rollout.decode = decode
-    core.engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, core.engine.model.dtype)
+    core.engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, core.engine.model.dtype,
+                                  core.stop_ids)
     start = time.perf_counter()
     core.generate(prompts, sampling)  # warm-up: graph capture, allocator
     warmup = time.perf_counter() - start

@@ -201,6 +201,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_import_gguf(args) -> int:
+    from rolefleet.gguf_import import GgufImportError, import_gguf
+
+    try:
+        done = import_gguf(Path(args.file), Path(args.out), args.dtype)
+    except GgufImportError as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # an unwritable OUT is the user's argument, not a crash
+        raise ConfigError(f"import-gguf: {e}") from None
+    for note in done.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"{done.out}: {done.architecture}, {done.parameters / 1e6:.1f}M parameters, eos {done.eos_token!r}, "
+          f"responses stop at ids {list(done.stop_ids)}", file=sys.stderr)
+    print(done.out)
+    return 0
+
+
 def cmd_certs(args) -> int:
     from rolefleet.certs import CertsError, make_certs
 
@@ -294,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="dtype of the written weights (default auto: the model config's, else float32)")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("import-gguf", help="write a GGUF checkpoint as a Hugging Face model directory")
+    p.add_argument("file", help="the .gguf file (quantized tensors are dequantized)")
+    p.add_argument("out", help="the model directory to create (new, or empty)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the written weights (default float32: the trainer's master weights)")
+    p.set_defaults(fn=cmd_import_gguf)
 
     p = sub.add_parser("certs", help="make a development CA and a TLS certificate per role (and client)")
     p.add_argument("out", help="the directory to write ca.pem, N.pem and N-key.pem into (created 0700)")

@@ -37,7 +37,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "auto") -> Path:
     float32). `out` appears whole or not at all; an existing non-empty `out` is refused. Returns `out`."""
     actor = actor_dir(Path(checkpoint))
     out = Path(out)
-    _check_out(out)
+    check_out(out)
     config, tokenizer = _read_hf(actor / "hf")  # before the weights: a bad hf/ costs no model load
     target = export_dtype(config, dtype)
     model = _empty_model(config, target)
@@ -96,7 +96,7 @@ def export_dtype(config, dtype: str) -> torch.dtype:
     return saved if saved in DTYPES.values() else torch.float32
 
 
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"output {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):

@@ -45,6 +45,7 @@ from rolefleet.common.modeling import (
 from rolefleet.common.profiling import NewGraphs, profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus
 from rolefleet.common.sharding import full_named_parameters
+from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
 from rolefleet.common.workers import (
     all_gather,
@@ -80,6 +81,11 @@ class ActorCore:
         self.tokenizer = load_tokenizer(cfg.model_name_or_path)
         self.model = load_causal_lm(cfg.model_name_or_path, self.device)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        # Where the checkpoint ends a response (its tokenizer's eos and generation config's
+        # eos_token_id list), before the hf engine clears its copy's generation defaults.
+        self.stop_ids = checkpoint_stop_ids(self.tokenizer, self.model.generation_config)
+        if self.rank == 0:
+            warn_if_turn_runs_on(self.tokenizer, self.stop_ids, cfg.model_name_or_path)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.model_config = self.model.config  # what a checkpoint's hf/ needs, on every rank
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
@@ -159,13 +165,14 @@ class ActorCore:
                 if self.remote_engines:
                     visible = _visible_gpus()
                     gpus = [visible[r] for r in self.placement.engine_members(self.rank)]
-                return VllmRolloutEngine(policy, self.tokenizer, self.cfg, self.cfg.model_name_or_path, seed, gpus)
+                return VllmRolloutEngine(policy, self.tokenizer, self.cfg, self.cfg.model_name_or_path, self.stop_ids,
+                                         seed, gpus)
             except Exception as exc:  # an installed vLLM that cannot start here (its torch pin, say)
                 if self.cfg.rollout.backend == "vllm" or self.remote_engines:  # the trainers expect vLLM's
                     raise
                 log.warning("actor.rollout.backend=auto: vLLM is installed but did not start (%s); using hf", exc)
         return HFRolloutEngine(self.model, self.tokenizer, self.device, self.cfg,
-                               compute_dtype(self.device, self.cfg.compute_dtype))
+                               compute_dtype(self.device, self.cfg.compute_dtype), self.stop_ids)
 
     # --- rollouts ---------------------------------------------------------------------------------
 
@@ -253,6 +260,10 @@ class ActorCore:
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()
+        for i, token in enumerate(sampling.stop_token_ids):
+            if token >= self.vocab_size:
+                raise InvalidArgument(f"sampling.stop_token_ids[{i}]", f"{token} is not below the model's vocabulary "
+                                      f"size {self.vocab_size}")
         if len(prompts) * sampling.n > self.cfg.max_sequences_per_request:
             raise LimitExceeded("sampling.n", f"{len(prompts)} prompts x n={sampling.n} exceed "
                                 f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")

@@ -136,32 +136,46 @@ def cache_attention_on(model: PreTrainedModel):
 # --- sampling ---------------------------------------------------------------------------------------
 
 def sample_next(logits: torch.Tensor, temperature: torch.Tensor | float, top_k: int,
-                top_p: torch.Tensor | float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                top_p: torch.Tensor | float | None, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from softmax(logits / temperature) truncated to the top-k tokens and then
     the smallest top-p nucleus (ties at the k-th logit kept, as transformers does), and its logprob
     under the untruncated tempered distribution. logits [B, V] -> (int64 [B], fp32 [B]).
 
     Gumbel-max (argmax of logits - log E, E ~ Exp(1)) draws exactly from the softmax without a
-    softmax pass or a host sync, so it can live in a CUDA graph. top_p None: no nucleus (no sort)."""
+    softmax pass or a host sync, so it can live in a CUDA graph. top_p None: no nucleus (no sort).
+    `greedy`: the most likely token (no random numbers drawn), its logprob under temperature 1
+    (the caller's temperature is 1 then)."""
     scaled = logits.float() / temperature
-    filtered = scaled
-    if top_k > 0 and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if top_p is not None:
-        ordered, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each token
-        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the top token always stays
-        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, ordered)
-    # E = 0 would make a truncated token's -inf score NaN, and argmax picks NaN.
-    noise = torch.empty_like(filtered).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
-    tokens = (filtered - noise.log()).argmax(dim=-1)
+    if greedy:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        filtered = scaled
+        if top_k > 0 and top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if top_p is not None:
+            ordered, order = torch.sort(filtered, dim=-1, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each token
+            ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the top token always stays
+            filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, ordered)
+        # E = 0 would make a truncated token's -inf score NaN, and argmax picks NaN.
+        noise = torch.empty_like(filtered).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+        tokens = (filtered - noise.log()).argmax(dim=-1)
     logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     return tokens, logprobs
 
 
 # --- the loop ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Mode:
+    """What a captured step's kernels depend on beyond its buffers' contents."""
+
+    top_k: int
+    nucleus: bool  # top_p < 1
+    greedy: bool   # temperature 0
+
 
 @dataclass
 class _Buffers:
@@ -172,6 +186,7 @@ class _Buffers:
     positions: torch.Tensor       # int64 [B]: its RoPE position
     step: torch.Tensor            # int64 [1]: the output column written at this step
     finished: torch.Tensor        # bool [B]
+    is_stop: torch.Tensor         # bool [V]: the request's stop ids (a fixed-size table a graph can read)
     out_tokens: torch.Tensor      # int64 [B, L]
     out_logprobs: torch.Tensor    # fp32 [B, L]
     temperature: torch.Tensor     # fp32 [1]
@@ -181,7 +196,7 @@ class _Buffers:
 
 @dataclass(frozen=True)
 class Decoded:
-    tokens: torch.Tensor    # int64 [B, T] on the CPU; `pad_id` after a row's stop token
+    tokens: torch.Tensor    # int64 [B, T] on the CPU; `pad_id` after a row's first stop token
     logprobs: torch.Tensor  # fp32 [B, T]
 
 
@@ -191,8 +206,8 @@ class DecodeLoop:
     The buffers (and the captured graph) of the last shape are kept for the next call; `release`
     frees them (the trainer wants the memory)."""
 
-    def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, stop_ids: list[int],
-                 prefill_tokens: int, compile: bool = False):
+    def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, prefill_tokens: int,
+                 compile: bool = False):
         """`compile` (`compile_layers`): the sampling runs compiled too. Eager, `sample_next` makes
         about ten passes over the [B, V] logits at every decode step (an fp32 copy, the tempered
         logits, the noise, its log, the noisy scores, the argmax, the log-sum-exp); profiled on a
@@ -204,7 +219,7 @@ class DecodeLoop:
         self.sample = compiled(sample_next) if compile else sample_next
         self.device = device
         self.pad_id = pad_id
-        self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64, device=device)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
         self.prefill_tokens = prefill_tokens
         self.use_graphs = device.type == "cuda"
         self._shape: tuple | None = None
@@ -215,16 +230,20 @@ class DecodeLoop:
 
     @torch.no_grad()
     def run(self, prompts: list[torch.Tensor], temperature: float, top_k: int, top_p: float,
-            max_new_tokens: int, seed: int) -> Decoded:
+            max_new_tokens: int, seed: int, stop_ids: tuple[int, ...]) -> Decoded:
+        """`temperature` 0: greedy. A row is finished at its first id of `stop_ids`."""
         width = max(len(p) for p in prompts)
         length = -(-(width + max_new_tokens) // SLOT_ROUNDING) * SLOT_ROUNDING
+        mode = _Mode(top_k, top_p < 1.0, temperature == 0)
         with cache_attention_on(self.model):
-            buf = self._prepare(len(prompts), length, top_k, top_p < 1.0)
+            buf = self._prepare(len(prompts), length, mode)
             if seed >= 0:
                 torch.manual_seed(seed)  # after any graph capture, whose warm-up draws random numbers
-            buf.temperature.fill_(temperature)
+            buf.temperature.fill_(1.0 if mode.greedy else temperature)
             buf.top_p.fill_(top_p)
-            self._prefill(buf, prompts, width, top_k, top_p < 1.0)
+            buf.is_stop.zero_()
+            buf.is_stop[torch.tensor(stop_ids, dtype=torch.int64, device=self.device)] = True
+            self._prefill(buf, prompts, width, mode)
             steps = 1
             check_every = CHECK_EVERY if buf.graph is not None else 1
             while steps < max_new_tokens:
@@ -233,13 +252,13 @@ class DecodeLoop:
                 if buf.graph is not None:
                     buf.graph.replay()
                 else:
-                    self._step(buf, top_k, top_p < 1.0)
+                    self._step(buf, mode)
                 steps += 1
             return Decoded(buf.out_tokens[:, :steps].cpu(), buf.out_logprobs[:, :steps].cpu())
 
     # --- steps --------------------------------------------------------------------------------------
 
-    def _prefill(self, buf: _Buffers, prompts: list[torch.Tensor], width: int, top_k: int, nucleus: bool) -> None:
+    def _prefill(self, buf: _Buffers, prompts: list[torch.Tensor], width: int, mode: _Mode) -> None:
         """Prompts into cache slots [0, width), a token budget of rows at a time; the first token."""
         cache = buf.cache
         first = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
@@ -257,25 +276,29 @@ class DecodeLoop:
             out = self.model(input_ids=ids[part].to(self.device), position_ids=positions[part].to(self.device),
                              use_cache=False, logits_to_keep=1, rolefleet_cache=cache)
             last.append(out.logits[:, -1])
-        tokens, logprobs = self.sample(torch.cat(last), buf.temperature, top_k, buf.top_p if nucleus else None)
+        tokens, logprobs = self._sample(torch.cat(last), buf, mode)
         buf.out_tokens[:, 0] = tokens
         buf.out_logprobs[:, 0] = logprobs
         buf.tokens.copy_(tokens)
         buf.positions.copy_(width - first)
-        buf.finished.copy_(torch.isin(tokens, self.stop_ids))
+        buf.finished.copy_(buf.is_stop[tokens])
         buf.step.fill_(1)
         cache.slot.fill_(width)
 
-    def _step(self, buf: _Buffers, top_k: int, nucleus: bool) -> None:
+    def _sample(self, logits: torch.Tensor, buf: _Buffers, mode: _Mode) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sample(logits, buf.temperature, mode.top_k, buf.top_p if mode.nucleus else None, mode.greedy)
+
+    def _step(self, buf: _Buffers, mode: _Mode) -> None:
         """Feed each row's last token, sample the next: only tensor ops on fixed buffers."""
         buf.cache.start()
         logits = self.model(input_ids=buf.tokens[:, None], position_ids=buf.positions[:, None], use_cache=False,
                             rolefleet_cache=buf.cache).logits[:, -1]
-        tokens, logprobs = self.sample(logits, buf.temperature, top_k, buf.top_p if nucleus else None)
+        tokens, logprobs = self._sample(logits, buf, mode)
+        stopped = buf.is_stop[tokens]  # read before padding: the pad id may itself be a stop id
         tokens = torch.where(buf.finished, self.pad_id, tokens)
         buf.out_tokens.index_copy_(1, buf.step, tokens[:, None])
         buf.out_logprobs.index_copy_(1, buf.step, logprobs[:, None])
-        buf.finished.logical_or_(torch.isin(tokens, self.stop_ids))
+        buf.finished.logical_or_(stopped)
         buf.tokens.copy_(tokens)
         buf.positions.add_(1)
         buf.cache.slot.add_(1)
@@ -283,8 +306,8 @@ class DecodeLoop:
 
     # --- buffers and graphs -------------------------------------------------------------------------
 
-    def _prepare(self, batch: int, length: int, top_k: int, nucleus: bool) -> _Buffers:
-        shape = (batch, length, top_k, nucleus)
+    def _prepare(self, batch: int, length: int, mode: _Mode) -> _Buffers:
+        shape = (batch, length, mode)
         if shape == self._shape:
             return self._buffers
         self.release()  # the previous shape's buffers go back to the allocator, which reuses them
@@ -293,18 +316,19 @@ class DecodeLoop:
         cache = KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long))
         buf = _Buffers(cache=cache, tokens=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
                        step=torch.zeros(1, **long), finished=torch.zeros(batch, dtype=torch.bool, device=dev),
+                       is_stop=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
                        out_tokens=torch.zeros(batch, length, **long),
                        out_logprobs=torch.zeros(batch, length, dtype=torch.float32, device=dev),
                        temperature=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev))
         try:  # allocates the cache's layers (the slot-0 garbage is overwritten)
-            self._step(buf, top_k, nucleus)
+            self._step(buf, mode)
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
             if isinstance(exc, torch.OutOfMemoryError):
                 raise
             raise UnsupportedModel(f"the decode loop failed on this model's first step: {exc}") from exc
         self._check_served(cache)
         if self.use_graphs:
-            buf.graph = self._capture(buf, top_k, nucleus)
+            buf.graph = self._capture(buf, mode)
         self._shape, self._buffers = shape, buf
         return buf
 
@@ -322,16 +346,16 @@ class DecodeLoop:
             raise UnsupportedModel(f"{config.model_type}: only {len(cache.keys)} of {layers} layers used "
                                    "the engine's cache")
 
-    def _capture(self, buf: _Buffers, top_k: int, nucleus: bool) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, buf: _Buffers, mode: _Mode) -> torch.cuda.CUDAGraph | None:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture stream, as CUDA graphs require
-                self._step(buf, top_k, nucleus)
+                self._step(buf, mode)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._step(buf, top_k, nucleus)
+                self._step(buf, mode)
             return graph
         except torch.OutOfMemoryError:
             raise  # not a property of the model: the next call may capture

@@ -26,6 +26,7 @@ from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs
+from rolefleet.common.stop_tokens import merged
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ def _engine_copy(policy: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel
 
 class HFRolloutEngine:
     def __init__(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-                 cfg: ActorSection, dtype: torch.dtype | None):
+                 cfg: ActorSection, dtype: torch.dtype | None, stop_ids: tuple[int, ...]):
+        """`stop_ids`: the checkpoint's own (`stop_tokens.checkpoint_stop_ids`); each request may add more."""
         self.model = _engine_copy(policy, dtype or torch.float32)
+        self.stop_ids = stop_ids
         # The checkpoint's generation defaults (a repetition penalty, say) would reshape the sampling
         # distribution behind the recorded logprobs: only the request's sampling parameters apply.
         self.model.generation_config = GenerationConfig()
@@ -58,8 +61,7 @@ class HFRolloutEngine:
         self.device = device
         self.cfg = cfg
         self._loop = None if cfg.rollout.decode == "generate" else DecodeLoop(
-            self.model, device, tokenizer.pad_token_id, [tokenizer.eos_token_id], cfg.max_tokens_per_micro_batch,
-            compile=cfg.compile_layers)
+            self.model, device, tokenizer.pad_token_id, cfg.max_tokens_per_micro_batch, compile=cfg.compile_layers)
 
     # --- weights and memory -------------------------------------------------------------------------
 
@@ -99,12 +101,13 @@ class HFRolloutEngine:
 
     def _generate_chunk(self, chunk, prompt_ids, sampling: SamplingParams, policy_version: int) -> list[Sample]:
         prompts = [prompt_ids[p] for p, _ in chunk]
-        generated, logprobs = self._sample(prompts, sampling)
-        # Each row up to and including its first EOS (the policy is trained to stop), found for the
-        # whole batch at once, and the texts decoded in one batch.
-        eos = generated == self.tokenizer.eos_token_id
-        stopped = eos.any(dim=1)
-        lengths = torch.where(stopped, eos.int().argmax(dim=1) + 1, generated.shape[1]).tolist()
+        stops = merged(self.stop_ids, sampling.stop_token_ids)
+        generated, logprobs = self._sample(prompts, sampling, stops)
+        # Each row up to and including its first stop token (the policy is trained to stop), found
+        # for the whole batch at once, and the texts decoded in one batch.
+        stop = torch.isin(generated, torch.tensor(stops, dtype=generated.dtype))
+        stopped = stop.any(dim=1)
+        lengths = torch.where(stopped, stop.int().argmax(dim=1) + 1, generated.shape[1]).tolist()
         responses = [row[:n] for row, n in zip(generated, lengths)]
         texts = self.tokenizer.batch_decode([r.tolist() for r in responses], skip_special_tokens=True)
         return [Sample(prompt_index=p, sample_index=s, prompt_ids=prompt, response_ids=response.clone(),
@@ -114,12 +117,13 @@ class HFRolloutEngine:
                 for (p, s), prompt, response, row_logprobs, stop, text
                 in zip(chunk, prompts, responses, logprobs, stopped.tolist(), texts)]
 
-    def _sample(self, prompts: list[torch.Tensor], sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, prompts: list[torch.Tensor], sampling: SamplingParams,
+                stops: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated tokens [b, T] and their logprobs [b, T] (cpu)."""
         if self._loop is not None:
             try:
                 out = self._loop.run(prompts, sampling.temperature, sampling.top_k, sampling.top_p,
-                                     sampling.max_new_tokens, sampling.seed)
+                                     sampling.max_new_tokens, sampling.seed, stops)
                 return out.tokens, out.logprobs
             except UnsupportedModel as exc:
                 if self.cfg.rollout.decode == "loop":
@@ -128,12 +132,12 @@ class HFRolloutEngine:
                 self._loop = None
         if sampling.seed >= 0:
             torch.manual_seed(sampling.seed)
-        generated = self._generate(prompts, sampling)
+        generated = self._generate(prompts, sampling, stops)
         batch = SequenceBatch.from_lists(prompts, list(generated))
-        logprobs = self._logprobs(batch, sampling.temperature).view(len(prompts), -1)
+        logprobs = self._logprobs(batch, 1.0 if sampling.greedy else sampling.temperature).view(len(prompts), -1)
         return generated, logprobs
 
-    def _generate(self, prompts: list[torch.Tensor], sampling: SamplingParams) -> torch.Tensor:
+    def _generate(self, prompts: list[torch.Tensor], sampling: SamplingParams, stops: tuple[int, ...]) -> torch.Tensor:
         """transformers' `generate` (models the decode loop cannot serve): tokens [b, T] (cpu) after
         left-padded prompts; every row's next token is generated at the same position."""
         width = max(len(p) for p in prompts)
@@ -143,10 +147,12 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):
             input_ids[i, width - len(p):] = p
             attention_mask[i, width - len(p):] = 1
+        drawn = {} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p,
+                                                top_k=sampling.top_k)
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+            do_sample=not sampling.greedy, **drawn, max_new_tokens=sampling.max_new_tokens, pad_token_id=pad,
+            eos_token_id=list(stops) or None,
         )
         return out[:, width:].cpu()
 

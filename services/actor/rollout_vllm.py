@@ -40,6 +40,7 @@ from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.sharding import full_named_parameters
+from rolefleet.common.stop_tokens import merged
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,11 @@ def truncation_refused(sampling: SamplingParams) -> None:
 
 class VllmRolloutEngine:
     def __init__(self, policy: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
-                 model_path: str, seed: int = 0, gpus: list[str] | None = None):
-        """`gpus`: run the engine in processes of its own on these GPUs (CUDA_VISIBLE_DEVICES
-        entries), tensor parallel over them; None: in this process, on its GPU."""
+                 model_path: str, stop_ids: tuple[int, ...], seed: int = 0, gpus: list[str] | None = None):
+        """`stop_ids`: the checkpoint's own (`stop_tokens.checkpoint_stop_ids`): vLLM's tokenizer is
+        not loaded and its generation defaults are off, so it knows no eos but these. `gpus`: run
+        the engine in processes of its own on these GPUs (CUDA_VISIBLE_DEVICES entries), tensor
+        parallel over them; None: in this process, on its GPU."""
         from vllm import LLM
 
         v = cfg.rollout.vllm
@@ -81,6 +84,7 @@ class VllmRolloutEngine:
                 generation_config="vllm", **extra,
             )
         self.policy = policy
+        self.stop_ids = stop_ids
         self.tokenizer = tokenizer
         self.cfg = cfg
         self._asleep = False           # KV cache (and weights) released
@@ -167,12 +171,15 @@ class VllmRolloutEngine:
                                 f"+ {sampling.max_new_tokens} new exceeds actor.rollout.vllm.max_model_len="
                                 f"{self.max_model_len}")
         self.wake()
+        stops = list(merged(self.stop_ids, sampling.stop_token_ids))
         per_call = max(1, self.cfg.rollout.batch_size // sampling.n)
         for start in range(0, len(prompt_ids), per_call):
             chunk = range(start, min(start + per_call, len(prompt_ids)))
             params = [VllmSampling(
+                # temperature 0 is vLLM's greedy too. A stop id is kept as the output's last token
+                # (vLLM leaves only stop *strings* out), as the hf engine keeps it.
                 n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
-                stop_token_ids=[self.tokenizer.eos_token_id], logprobs=0, detokenize=False,
+                stop_token_ids=stops, logprobs=0, detokenize=False,
                 # vLLM seeds child i of a request with seed + i: prompts far apart keep streams apart.
                 seed=None if sampling.seed < 0 else derived_seed(sampling.seed, p * sampling.n),
             ) for p in chunk]

@@ -9,6 +9,7 @@ import grpc
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.common.server import TrainerServicer, iterate_in_thread, rpc, rpc_stream
 
@@ -21,6 +22,8 @@ class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):
 
     @rpc_stream
     async def Generate(self, request: actor_pb2.GenerateRequest, context):
+        if not request.HasField("sampling"):  # all zeros would read as greedy with top_p 0
+            raise InvalidArgument("sampling", "required")
         sampling = wire.sampling_from_proto(request.sampling)
         prompts = list(request.prompts)
         # Validation, tokenization and generation all run off the loop; each forward batch is sent

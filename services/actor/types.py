@@ -14,23 +14,31 @@ from rolefleet.common.roles import UpdateResult
 
 
 class FinishReason(IntEnum):  # values match rolefleet.v1.FinishReason
-    STOP = 1
-    LENGTH = 2
+    STOP = 1    # ended at a stop token (the response's last token; common/stop_tokens.py)
+    LENGTH = 2  # reached max_new_tokens
+
+
+MAX_STOP_TOKENS = 256  # stop ids one request may add to the checkpoint's
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
+    temperature: float = 1.0       # 0: greedy (evaluation); training samples at >= MIN_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 16
     n: int = 1
     seed: int = -1
+    stop_token_ids: tuple[int, ...] = ()  # ids that end a response besides the checkpoint's own
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     def validate(self, field_prefix: str = "sampling") -> None:
         checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= MIN_WIRE_TEMPERATURE,
-             f"must be finite and >= {MIN_TEMPERATURE}"),
+            ("temperature", self.greedy or (math.isfinite(self.temperature) and self.temperature >= MIN_WIRE_TEMPERATURE),
+             f"must be 0 (greedy), or finite and >= {MIN_TEMPERATURE}"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),  # NaN fails the comparison too
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("max_new_tokens", self.max_new_tokens > 0, "must be > 0"),
@@ -39,6 +47,12 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise InvalidArgument(f"{field_prefix}.{name}", f"{rule}, got {getattr(self, name)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKENS:
+            raise InvalidArgument(f"{field_prefix}.stop_token_ids", f"{len(self.stop_token_ids)} ids, at most "
+                                  f"{MAX_STOP_TOKENS}")
+        for i, token in enumerate(self.stop_token_ids):
+            if token < 0:
+                raise InvalidArgument(f"{field_prefix}.stop_token_ids[{i}]", f"must be >= 0, got {token}")
 
 
 @dataclass(frozen=True)

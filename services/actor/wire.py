@@ -12,12 +12,14 @@ from rolefleet.common.pb import actor_pb2, common_pb2
 
 def sampling_to_proto(s: SamplingParams) -> actor_pb2.SamplingParams:
     return actor_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    max_new_tokens=s.max_new_tokens, n=s.n, seed=s.seed)
+                                    max_new_tokens=s.max_new_tokens, n=s.n, seed=s.seed,
+                                    stop_token_ids=list(s.stop_token_ids))
 
 
 def sampling_from_proto(m: actor_pb2.SamplingParams) -> SamplingParams:
     params = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
-                            max_new_tokens=m.max_new_tokens, n=m.n, seed=m.seed)
+                            max_new_tokens=m.max_new_tokens, n=m.n, seed=m.seed,
+                            stop_token_ids=tuple(m.stop_token_ids))
     params.validate("sampling")
     return params
 

@@ -6,6 +6,7 @@ Tensors and scalars in, tensors out; shapes in docstrings; masks honoured; no co
 
 from rolefleet.algos.advantages import ADVANTAGE_ESTIMATORS, discounted_returns
 from rolefleet.algos.aggregation import LOSS_AGGREGATIONS, aggregate, aggregation_weight
+from rolefleet.algos.evaluation import pass_at_k
 from rolefleet.algos.is_correction import IS_CORRECTIONS, logprob_mismatch
 from rolefleet.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from rolefleet.algos.losses import POLICY_LOSSES, VALUE_LOSSES, entropy_from_logits
@@ -14,5 +15,5 @@ from rolefleet.algos.registry import Registry
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "IS_CORRECTIONS", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
     "POLICY_LOSSES", "VALUE_LOSSES", "Registry", "aggregate", "aggregation_weight", "discounted_returns", "entropy_from_logits",
-    "logprob_mismatch",
+    "logprob_mismatch", "pass_at_k",
 ]

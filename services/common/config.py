@@ -165,6 +165,14 @@ class ModelSection(_Section):
     model_name_or_path: Optional[str] = Field(None, description="default for actor and critic models")
 
 
+def _known_task(name: Optional[str]) -> Optional[str]:
+    from rolefleet.tasks import TASKS
+
+    if name is not None and name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+    return name
+
+
 class DataSection(_Section):
     task: Optional[str] = Field("addition", description="built-in prompt generator (rolefleet.tasks)")
     path: Optional[str] = Field(None, description="JSONL or Parquet file of prompts (docs/data.md); overrides task")
@@ -186,14 +194,7 @@ class DataSection(_Section):
     shuffle: bool = Field(True, description="a new order (by run.seed) every epoch; false: the file's order")
     size: int = Field(4096, ge=1, description="prompts drawn from a built-in task")
 
-    @field_validator("task")
-    @classmethod
-    def _task(cls, v: Optional[str]) -> Optional[str]:
-        from rolefleet.tasks import TASKS
-
-        if v is not None and v not in TASKS:
-            raise ValueError(f"unknown task {v!r}; built-in tasks: {', '.join(sorted(TASKS))}")
-        return v
+    _task = field_validator("task")(lambda cls, v: _known_task(v))
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:
@@ -210,11 +211,76 @@ class DataSection(_Section):
         return self
 
 
+class EvalSection(_Section):
+    """Evaluation on held-out prompts during training (docs/config.md, "eval"): through the actor's
+    rollout engine and the run's reward sources; it changes no weights, version or step ledger."""
+
+    every: int = Field(0, ge=0, description="steps between evaluations (0: no evaluation at all); when on, "
+                       "also before the first step and after the last (before_train, at_end)")
+    before_train: bool = Field(True, description="evaluate the starting policy before step 1 (a record of step 0)")
+    at_end: bool = Field(True, description="evaluate after the last step")
+    task: Optional[str] = Field(None, description="built-in task of the held-out prompts; default (with no "
+                                "eval.path): data.task, on a draw disjoint from the training prompts (they are "
+                                "left out of training)")
+    path: Optional[str] = Field(None, description="JSONL or Parquet file of held-out prompts, read like data.path "
+                                "(with data's chat template and token limit); a run on data.path needs one")
+    format: Optional[Literal["jsonl", "parquet"]] = Field(None, description="format of eval.path; default: from "
+                                                           "its extension")
+    prompt_key: Optional[str] = Field(None, min_length=1, description="prompt column of eval.path; default "
+                                      "data.prompt_key")
+    answer_key: Optional[str] = Field(None, min_length=1, description="ground-truth column; default data.answer_key")
+    extra_keys: Optional[list[str]] = Field(None, description="columns passed to the reward; default data.extra_keys")
+    max_prompts: int = Field(200, ge=1, description="held-out prompts evaluated (a file's first ones)")
+    samples_per_prompt: int = Field(1, ge=1, description="k samples per prompt: pass@k and mean@k "
+                                    "(eval/reward/mean over all k); more than 1 needs eval.temperature > 0")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; else sampled at this temperature (>= 0.01)")
+    max_new_tokens: Optional[int] = Field(None, ge=1, description="default sampling.max_new_tokens")
+    pass_threshold: float = Field(1.0, description="a sample passes (pass@k) when its total reward is at least this")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    _task = field_validator("task")(lambda cls, v: _known_task(v))
+
+    @model_validator(mode="after")
+    def _checks(self) -> EvalSection:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"eval.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise ValueError(f"eval.samples_per_prompt={self.samples_per_prompt} greedy samples are all alike: set "
+                             "eval.temperature > 0 for pass@k, or eval.samples_per_prompt=1")
+        if self.path and self.task:
+            raise ValueError("set one of eval.path and eval.task")
+        if self.path:
+            if not Path(self.path).is_file():
+                raise ValueError(f"eval.path {self.path} is not a file")
+            from rolefleet.tasks.files import file_format
+
+            try:
+                file_format(self.path, self.format)
+            except ValueError as e:
+                raise ValueError(str(e).replace("data.format", "eval.format")) from None
+        return self
+
+
 class SamplingSection(_Section):
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(16, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=256, description="token ids that end a "
+                                      "response besides the checkpoint's own (its tokenizer's eos and every id of "
+                                      "its generation_config.json eos_token_id); the stop token is the response's "
+                                      "last token and is trained")
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        negative = [i for i in v if i < 0]
+        if negative:
+            raise ValueError(f"token ids are >= 0, got {negative}")
+        return v
 
 
 class TrainSection(_Section):
@@ -656,6 +722,7 @@ class RoleFleetConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     train: TrainSection = Field(default_factory=TrainSection)
     actor: ActorSection = Field(default_factory=ActorSection)
     critic: CriticSection = Field(default_factory=CriticSection)
@@ -709,6 +776,9 @@ class RoleFleetConfig(_Section):
         if self.pipeline.lagged and "is_correction" not in self.actor.model_fields_set:
             # Samples of an older policy: weigh them by pi_train / pi_rollout (truncated) unless told.
             self.actor.is_correction = ASYNC_IS_CORRECTION
+        if self.eval.enabled and self.data.path and not (self.eval.path or self.eval.task):
+            raise ValueError("eval.path: evaluation of a run on a prompt file (data.path) needs held-out prompts of "
+                             "its own: set eval.path (or eval.task), or eval.every=0")
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")
@@ -724,6 +794,16 @@ class RoleFleetConfig(_Section):
         logprobs in its own forward, and ComputeLogProbs asks for the reference's alone. A KL
         penalty in the rewards (`train.kl_coef`) needs the policy's logprobs before the advantages."""
         return self.actor.old_logprobs == "auto" and self.train.kl_coef == 0 and self.actor.one_pass_problem() is None
+
+    def eval_data(self) -> DataSection:
+        """The held-out prompts as a data source: eval's file or task, read and rendered like
+        `data` (its chat template and token limit)."""
+        d, e = self.data, self.eval
+        return DataSection(task=None if e.path else (e.task or d.task), path=e.path, format=e.format,
+                           prompt_key=e.prompt_key or d.prompt_key, answer_key=e.answer_key or d.answer_key,
+                           extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
+                           chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong,
+                           shuffle=False, size=e.max_prompts)
 
     def roles(self) -> list[str]:
         """Roles this run starts, in start order (the coordinator last); the critic only if needed."""

@@ -124,6 +124,9 @@ def model_problem(path: str) -> Optional[str]:
     if local.is_dir():
         return _model_dir_problem(path, local)
     if local.exists():
+        if local.suffix.lower() == ".gguf":
+            return (f"{path} is a GGUF file, not a model directory: write one from it with "
+                    f"`rolefleet import-gguf {path} DIR` and give DIR")
         return f"{path} is a file, not a model directory"
     if _meant_as_local(path) or not _is_repo_id(path):
         return f"model directory {path} does not exist"

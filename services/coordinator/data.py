@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 from typing import TYPE_CHECKING, Any, Optional
 
 from rolefleet.common.config import DataSection
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+EVAL_SEED = 7_919  # the held-out draw of a built-in task: a stream apart from the training draw's
+# The keys an eval file's problems are reported under (its errors are read_prompts' own, which name data.*).
+_EVAL_KEYS = re.compile(r"\bdata\.(path|format|prompt_key|answer_key|extra_keys)\b")
 _STATE_KEYS = ("version", "position", "epoch", "seed", "shuffle", "records", "fingerprint", "source")
 
 
@@ -41,20 +45,45 @@ class PromptDataset:
 
     @classmethod
     def for_run(cls, cfg: RoleFleetConfig) -> PromptDataset:
-        """The run's dataset: prompts rendered with the actor model's tokenizer."""
-        return cls.from_config(cfg.data, cfg.run.seed, tokenizer_path=cfg.actor.model_name_or_path)
+        """The run's dataset: prompts rendered with the actor model's tokenizer. With evaluation on
+        a draw of the training task, the held-out prompts are left out of it."""
+        held_out = None
+        if cfg.eval.enabled and not cfg.data.path and not cfg.eval.path and cfg.eval_data().task == cfg.data.task:
+            held_out = {r.prompt for r in cls.for_eval(cfg).records}
+        return cls.from_config(cfg.data, cfg.run.seed, tokenizer_path=cfg.actor.model_name_or_path, exclude=held_out)
 
     @classmethod
-    def from_config(cls, cfg: DataSection, seed: int, tokenizer_path: Optional[str] = None) -> PromptDataset:
+    def for_eval(cls, cfg: RoleFleetConfig) -> PromptDataset:
+        """The held-out prompts of `eval.*` (at most `eval.max_prompts`, distinct), rendered as the
+        training prompts are; a problem with them is a DataError naming the eval key."""
+        d = cfg.eval_data()
+        try:
+            if d.task:  # a draw of its own seed, without repeats (a task may give a problem twice)
+                records = make_task(d.task, 4 * cfg.eval.max_prompts, cfg.run.seed * 1_000_003 + EVAL_SEED)
+                unique = list({json.dumps(r.prompt, sort_keys=True): r for r in records}.values())
+                dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, records=unique, source=f"eval.task {d.task}")
+            else:
+                dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, source=f"eval.path {d.path}")
+        except DataError as e:
+            raise DataError(_EVAL_KEYS.sub(r"eval.\1", str(e))) from None
+        dataset.records = dataset.records[:cfg.eval.max_prompts]
+        return dataset
+
+    @classmethod
+    def from_config(cls, cfg: DataSection, seed: int, tokenizer_path: Optional[str] = None, *,
+                    exclude: Optional[set[str]] = None, records: Optional[list[PromptRecord]] = None,
+                    source: Optional[str] = None) -> PromptDataset:
         """`tokenizer_path`: the model whose tokenizer applies the chat template and counts prompt
-        tokens; loaded only when `data.chat_template` or `data.max_prompt_tokens` needs it."""
+        tokens; loaded only when `data.chat_template` or `data.max_prompt_tokens` needs it.
+        `exclude`: rendered prompts left out (held out for evaluation), counted as `data/held_out`.
+        `records`: the task's records when drawn by the caller."""
         if cfg.path:
             columns = Columns(cfg.prompt_key, cfg.answer_key, None if cfg.extra_keys is None else tuple(cfg.extra_keys))
-            prompts, source = read_prompts(cfg.path, cfg.format, columns), cfg.path
+            prompts, source = read_prompts(cfg.path, cfg.format, columns), source or cfg.path
         else:
-            source = f"data.task {cfg.task}"
-            prompts = [RawPrompt(f"{source} #{i}", r.prompt, r.ground_truth, r.extra)
-                       for i, r in enumerate(make_task(cfg.task, cfg.size, seed))]
+            source = source or f"data.task {cfg.task}"
+            records = records if records is not None else make_task(cfg.task, cfg.size, seed)
+            prompts = [RawPrompt(f"{source} #{i}", r.prompt, r.ground_truth, r.extra) for i, r in enumerate(records)]
         # Chat messages mean a chat template unless told otherwise (and then they are refused).
         chat = cfg.chat_template if cfg.chat_template is not None else any(p.is_chat for p in prompts)
         tokenizer = None
@@ -69,8 +98,14 @@ class PromptDataset:
         if not rendered.records:
             raise DataError(f"data.max_prompt_tokens: every one of the {len(prompts)} prompts of {source} is "
                             f"longer than {cfg.max_prompt_tokens} tokens (data.overlong={cfg.overlong})")
-        dataset = cls(rendered.records, seed, shuffle=cfg.shuffle, source=source,
-                      stats={"data/filtered": rendered.filtered, "data/truncated": rendered.truncated})
+        kept = [r for r in rendered.records if not exclude or r.prompt not in exclude]
+        if not kept:
+            raise DataError(f"eval.max_prompts: every prompt of {source} is held out for evaluation; lower "
+                            "eval.max_prompts or give eval.path")
+        stats = {"data/filtered": rendered.filtered, "data/truncated": rendered.truncated}
+        if exclude is not None:
+            stats["data/held_out"] = len(rendered.records) - len(kept)
+        dataset = cls(kept, seed, shuffle=cfg.shuffle, source=source, stats=stats)
         dataset._log_load(cfg, chat)
         return dataset
 

@@ -115,10 +115,11 @@ def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScalin
         return StatusView.of(status)
 
     @api.get("/v1/steps", summary="step records after `since`, oldest first")
-    async def get_steps(since: int = Query(0, ge=0, description="return steps numbered above this"),
+    async def get_steps(since: int = Query(-1, ge=-1, description="return records numbered above this (default: "
+                                           "all, with step 0: an evaluation before training)"),
                         limit: int = Query(100, ge=1, le=1000, description="at most this many")) -> StepsPage:
-        # Records are appended in step order, so step k sits at index k - 1.
-        page = status.history[since:since + limit]
+        # Records are appended in step order, one per step (and one of step 0 with evaluation on).
+        page = [r for r in status.history if r["step"] > since][:limit]
         return StepsPage(steps=page, next_since=page[-1]["step"] if page else since)
 
     @api.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")

@@ -34,11 +34,7 @@ class RunLogger:
         self.report_every = report_every or max(1, total_steps // 10)
 
     def log(self, record: dict) -> None:
-        self.records.append(record)
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        for tracker in self.trackers:
-            tracker.log(numeric(record), record["step"])
+        self._write(record)
         self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}",
                              step_s=f"{record['timing/step_s']:.2f}")
         self.bar.update(1)
@@ -47,6 +43,26 @@ class RunLogger:
             mean = sum(r["reward/mean"] for r in recent) / len(recent)
             self.bar.write(f"step {record['step']:>5}  reward {mean:.3f} (mean of last {len(recent)})  "
                            f"kl {record['kl']:.4f}  {record['timing/step_s']:.2f} s/step", file=sys.stdout)
+        self._eval_line(record)
+
+    def log_eval(self, record: dict) -> None:
+        """A record of an evaluation alone (step 0: the policy before training)."""
+        self._write(record)
+        self._eval_line(record)
+
+    def _write(self, record: dict) -> None:
+        self.records.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for tracker in self.trackers:
+            tracker.log(numeric(record), record["step"])
+
+    def _eval_line(self, record: dict) -> None:
+        if self.progress and "eval/reward/mean" in record:
+            passes = "  ".join(f"{k[5:]} {v:.3f}" for k, v in record.items() if k.startswith("eval/pass@"))
+            self.bar.write(f"eval  {record['step']:>5}  reward {record['eval/reward/mean']:.3f}  {passes}  length "
+                           f"{record['eval/response_length/mean']:.1f}  clipped {record['eval/clip_ratio']:.2f}  "
+                           f"({record['eval/prompts']:.0f} prompts, {record['eval/time_s']:.1f} s)", file=sys.stdout)
 
     def rewind(self, step: int) -> list[dict]:
         """Resuming after checkpoint `step`: the records of later steps (run again now) leave the
@@ -64,14 +80,15 @@ class RunLogger:
         self.jsonl.close()
         for tracker in self.trackers:
             tracker.close()
-        if self.records:
-            plot_reward_curve(self.records, self.out_dir / "reward_curve.png")
+        steps = [r for r in self.records if "reward/mean" in r]
+        if steps:
+            plot_reward_curve(steps, self.out_dir / "reward_curve.png")
 
     def summary(self, window: int = 10) -> str:
         """How the mean reward moved: first `window` steps against the last `window`."""
-        if not self.records:
+        rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]  # not evaluations alone
+        if not rewards:
             return "no steps completed"
-        rewards = [r["reward/mean"] for r in self.records]
         k = min(window, len(rewards))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         return (f"{len(rewards)} steps; mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "

@@ -33,6 +33,7 @@ from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.evaluation import Evaluator
 from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
@@ -108,7 +109,8 @@ def sampling_for(cfg: RoleFleetConfig, step: int) -> SamplingParams:
     s = cfg.sampling
     # A per-step seed: a rerun of the same config samples the same rollouts.
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                          n=cfg.train.samples_per_prompt, seed=cfg.run.seed * 100_003 + step)
+                          n=cfg.train.samples_per_prompt, seed=cfg.run.seed * 100_003 + step,
+                          stop_token_ids=tuple(s.stop_token_ids))
 
 
 def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProbs,
@@ -227,6 +229,9 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         if "data" in resumed:  # not in the checkpoint of step 0
             dataset.load_state_dict(resumed["data"])  # refuses prompts that changed since
     saved = done
+    evaluator = Evaluator.for_run(cfg, dataset)
+    if evaluator is not None and done == 0:  # 0. The starting policy on the held-out prompts.
+        await evaluator.before_training(logger, status, roles.actor.generate, roles.reward.score)
     for step in range(done + 1, t.total_steps + 1):
         await status.wait_resumed()
         if status.stop_requested:
@@ -272,10 +277,12 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         if one_pass:
             logprobs, targets = after_one_pass(t, logprobs, targets, actor_result)
 
-        # 5. Log.
+        # 5. Evaluate when due (after the step's time: it is no part of a training step), and log.
         timer.seconds["step"] = time.perf_counter() - start
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs,
                              targets, timer.seconds)
+        if evaluator is not None and evaluator.due(step):
+            record.update(await evaluator.run(roles.actor.generate, roles.reward.score))
         if step == 1:
             record.update(dataset.stats)  # what the load kept, filtered and truncated
         record["kl_coef"] = step_kl_coef

@@ -48,6 +48,7 @@ from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.evaluation import Evaluator
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import (
     Roles,
@@ -99,6 +100,7 @@ class Pipeline:
         self.checkpointer = checkpointer or Checkpointer(cfg)
         self.p = cfg.pipeline
         self.dataset = PromptDataset.for_run(cfg)
+        self.evaluator = Evaluator.for_run(cfg, self.dataset)
         self.generated: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.scored: asyncio.Queue[Rollout] = asyncio.Queue(self.p.queue_capacity)
         self.counts = {"stale_samples": 0, "dropped_batches": 0, "regenerated_batches": 0, "retries": 0}
@@ -120,6 +122,8 @@ class Pipeline:
     async def run(self) -> None:
         """Until the train stage has trained `total_steps` batches (or a stop); a stage that fails
         ends the run with its error."""
+        if self.evaluator is not None and self.done == 0:  # the starting policy, before any batch
+            await self.evaluator.before_training(self.logger, self.status, *self._eval_calls())
         stages = [asyncio.create_task(stage(), name=f"pipeline-{stage.__name__}")
                   for stage in (self._generate_stage, self._score_stage, self._train_stage)]
         done, pending = await asyncio.wait(stages, return_when=asyncio.FIRST_COMPLETED)
@@ -219,6 +223,10 @@ class Pipeline:
                 record.update(self.dataset.stats)  # what the load kept, filtered and truncated
             record.update(self._pipeline_stats(lag, now))
             record.update(self.clock.fractions())
+            if self.evaluator is not None and self.evaluator.due(step):
+                # In the train stage: the next update waits for it, generation goes on (within the
+                # bound) and has the rollout engine in turns with it (coordinator/evaluation.py).
+                record.update(await self.evaluator.run(*self._eval_calls()))
             self.logger.log(record)
             self.status.record_step(record, actor_result.model_version)
             if self.checkpointer.due(step):
@@ -346,6 +354,11 @@ class Pipeline:
     def _depths(self) -> None:
         metrics.PIPELINE_QUEUE_DEPTH.labels("coordinator", "generated").set(self.generated.qsize())
         metrics.PIPELINE_QUEUE_DEPTH.labels("coordinator", "scored").set(self.scored.qsize())
+
+    def _eval_calls(self) -> tuple[Callable[..., Awaitable], Callable[..., Awaitable]]:
+        """Generate and Score for an evaluation, retried as every call of the pipeline is."""
+        return (lambda *a: self._call(self.roles.actor.generate, *a),
+                lambda *a: self._call(self.roles.reward.score, *a))
 
     async def _call(self, method: Callable[..., Awaitable], *args):
         """A role call, retried on a transient failure (each is safe to repeat)."""

@@ -50,10 +50,15 @@ class RunStatus:
         self.last_reward_mean = record["reward/mean"]
         self.history.append(record)
 
+    def record_eval(self, record: dict) -> None:
+        """The record of an evaluation alone (step 0): in the history, no step done."""
+        self.history.append(record)
+
     def rewind(self, records: list[dict]) -> None:
         """Resuming or recovering: the steps after a checkpoint are run again."""
         self.history = list(records)
-        last = records[-1] if records else {"step": 0, "policy_version": 0, "reward/mean": 0.0}
+        steps = [r for r in records if "reward/mean" in r]  # not an evaluation's record alone
+        last = steps[-1] if steps else {"step": 0, "policy_version": 0, "reward/mean": 0.0}
         self.step, self.policy_version = last["step"], last.get("policy_version", 0)
         self.last_reward_mean = last["reward/mean"]
 

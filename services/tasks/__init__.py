@@ -14,9 +14,10 @@ from rolefleet.common.config import ConfigError
 @dataclass(frozen=True)
 class PromptRecord:
     """One prompt as the actor receives it (chat template already applied), its ground truth, and
-    the dataset's other columns, passed through to the reward (JSON-serializable values)."""
+    the dataset's other columns, passed through to the reward (JSON-serializable values). A task
+    generator may give chat messages as the prompt; the dataset renders them to text."""
 
-    prompt: str
+    prompt: str | list[dict[str, str]]
     ground_truth: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -36,7 +37,24 @@ def addition(size: int, seed: int) -> list[PromptRecord]:
     return records
 
 
-TASKS: dict[str, Callable[[int, int], list[PromptRecord]]] = {"addition": addition}
+ARITHMETIC_QUESTION = "What is {a} {op} {b}? Answer with the number only."
+
+
+def arithmetic_chat(size: int, seed: int) -> list[PromptRecord]:
+    """A chat model's task: "What is a + b?" or "a - b" with a, b in [10, 99], as a user message
+    (rendered with the model's chat template); the answer is the decimal result, which the `math`
+    reward finds as the response's last number. 16,200 distinct problems."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(size):
+        a, b, op = rng.randrange(10, 100), rng.randrange(10, 100), rng.choice("+-")
+        question = ARITHMETIC_QUESTION.format(a=a, op=op, b=b)
+        records.append(PromptRecord([{"role": "user", "content": question}], str(a + b if op == "+" else a - b)))
+    return records
+
+
+TASKS: dict[str, Callable[[int, int], list[PromptRecord]]] = {"addition": addition,
+                                                              "arithmetic_chat": arithmetic_chat}
 
 
 def make_task(name: str, size: int, seed: int) -> list[PromptRecord]:

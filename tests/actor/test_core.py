@@ -108,7 +108,11 @@ def test_stale_policy_version_is_a_failed_precondition(core):
     [
         (lambda c: c.generate([], SamplingParams()), "prompts"),
         (lambda c: c.generate([""], SamplingParams()), "prompts[0]"),
-        (lambda c: c.generate(["1+1="], SamplingParams(temperature=0)), "sampling.temperature"),
+        (lambda c: c.generate(["1+1="], SamplingParams(temperature=-1)), "sampling.temperature"),
+        (lambda c: c.generate(["1+1="], SamplingParams(temperature=0.001)), "sampling.temperature"),
+        (lambda c: c.generate(["1+1="], SamplingParams(stop_token_ids=(3, -1))), "sampling.stop_token_ids[1]"),
+        (lambda c: c.generate(["1+1="], SamplingParams(stop_token_ids=(c.vocab_size,))), "sampling.stop_token_ids[0]"),
+        (lambda c: c.generate(["1+1="], SamplingParams(stop_token_ids=tuple(range(300)))), "sampling.stop_token_ids"),
         (lambda c: c.generate(["1+1="], SamplingParams(top_p=0)), "sampling.top_p"),
         (lambda c: c.generate(["1+1="], SamplingParams(n=0)), "sampling.n"),
         (lambda c: c.generate(["1+1="], SamplingParams(max_new_tokens=125)), "sampling.max_new_tokens"),

@@ -171,7 +171,7 @@ def test_checkpoint_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
     core = make_core(tiny_model_dir)
     core.model.generation_config.repetition_penalty = 1.5
     core.model.generation_config.top_k = 3
-    engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, None)
+    engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, None, core.stop_ids)
     assert engine.model.generation_config.repetition_penalty in (None, 1.0)
     assert engine.model.generation_config.top_k in (None, 50)  # transformers' own default, overridden per call
 

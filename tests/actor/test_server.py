@@ -92,7 +92,10 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                 await expect_invalid(stub.ComputeLogProbs(actor_pb2.ComputeLogProbsRequest(temperature=1.0)),
                                      "batch.prompt_ids.dtype")
                 stream = stub.Generate(actor_pb2.GenerateRequest(prompts=["1+1="]))  # sampling unset
-                await expect_invalid(stream.read(), "sampling.temperature")
+                await expect_invalid(stream.read(), "sampling")
+                stream = stub.Generate(actor_pb2.GenerateRequest(prompts=["1+1="], sampling=actor_pb2.SamplingParams(
+                    temperature=1.0, top_p=1.0, max_new_tokens=4, n=1, stop_token_ids=[1 << 30])))
+                await expect_invalid(stream.read(), "sampling.stop_token_ids[0]")
                 await assert_unchanged_and_serving(stub, before, good)
 
     asyncio.run(scenario())
