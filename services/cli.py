@@ -202,11 +202,12 @@ def cmd_export(args) -> int:
 
 
 def cmd_import_gguf(args) -> int:
-    from rolefleet.gguf_import import GgufImportError, import_gguf
+    from rolefleet.export import ExportError
+    from rolefleet.gguf_import import import_gguf
 
     try:
         done = import_gguf(Path(args.file), Path(args.out), args.dtype)
-    except GgufImportError as e:
+    except ExportError as e:  # GgufImportError, and an OUT that must not be written
         raise ConfigError(str(e)) from None
     except OSError as e:  # an unwritable OUT is the user's argument, not a crash
         raise ConfigError(f"import-gguf: {e}") from None

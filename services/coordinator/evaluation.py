@@ -11,6 +11,7 @@ around it is unchanged (generation only waits a little longer for the actor's ro
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,7 @@ from rolefleet.tasks import PromptRecord
 
 log = logging.getLogger(__name__)
 EVAL_SEED = 99_991  # one seed for every evaluation of a run: sampled evaluations compare the same draws
+SAMPLES_FILE = "eval_samples.jsonl"
 
 Call = Callable[..., Awaitable[Any]]
 
@@ -56,7 +58,7 @@ class Evaluator:
         the run's records hold one already (resumed, or recovered to the checkpoint of step 0)."""
         if not self.due(0) or any(r["step"] == 0 for r in logger.records):
             return
-        record = await self.run(generate, score)
+        record = await self.run(0, generate, score)
         record = {"step": 0, "policy_version": int(record["eval/policy_version"]), **record}
         logger.log_eval(record)
         status.record_eval(record)
@@ -70,9 +72,10 @@ class Evaluator:
             return e.before_train
         return step % e.every == 0 or (e.at_end and step == total)
 
-    async def run(self, generate: Call, score: Call) -> dict[str, float]:
-        """One evaluation through `generate` (ActorClient.generate, or a retrying wrapper) and
-        `score` (RewardClient.score): the eval/* entries of the step's record."""
+    async def run(self, step: int, generate: Call, score: Call) -> dict[str, float]:
+        """One evaluation after `step` through `generate` (ActorClient.generate, or a retrying
+        wrapper) and `score` (RewardClient.score): the eval/* entries of the step's record. With
+        `eval.save_samples`, each sample goes to <output_dir>/eval_samples.jsonl."""
         start = time.perf_counter()
         prompts = [r.prompt for r in self.records]
         samples: list[Sample] = await generate(prompts, self.sampling, 0)
@@ -82,7 +85,24 @@ class Evaluator:
         record = eval_record(samples, result, len(self.records), self.sampling.n, self.cfg.eval.pass_threshold)
         record["eval/train_overlap"] = float(self.overlap)
         record["eval/time_s"] = time.perf_counter() - start
+        if self.cfg.eval.save_samples:
+            self._save(step, samples, result)
         return record
+
+    def _save(self, step: int, samples: list[Sample], result: ScoreResult) -> None:
+        """What the model answered, for reading (a resumed run appends its evaluations again)."""
+        path = self.cfg.run.out / SAMPLES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            for s, reward, error in zip(samples, result.total.tolist(), result.errors):
+                r = self.records[s.prompt_index]
+                f.write(json.dumps({
+                    "step": step, "policy_version": s.policy_version, "prompt_index": s.prompt_index,
+                    "sample_index": s.sample_index, "prompt": r.prompt, "response": s.response_text,
+                    "ground_truth": r.ground_truth, "reward": reward, "reward_error": error,
+                    "finish_reason": s.finish_reason.name.lower(), "response_tokens": len(s.response_ids),
+                    "last_token_id": int(s.response_ids[-1]) if len(s.response_ids) else None,
+                }, ensure_ascii=False) + "\n")
 
 
 def eval_record(samples: list[Sample], result: ScoreResult, prompts: int, n: int,

@@ -282,7 +282,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs,
                              targets, timer.seconds)
         if evaluator is not None and evaluator.due(step):
-            record.update(await evaluator.run(roles.actor.generate, roles.reward.score))
+            record.update(await evaluator.run(step, roles.actor.generate, roles.reward.score))
         if step == 1:
             record.update(dataset.stats)  # what the load kept, filtered and truncated
         record["kl_coef"] = step_kl_coef

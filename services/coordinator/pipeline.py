@@ -226,7 +226,7 @@ class Pipeline:
             if self.evaluator is not None and self.evaluator.due(step):
                 # In the train stage: the next update waits for it, generation goes on (within the
                 # bound) and has the rollout engine in turns with it (coordinator/evaluation.py).
-                record.update(await self.evaluator.run(*self._eval_calls()))
+                record.update(await self.evaluator.run(step, *self._eval_calls()))
             self.logger.log(record)
             self.status.record_step(record, actor_result.model_version)
             if self.checkpointer.due(step):

@@ -46,6 +46,9 @@ def test_evaluations_run_before_training_every_n_steps_and_at_the_end(make_confi
         assert 0 <= r["eval/pass@1"] <= 1 and r["eval/pass@1"] == pytest.approx(r["eval/exact_match/mean"])
     assert set(records[0]) == {"step", "policy_version", *EVAL_KEYS, "eval/errors", "eval/train_overlap"}
     assert status.step == 5 and [r["step"] for r in status.history] == [0, 1, 2, 3, 4, 5]
+    saved = [json.loads(line) for line in (cfg.run.out / "eval_samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in saved] == [step for step in (0, 2, 4, 5) for _ in range(12)]
+    assert {s["finish_reason"] for s in saved} <= {"stop", "length"} and all(s["response"] is not None for s in saved)
 
 
 def test_greedy_evaluation_repeats_exactly_and_changes_no_weights_version_or_ledger(make_config):
@@ -55,7 +58,7 @@ def test_greedy_evaluation_repeats_exactly_and_changes_no_weights_version_or_led
     before = (actor.digest(), actor.policy_version, actor.ledger.last_step, dict(actor.ledger.results))
 
     async def twice():
-        return [await evaluator.run(roles.actor.generate, roles.reward.score) for _ in range(2)]
+        return [await evaluator.run(1, roles.actor.generate, roles.reward.score) for _ in range(2)]
 
     first, second = asyncio.run(twice())
     first.pop("eval/time_s"), second.pop("eval/time_s")
@@ -66,7 +69,7 @@ def test_greedy_evaluation_repeats_exactly_and_changes_no_weights_version_or_led
 def test_sampled_evaluation_reports_pass_at_k(make_config):
     cfg = grpo(make_config, "eval.samples_per_prompt=4", "eval.temperature=1.0")
     _, roles = roles_of(cfg)
-    record = asyncio.run(Evaluator.for_run(cfg, PromptDataset.for_run(cfg)).run(roles.actor.generate,
+    record = asyncio.run(Evaluator.for_run(cfg, PromptDataset.for_run(cfg)).run(1, roles.actor.generate,
                                                                                roles.reward.score))
     assert record["eval/pass@1"] <= record["eval/pass@4"] <= 1
     assert record["eval/pass@1"] == pytest.approx(record["eval/reward/mean"])  # exact_match scores 0 or 1
