@@ -175,8 +175,11 @@ def trl_side_by_side(model: Path, steps: int, grpo: dict) -> dict:
 def count_parameters(model_dir: Path) -> int:
     from safetensors import safe_open
 
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    total = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):  # one file, or a checkpoint's shards
+        with safe_open(str(shard), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 def measured_until(steps: int, warmup: int, profile: int) -> int:
@@ -192,7 +195,8 @@ def measured_until(steps: int, warmup: int, profile: int) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen2-0.5b")
+    p.add_argument("--shape", default="qwen2-0.5b", help="random weights of these dimensions (rolefleet tiny-model)")
+    p.add_argument("--model", default=None, help="a model directory instead (a real checkpoint; --shape is ignored)")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--algorithms", default="grpo,ppo")
@@ -205,7 +209,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
+    model = Path(args.model) if args.model else make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
     runs = Path(tempfile.mkdtemp())  # run outputs (logs, events) stay there; OUT gets the summary
     params = count_parameters(model)
 

@@ -191,7 +191,8 @@ def bench_training(core: ActorCore, args, n_params: int, label: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="qwen2-0.5b")
+    p.add_argument("--shape", default="qwen2-0.5b", help="random weights of these dimensions (rolefleet tiny-model)")
+    p.add_argument("--model", default=None, help="a model directory instead (a real checkpoint; --shape is ignored)")
     p.add_argument("--out", required=True)
     p.add_argument("--budgets", default="16384,32768", help="max_tokens_per_micro_batch values")
     p.add_argument("--repeats", type=int, default=3)
@@ -204,8 +205,9 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape)
-    results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    model_dir = (Path(args.model) if args.model else
+                 make_tiny_model(Path(tempfile.mkdtemp()) / "model", shape=args.shape))
+    results: dict = {"shape": args.model or args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.vllm:
         rng = random.Random(0)
         prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]

@@ -45,8 +45,8 @@ from rolefleet.common.modeling import (
 from rolefleet.common.profiling import NewGraphs, profiled
 from rolefleet.common.roles import CheckpointInfo, RoleStatus
 from rolefleet.common.sharding import full_named_parameters
-from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
+from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
 from rolefleet.common.workers import (
     all_gather,
     free_port,

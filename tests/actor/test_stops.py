@@ -2,9 +2,6 @@
 config's eos_token_id list) and of `sampling.stop_token_ids`, in both hf decoding paths; the stop
 token is the response's last token and is trained; greedy sampling."""
 
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -17,18 +14,6 @@ from tests.actor.test_trainer import make_core
 
 PROMPTS = ["7+7=", "13+4=", "9+5=", "6+5=", "19+19="]
 DECODES = ["loop", "generate"]
-
-
-@pytest.fixture(scope="module")
-def two_eos_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with a generation config that lists two eos ids, neither the tokenizer's eos:
-    the digits 1 and 4, which most of its answers to PROMPTS contain."""
-    out = tmp_path_factory.mktemp("two-eos") / "model"
-    shutil.copytree(tiny_model_dir, out)
-    tok = make_core(str(out)).tokenizer
-    ids = [tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("4")]
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids, "bos_token_id": tok.bos_token_id}))
-    return str(out), ids
 
 
 def stops_at_first_stop_id(samples, stops: set[int]) -> int:

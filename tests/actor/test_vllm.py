@@ -8,6 +8,7 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
+from tests.actor.test_stops import PROMPTS, stops_at_first_stop_id
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 # bf16 vLLM forward against the trainer's bf16-autocast recompute over fp32 weights.
@@ -22,8 +23,10 @@ def vllm_actor(model_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def actor(tiny_model_dir):
-    return vllm_actor(tiny_model_dir)
+def actor(two_eos_dir):
+    """One engine per process (in-process vLLM): the checkpoint whose generation config lists two
+    eos ids besides the tokenizer's, so every test also sees the stop set at work."""
+    return vllm_actor(two_eos_dir[0])
 
 
 def check_against_trainer(actor, samples, temperature):
@@ -41,10 +44,30 @@ def test_vllm_samples_under_the_logprob_convention(actor):
     samples = actor.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=8, n=4, seed=0, temperature=0.7))
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(3) for i in range(4)]
     check_against_trainer(actor, samples, 0.7)
-    eos = actor.tokenizer.eos_token_id
-    for s in samples:  # a stop token ends its response (and is part of it, as in the hf engine)
-        assert (s.response_ids[:-1] != eos).all()
-        assert (s.finish_reason.name == "STOP") == (int(s.response_ids[-1]) == eos)
+    stops_at_first_stop_id(samples, set(actor.stop_ids))  # a stop token ends its response, and is part of it
+
+
+def test_vllm_stops_at_every_id_of_the_generation_config_and_of_the_request(actor, two_eos_dir):
+    eos, ids = actor.tokenizer.eos_token_id, two_eos_dir[1]
+    assert actor.stop_ids == tuple(sorted({eos, *ids}))
+    samples = actor.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, seed=2))
+    stops_at_first_stop_id(samples, {eos, *ids})
+    assert {int(s.response_ids[-1]) for s in samples if s.finish_reason.name == "STOP"} & set(ids)
+    seven = actor.tokenizer.convert_tokens_to_ids("7")
+    asked = actor.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, seed=2, stop_token_ids=(seven,)))
+    stops_at_first_stop_id(asked, {eos, seven, *ids})
+    assert any(int(s.response_ids[-1]) == seven for s in asked)
+
+
+def test_vllm_greedy_repeats_and_agrees_with_the_hf_engine(actor, two_eos_dir):
+    from tests.actor.test_trainer import make_core
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    first = [s.response_ids.tolist() for s in actor.generate(PROMPTS, greedy)]
+    assert first == [s.response_ids.tolist() for s in actor.generate(PROMPTS, greedy)]
+    hf = make_core(two_eos_dir[0], "actor.rollout.backend=hf", "actor.compute_dtype=float32")
+    agree = sum(a == s.response_ids.tolist() for a, s in zip(first, hf.generate(PROMPTS, greedy)))
+    assert agree >= len(PROMPTS) - 1  # bf16 against fp32 may flip a near tie
 
 
 def test_vllm_generates_from_the_new_weights_after_an_update(actor):
