@@ -272,6 +272,13 @@ def check_request_limits(cfg: RoleFleetConfig) -> list[str]:
     if sequences > cfg.reward.max_items_per_request:
         problems.append(f"reward.max_items_per_request={cfg.reward.max_items_per_request} is below "
                         f"one step's {seq_step} samples")
+    e = cfg.eval
+    evaluated = e.max_prompts * e.samples_per_prompt  # an evaluation is one Generate and one Score
+    for key, limit in (("actor.max_sequences_per_request", cfg.actor.max_sequences_per_request),
+                       ("reward.max_items_per_request", cfg.reward.max_items_per_request)):
+        if e.enabled and evaluated > limit:
+            problems.append(f"{key}={limit} is below an evaluation's eval.max_prompts x eval.samples_per_prompt = "
+                            f"{e.max_prompts} x {e.samples_per_prompt} = {evaluated} samples")
     return problems
 
 

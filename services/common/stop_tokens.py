@@ -58,7 +58,7 @@ def end_of_turn_id(tokenizer: Any) -> Optional[int]:
         return None
     if not isinstance(text, str) or _MARKER not in text:
         return None
-    after = text.rsplit(_MARKER, 1)[1].lstrip(" ")
+    after = text.rsplit(_MARKER, 1)[1].lstrip()
     # The longest special token the text after the message starts with (`<|im_end|>`, not `<`).
     specials = sorted((t for t in getattr(tokenizer, "all_special_tokens", []) if t and after.startswith(t)),
                       key=len, reverse=True)

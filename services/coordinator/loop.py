@@ -5,8 +5,9 @@ phase, or with `pipeline.mode: async` the same phases as overlapping stages (`pi
 2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently; all of it finite
 3. advantages and returns (the algorithm's estimator), KL-coefficient update
 4. actor.Update | critic.Update, concurrently
-5. log the step
+5. evaluate on held-out prompts when due (actor.Generate + reward.Score: `evaluation.py`), log the step
 
+Before step 1 (with `eval.*` on) the starting policy is evaluated into a record of step 0.
 Algorithms without a critic (GRPO, RLOO, REINFORCE++) skip the critic calls; nothing else changes.
 """
 

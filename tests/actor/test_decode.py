@@ -81,6 +81,7 @@ def test_decode_logprobs_match_a_plain_forward(tiny_model_dir, top_k, top_p):
     batch = sequences(samples)
     with torch.no_grad():
         plain, _ = lm_logprobs(core.engine.model, batch, core.device, 0.8, 64, with_entropy=False)
+    plain = plain.cpu()  # the engine's device (these tests also run on a GPU)
     assert torch.allclose(torch.cat([s.logprobs for s in samples]), plain, atol=1e-5)
     eos = core.tokenizer.eos_token_id
     for s in samples:  # a stop token ends its response; nothing after it
@@ -104,6 +105,7 @@ def test_generate_fallback_gives_the_same_contract(tiny_model_dir):
     samples = core.generate(["1+2=", "13+4="], SamplingParams(max_new_tokens=5, n=2, seed=1, top_k=5))
     with torch.no_grad():
         plain, _ = lm_logprobs(core.engine.model, sequences(samples), core.device, 1.0, 64, with_entropy=False)
+    plain = plain.cpu()
     assert torch.allclose(torch.cat([s.logprobs for s in samples]), plain, atol=1e-5)
 
 

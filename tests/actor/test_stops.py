@@ -77,10 +77,11 @@ def test_greedy_takes_the_most_likely_token_and_repeats(tiny_model_dir, decode):
     batch = SequenceBatch.from_lists([s.prompt_ids for s in first], [s.response_ids for s in first])
     with torch.no_grad():  # every token the argmax of its position; logprobs at temperature 1
         ids, mask = batch.model_inputs()
-        logits = core.engine.model(input_ids=ids, attention_mask=mask).logits.float()
+        logits = core.engine.model(input_ids=ids.to(core.device), attention_mask=mask.to(core.device)).logits.cpu()
         plain, _ = lm_logprobs(core.engine.model, batch, core.device, 1.0, 64, with_entropy=False)
     rows, cols = batch.response_positions()
-    assert torch.equal(logits[rows, cols].argmax(-1), batch.response_ids)
+    assert torch.equal(logits[rows, cols].float().argmax(-1), batch.response_ids)
+    plain = plain.cpu()
     assert torch.allclose(torch.cat([s.logprobs for s in first]), plain, atol=1e-5)
 
 

@@ -119,6 +119,15 @@ def test_bad_eval_settings_are_config_errors_naming_the_key(make_config, tmp_pat
         PromptDataset.for_eval(grpo(make_config, f"eval.path={no_column}", "eval.prompt_key=question"))
 
 
+def test_preflight_refuses_an_evaluation_larger_than_one_request(make_config):
+    from rolefleet.common.preflight import check_request_limits
+
+    cfg = grpo(make_config, "eval.max_prompts=50", "eval.samples_per_prompt=4", "eval.temperature=1",
+               "reward.max_items_per_request=100")
+    assert any(p.startswith("reward.max_items_per_request=100 is below an evaluation's") for p in
+               check_request_limits(cfg))
+
+
 def test_preflight_reports_unreadable_eval_data(make_config, tmp_path):
     from rolefleet.common.preflight import check_data
 
