@@ -39,7 +39,7 @@ class RunLogger:
                              step_s=f"{record['timing/step_s']:.2f}")
         self.bar.update(1)
         if self.progress and len(self.records) % self.report_every == 0:
-            recent = self.records[-self.report_every:]
+            recent = [r for r in self.records if "reward/mean" in r][-self.report_every:]  # steps, not evaluations
             mean = sum(r["reward/mean"] for r in recent) / len(recent)
             self.bar.write(f"step {record['step']:>5}  reward {mean:.3f} (mean of last {len(recent)})  "
                            f"kl {record['kl']:.4f}  {record['timing/step_s']:.2f} s/step", file=sys.stdout)

@@ -148,3 +148,19 @@ def test_a_recovered_run_does_not_evaluate_the_start_twice(make_config):
 
     asyncio.run(evaluator.before_training(Logger(), status, roles.actor.generate, roles.reward.score))
     assert status.history == []
+
+
+def test_the_console_summary_counts_steps_not_the_evaluation_before_them(tmp_path, capsys):
+    """The periodic summary line averages training steps; the record of step 0 holds no reward."""
+    from rolefleet.coordinator.logger import RunLogger
+
+    logger = RunLogger(tmp_path, total_steps=4, progress=True, report_every=2, trackers=[])
+    logger.log_eval({"step": 0, "policy_version": 0, "eval/reward/mean": 0.5, "eval/pass@1": 0.5,
+                     "eval/response_length/mean": 3.0, "eval/clip_ratio": 0.0, "eval/prompts": 4.0, "eval/time_s": 0.1})
+    for step in (1, 2, 3):
+        logger.log({"step": step, "policy_version": step, "reward/mean": 0.25 * step, "kl": 0.0, "timing/step_s": 1.0})
+    logger.close()
+    out = capsys.readouterr().out
+    assert "eval      0  reward 0.500  pass@1 0.500" in out
+    assert "step     3  reward 0.625 (mean of last 2)" in out  # steps 2 and 3
+    assert logger.summary().startswith("3 steps; mean reward 0.500")
