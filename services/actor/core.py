@@ -84,6 +84,10 @@ class ActorCore:
         # Where the checkpoint ends a response (its tokenizer's eos and generation config's
         # eos_token_id list), before the hf engine clears its copy's generation defaults.
         self.stop_ids = checkpoint_stop_ids(self.tokenizer, self.model.generation_config)
+        if beyond := [i for i in self.stop_ids if i >= self.vocab_size]:  # a config of another vocabulary
+            log.warning("%s: stop ids %s are not below the vocabulary size %d and are ignored",
+                        cfg.model_name_or_path, beyond, self.vocab_size)
+            self.stop_ids = tuple(i for i in self.stop_ids if i < self.vocab_size)
         if self.rank == 0:
             warn_if_turn_runs_on(self.tokenizer, self.stop_ids, cfg.model_name_or_path)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)

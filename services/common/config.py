@@ -565,6 +565,10 @@ class RewardSection(Endpoint):
                                 "ground truth + extra (JSON)")
     replicas: list[str] = Field(default_factory=list, description="host:port of several reward servers: the "
                                 "coordinator spreads each batch across them (instead of reward.address)")
+    restart_wait_s: float = Field(300.0, ge=0, description="a Score call that fails because the reward role (or "
+                                  "every replica) went away is repeated once it answers again, for up to this many "
+                                  "seconds; the trainers do not roll back (the reward holds no training state); "
+                                  "past it the run fails naming this key")
     score_delay_s: float = Field(0.0, ge=0, le=600, description="seconds each Score call waits before "
                                  "scoring: a stand-in for a slower reward (a reward model) in benchmarks and tests")
 

@@ -27,6 +27,7 @@ from rolefleet.coordinator.http import HttpControlPlane, make_app, role_of
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.scaling import RewardScaling
+from rolefleet.coordinator.stateless import WaitsForRestart
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
@@ -96,7 +97,9 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
         # Replicated even when one: replicas may be added while the run goes (coordinator/scaling.py).
-        reward=ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
+        # It holds no training state: a call it loses to a restart is repeated, not rolled back.
+        reward=WaitsForRestart(ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
+                               "reward", cfg.reward.restart_wait_s, "reward.restart_wait_s"),
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
     )
 
@@ -139,7 +142,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
                 status.state = RunState.STOPPED
                 return status
             return _failed(status, exc)
-        scaling.client = roles.reward
+        scaling.client = roles.reward.inner
         try:
             logger = run_logger(cfg, progress)
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot start (W&B without a login, say)

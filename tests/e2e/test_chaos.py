@@ -1,5 +1,6 @@
 """`kill -9` of each role in turn under `rolefleet up`: every role is restarted, the run recovers
-from its newest checkpoint each time and finishes all its steps; the journal shows every sample
+from its newest checkpoint after a trainer's loss (a lost reward's call is repeated instead) and
+finishes all its steps; the journal shows every sample
 trained exactly once in the final record, and what each recovery redid."""
 
 import os
@@ -56,7 +57,8 @@ def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
     assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
     for role in ("actor", "critic", "reward", "coordinator"):
         assert f"rolefleet: {role} exited with code -9 during the run; restarting it" in output
-    assert output.count("recovery 1 of 2") >= 3  # actor, critic and reward were recovered from in the run
+    assert output.count("recovery 1 of 2") >= 2  # actor and critic were recovered from in the run
+    assert "the reward holds no training state" in output  # its lost call was repeated instead
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
         ids = journal.trained_sample_ids()
@@ -64,3 +66,34 @@ def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
         assert journal.starts() == 2  # the coordinator: started, killed, resumed
         assert journal.rewound()  # steps after a checkpoint were trained again, and are counted once
     assert processes_mentioning(resolved) == []
+
+
+def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, tmp_path):
+    """The reward holds no training state: its loss is waited out and the lost call repeated
+    (`reward.restart_wait_s`), with no checkpoint configured and no step trained again."""
+    total = 16
+    cfg = make_config("algorithm=grpo", f"train.total_steps={total}", "train.samples_per_prompt=2", "data.size=256",
+                      "checkpoint.at_end=false", "reward.score_delay_s=0.05")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    resolved = str(cfg.run.out / "config.yaml")
+    metrics = cfg.run.out / "metrics.jsonl"
+    proc = rolefleet("up", str(config))
+    try:
+        wait_for_step(proc, metrics, 3)
+        [pid] = [p for p in processes_mentioning("serve reward") if p in processes_mentioning(resolved)]
+        os.kill(pid, signal.SIGKILL)
+        assert last_step(metrics) < total
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
+    assert "rolefleet: reward exited with code -9 during the run; restarting it" in output
+    assert "recovery" not in output  # no rollback to a checkpoint (there is none)
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        ids = journal.trained_sample_ids()
+        assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2
+        assert not journal.rewound()
+    assert not (cfg.run.out / "checkpoints").exists() or not any((cfg.run.out / "checkpoints").iterdir())
