@@ -27,8 +27,8 @@ from rolefleet.coordinator.http import HttpControlPlane, make_app, role_of
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.scaling import RewardScaling
-from rolefleet.coordinator.stateless import WaitsForRestart
 from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.coordinator.stateless import WaitsForRestart
 from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient

@@ -14,8 +14,8 @@ from rolefleet.coordinator.stateless import WaitsForRestart
 class Flaky:
     """A reward client that is away for its first `down` calls."""
 
-    def __init__(self, down: int, error=Unavailable("connection refused")):
-        self.down, self.error, self.calls = down, error, []
+    def __init__(self, down: int, error: Exception | None = None):
+        self.down, self.error, self.calls = down, error or Unavailable("connection refused"), []
 
     async def score(self, items):
         self.calls.append(list(items))
