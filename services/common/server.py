@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from rolefleet.common import metrics
+from rolefleet.common import metrics, oom
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for
 from rolefleet.common.guard import GuardInterceptor
@@ -79,6 +80,8 @@ class StartupError(RuntimeError):
 
 
 def _fail(role: str, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, torch.OutOfMemoryError):  # RESOURCE_EXHAUSTED naming the phase and its settings
+        exc = oom.explain(role, method, exc)
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s.%s failed", role, method)
