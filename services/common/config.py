@@ -146,7 +146,11 @@ class SecuritySection(_Section):
 class CheckpointSection(_Section):
     """Checkpoints of the run (docs/checkpoints.md)."""
 
-    every: int = Field(0, ge=0, description="steps between checkpoints (0: only at the end of the run)")
+    every: int = Field(0, ge=0, description="steps between checkpoints (0: none by step count)")
+    every_minutes: float = Field(30.0, ge=0, description="a checkpoint after the first step that ends this many "
+                                 "minutes after the previous one (or the run's start); 0: none by time. With "
+                                 "either on and run.max_restarts > 0, the run also saves the checkpoint of step 0, "
+                                 "so a lost actor or critic is always recoverable")
     at_end: bool = Field(True, description="also save after the last step (and when a run is stopped)")
     keep: int = Field(3, ge=1, description="complete checkpoints kept; older ones are removed after a new "
                       "one is complete")
@@ -157,8 +161,14 @@ class CheckpointSection(_Section):
     def root(self, run: RunSection) -> Path:
         return Path(self.dir) if self.dir else run.out / "checkpoints"
 
-    def due(self, step: int, total_steps: int) -> bool:
-        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == total_steps)
+    @property
+    def periodic(self) -> bool:
+        """Checkpoints come during the run, not only at its end."""
+        return self.every > 0 or self.every_minutes > 0
+
+    def due(self, step: int, total_steps: int, minutes_since_last: float = 0.0) -> bool:
+        return ((self.every > 0 and step % self.every == 0) or (self.at_end and step == total_steps)
+                or (self.every_minutes > 0 and minutes_since_last >= self.every_minutes))
 
 
 class ModelSection(_Section):

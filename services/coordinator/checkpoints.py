@@ -36,6 +36,7 @@ class Checkpointer:
     def __init__(self, cfg: RoleFleetConfig, journal: Journal | None = None):
         self.cfg, self.journal = cfg, journal
         self.root = cfg.checkpoint.root(cfg.run).resolve()  # roles are told absolute paths
+        self.last_saved = time.monotonic()  # `checkpoint.every_minutes` counts from here (the run's start)
 
     def start_fresh(self) -> None:
         """A new run (not resuming) in a directory with an earlier run's checkpoints: they are moved
@@ -52,7 +53,7 @@ class Checkpointer:
             self.journal.record_step(step, [s.sample_id for s in samples], policy_version)
 
     def due(self, step: int) -> bool:
-        return self.cfg.checkpoint.due(step, self.cfg.train.total_steps)
+        return self.cfg.checkpoint.due(step, self.cfg.train.total_steps, (time.monotonic() - self.last_saved) / 60)
 
     async def save(self, roles, step: int, actor_step: int, state: dict[str, Any]) -> Path:
         """Checkpoint `step` (`actor_step`: the actor's own step id, behind during critic warm-up);
@@ -74,6 +75,7 @@ class Checkpointer:
             self.journal.record_checkpoint(step, str(path), manifest)
         for old in prune(self.root, self.cfg.checkpoint.keep):
             log.info("checkpoint %s removed (checkpoint.keep=%d)", old, self.cfg.checkpoint.keep)
+        self.last_saved = time.monotonic()
         log.info("checkpoint of step %d written to %s in %.1f s", step, path, time.perf_counter() - start)
         return path
 

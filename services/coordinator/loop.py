@@ -152,8 +152,11 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
             await require_fresh(roles)
             checkpointer.start_fresh()
             journal.rewind(-1)  # an earlier run's steps and checkpoints (step 0's too) are history now
-            if cfg.run.max_restarts and cfg.checkpoint.every:  # what a lost role is recovered to before step `every`
+            if cfg.run.max_restarts and cfg.checkpoint.periodic:  # what a lost trainer is recovered to at first
                 await checkpointer.save(roles, 0, 0, {"kl_coef": cfg.train.kl_coef})
+            elif cfg.run.max_restarts:
+                print("rolefleet: checkpoints are off during the run (checkpoint.every=0, checkpoint.every_minutes=0): "
+                      "a lost actor or critic will end the run; a lost reward costs nothing", flush=True)
         status.stepping = True
         if status.state == RunState.STARTING:  # not when paused or stopping meanwhile
             status.state = RunState.RUNNING
@@ -215,7 +218,7 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
     resumed = await checkpointer.restore(roles)
     if resumed is None:
         raise FailedPrecondition(f"a role was lost ({lost}) and the run has no checkpoint to recover from: "
-                                 "set checkpoint.every")
+                                 "set checkpoint.every or checkpoint.every_minutes")
     return resumed
 
 

@@ -225,3 +225,23 @@ def test_checkpoint_paths_stay_under_the_runs_checkpoint_directory(make_config, 
     with pytest.raises(FailedPrecondition, match="loading the checkpoint"):
         critic.load_checkpoint(str(root / "step-0" / "critic"))
     assert not marker.exists()
+
+
+def test_a_checkpoint_is_due_every_so_many_minutes_of_training(make_config, monkeypatch):
+    from rolefleet.coordinator import checkpoints as module
+    from rolefleet.coordinator.checkpoints import Checkpointer
+
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    checkpointer = Checkpointer(make_config("checkpoint.every_minutes=10", "checkpoint.at_end=false",
+                                            "train.total_steps=100"))
+    assert not checkpointer.due(3)
+    now[0] += 599
+    assert not checkpointer.due(4)
+    now[0] += 1
+    assert checkpointer.due(5)  # ten minutes since the run started
+    checkpointer.last_saved = now[0]  # as `save` sets it
+    assert not checkpointer.due(6)
+    off = Checkpointer(make_config("checkpoint.every_minutes=0", "checkpoint.at_end=false", "train.total_steps=100"))
+    now[0] += 10_000
+    assert not off.due(7) and not off.cfg.checkpoint.periodic

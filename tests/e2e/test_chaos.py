@@ -73,7 +73,7 @@ def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, 
     (`reward.restart_wait_s`), with no checkpoint configured and no step trained again."""
     total = 16
     cfg = make_config("algorithm=grpo", f"train.total_steps={total}", "train.samples_per_prompt=2", "data.size=256",
-                      "checkpoint.at_end=false", "reward.score_delay_s=0.05")
+                      "checkpoint.at_end=false", "checkpoint.every_minutes=0", "reward.score_delay_s=0.05")
     config = write_config(cfg, tmp_path / "config.yaml")
     resolved = str(cfg.run.out / "config.yaml")
     metrics = cfg.run.out / "metrics.jsonl"
@@ -91,9 +91,37 @@ def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, 
     assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
     assert "rolefleet: reward exited with code -9 during the run; restarting it" in output
     assert "recovery" not in output  # no rollback to a checkpoint (there is none)
+    assert "checkpoints are off during the run" in output and "a lost reward costs nothing" in output
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
         ids = journal.trained_sample_ids()
         assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2
         assert not journal.rewound()
     assert not (cfg.run.out / "checkpoints").exists() or not any((cfg.run.out / "checkpoints").iterdir())
+
+
+def test_with_no_checkpoint_keys_a_killed_actor_is_recovered_from_the_default_checkpoints(make_config, tmp_path):
+    """The defaults protect a trainer: the checkpoint of step 0 (and every `checkpoint.every_minutes`)."""
+    total = 12
+    cfg = make_config("algorithm=grpo", f"train.total_steps={total}", "train.samples_per_prompt=2", "data.size=256")
+    assert cfg.checkpoint.every == 0 and cfg.checkpoint.every_minutes > 0  # the shipped defaults
+    config = write_config(cfg, tmp_path / "config.yaml")
+    resolved = str(cfg.run.out / "config.yaml")
+    metrics = cfg.run.out / "metrics.jsonl"
+    proc = rolefleet("up", str(config))
+    try:
+        wait_for_step(proc, metrics, 4)
+        [pid] = [p for p in processes_mentioning("serve actor") if p in processes_mentioning(resolved)]
+        os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
+    assert "recovery 1 of 3" in output
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        ids = journal.trained_sample_ids()
+        assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2
+        assert journal.rewound()  # the steps after the checkpoint of step 0 were trained again
