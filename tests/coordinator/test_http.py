@@ -76,6 +76,19 @@ def test_status_steps_and_roles(served):
     assert "connect" in roles[0]["error"] and roles[0]["workers"] is None
 
 
+def test_steps_include_the_evaluation_before_training_and_page_by_step(served):
+    served.status.record_eval({"step": 0, "policy_version": 0, "eval/pass@1": 0.1})
+    for step in (1, 2):
+        served.status.record_step({"step": step, "reward/mean": step / 10}, policy_version=step)
+    code, page = served.call("GET", "/v1/steps")
+    assert code == 200 and [r["step"] for r in page["steps"]] == [0, 1, 2] and page["steps"][0]["eval/pass@1"] == 0.1
+    page = served.call("GET", "/v1/steps?limit=1")[1]
+    assert [r["step"] for r in page["steps"]] == [0] and page["next_since"] == 0
+    page = served.call("GET", f"/v1/steps?since={page['next_since']}")[1]
+    assert [r["step"] for r in page["steps"]] == [1, 2]  # following next_since moves on
+    assert served.call("GET", "/v1/status")[1]["step"] == 2
+
+
 def test_errors_are_json_naming_what_is_wrong(served):
     code, body = served.call("GET", "/v1/steps?limit=0")
     assert code == 422 and "limit" in body["error"]
