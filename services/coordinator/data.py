@@ -48,7 +48,7 @@ class PromptDataset:
         """The run's dataset: prompts rendered with the actor model's tokenizer. With evaluation on
         a draw of the training task, the held-out prompts are left out of it."""
         held_out = None
-        if cfg.eval.enabled and not cfg.data.path and not cfg.eval.path and cfg.eval_data().task == cfg.data.task:
+        if cfg.eval.enabled and not cfg.data.path and cfg.eval_data().task == cfg.data.task:  # a draw of this task
             held_out = {r.prompt for r in cls.for_eval(cfg).records}
         return cls.from_config(cfg.data, cfg.run.seed, tokenizer_path=cfg.actor.model_name_or_path, exclude=held_out)
 

@@ -114,8 +114,7 @@ def eval_record(samples: list[Sample], result: ScoreResult, prompts: int, n: int
     lengths = torch.tensor([len(samples[i].response_ids) for i in order], dtype=torch.float32)
     record = {
         "eval/reward/mean": total.mean().item(),
-        **{f"eval/{name}/mean": mean for name, mean in
-           ScoreResult(total, {k: v[order] for k, v in result.sources.items()}, result.errors).source_means().items()},
+        **{f"eval/{name}/mean": mean for name, mean in result.source_means().items()},  # means: order-free
         "eval/pass@1": pass_at_k(correct, 1).item(),
         "eval/response_length/mean": lengths.mean().item(),
         "eval/clip_ratio": sum(s.finish_reason == FinishReason.LENGTH for s in samples) / len(samples),

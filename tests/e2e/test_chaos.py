@@ -68,60 +68,56 @@ def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
     assert processes_mentioning(resolved) == []
 
 
-def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, tmp_path):
-    """The reward holds no training state: its loss is waited out and the lost call repeated
-    (`reward.restart_wait_s`), with no checkpoint configured and no step trained again."""
-    total = 16
-    cfg = make_config("algorithm=grpo", f"train.total_steps={total}", "train.samples_per_prompt=2", "data.size=256",
-                      "checkpoint.at_end=false", "checkpoint.every_minutes=0", "reward.score_delay_s=0.05")
+def kill_once(cfg, tmp_path, role: str, at_step: int) -> tuple[str, list[dict]]:
+    """`rolefleet up` of `cfg`, `kill -9` of `role` once step `at_step` is logged; the run's output
+    and records once it ended (it must end with code 0)."""
     config = write_config(cfg, tmp_path / "config.yaml")
     resolved = str(cfg.run.out / "config.yaml")
     metrics = cfg.run.out / "metrics.jsonl"
     proc = rolefleet("up", str(config))
     try:
-        wait_for_step(proc, metrics, 3)
-        [pid] = [p for p in processes_mentioning("serve reward") if p in processes_mentioning(resolved)]
+        wait_for_step(proc, metrics, at_step)
+        [pid] = [p for p in processes_mentioning(f"serve {role}") if p in processes_mentioning(resolved)]
         os.kill(pid, signal.SIGKILL)
-        assert last_step(metrics) < total
+        assert last_step(metrics) < cfg.train.total_steps, "the run ended before the kill: give it more steps"
         output, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output
-    assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
+    assert f"run {cfg.run.name} ended FINISHED after step {cfg.train.total_steps}/{cfg.train.total_steps}" in output
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, cfg.train.total_steps + 1))
+    return output, records
+
+
+def trained_once(cfg, journal: Journal) -> None:
+    """Every sample of the run was trained on, none twice."""
+    ids = journal.trained_sample_ids()
+    assert len(ids) == len(set(ids)) == cfg.train.total_steps * cfg.train.prompts_per_step * cfg.train.samples_per_prompt
+
+
+def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, tmp_path):
+    """The reward holds no training state: its loss is waited out and the lost call repeated
+    (`reward.restart_wait_s`), with no checkpoint configured and no step trained again."""
+    cfg = make_config("algorithm=grpo", "train.total_steps=16", "train.samples_per_prompt=2", "data.size=256",
+                      "checkpoint.at_end=false", "checkpoint.every_minutes=0", "reward.score_delay_s=0.05")
+    output, _ = kill_once(cfg, tmp_path, "reward", at_step=3)
     assert "rolefleet: reward exited with code -9 during the run; restarting it" in output
     assert "recovery" not in output  # no rollback to a checkpoint (there is none)
     assert "checkpoints are off during the run" in output and "a lost reward costs nothing" in output
-    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
-        ids = journal.trained_sample_ids()
-        assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2
+        trained_once(cfg, journal)
         assert not journal.rewound()
     assert not (cfg.run.out / "checkpoints").exists() or not any((cfg.run.out / "checkpoints").iterdir())
 
 
 def test_with_no_checkpoint_keys_a_killed_actor_is_recovered_from_the_default_checkpoints(make_config, tmp_path):
     """The defaults protect a trainer: the checkpoint of step 0 (and every `checkpoint.every_minutes`)."""
-    total = 12
-    cfg = make_config("algorithm=grpo", f"train.total_steps={total}", "train.samples_per_prompt=2", "data.size=256")
+    cfg = make_config("algorithm=grpo", "train.total_steps=12", "train.samples_per_prompt=2", "data.size=256")
     assert cfg.checkpoint.every == 0 and cfg.checkpoint.every_minutes > 0  # the shipped defaults
-    config = write_config(cfg, tmp_path / "config.yaml")
-    resolved = str(cfg.run.out / "config.yaml")
-    metrics = cfg.run.out / "metrics.jsonl"
-    proc = rolefleet("up", str(config))
-    try:
-        wait_for_step(proc, metrics, 4)
-        [pid] = [p for p in processes_mentioning("serve actor") if p in processes_mentioning(resolved)]
-        os.kill(pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output
-    assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
+    output, _ = kill_once(cfg, tmp_path, "actor", at_step=4)
     assert "recovery 1 of 3" in output
-    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
-        ids = journal.trained_sample_ids()
-        assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2
+        trained_once(cfg, journal)
         assert journal.rewound()  # the steps after the checkpoint of step 0 were trained again
