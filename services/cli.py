@@ -14,8 +14,7 @@ from rolefleet.common.shapes import SHAPES
 from rolefleet.tasks import TASKS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-CERTS_HELP = ("a run over TLS: the directory `rolefleet certs` wrote (its CA and `client` certificate); "
-              "the run's token, if any, comes from ROLEFLEET_TOKEN")
+CERTS_HELP = "a run over TLS: the directory `rolefleet certs` wrote (its CA and `client` certificate)"
 
 
 def _setup_logging(level: str) -> None:
@@ -58,15 +57,52 @@ def cmd_train(args) -> int:
     return run("coordinator", cfg)
 
 
-def operator_security(certs: str | None):
-    """What the CLI presents to a run: the token in ROLEFLEET_TOKEN, and with `--certs DIR` (what
+def operator_security(args):
+    """What the CLI presents to a run: the token of `--token-file`, else of the run `--run DIR`
+    names (the one `rolefleet up` made there), else of ROLEFLEET_TOKEN; and with `--certs DIR` (what
     `rolefleet certs` wrote) TLS: the run's CA and the `client` certificate."""
     from rolefleet.common.config import SecuritySection, TlsSection
+    from rolefleet.common.run_files import run_token_file
     from rolefleet.common.security import Security
 
+    certs = args.certs
     tls = TlsSection(cert_file=f"{certs}/client.pem", key_file=f"{certs}/client-key.pem",
                      ca_file=f"{certs}/ca.pem") if certs else TlsSection()
-    return Security.of(SecuritySection(tls=tls), "client")
+    token_file = args.token_file or (args.run and run_token_file(Path(args.run)))
+    return Security.of(SecuritySection(tls=tls, token_file=str(token_file) if token_file else None), "client")
+
+
+def where_to_ask(args) -> None:
+    """Without --address / --http, the coordinator of the run `--run DIR` names: its gRPC address
+    (`status`) or its control plane (`scale`)."""
+    from rolefleet.common.run_files import read_endpoints
+
+    wants_grpc = hasattr(args, "address")
+    if (wants_grpc and args.address) or args.http:
+        return
+    if not args.run:
+        raise ValueError("say which run: --run DIR (its run.output_dir)"
+                         + (", --address HOST:PORT" if wants_grpc else "") + " or --http URL")
+    endpoints = read_endpoints(Path(args.run))
+    if wants_grpc:
+        args.address = endpoints["address"]
+        return
+    args.http = endpoints["http"]
+    if not args.http:
+        raise ValueError(f"the run in {args.run} has no HTTP control plane (coordinator.http_enabled=false)")
+
+
+UNAUTHENTICATED_HINT = ("the run refuses calls without its token: `rolefleet up` made one in <run.output_dir>/token "
+                        "(--run DIR presents it); or pass --token-file FILE, or set ROLEFLEET_TOKEN")
+
+
+def _explained(error: Exception) -> str:
+    """The error, and how to present the token when the run refused the call for want of it."""
+    import urllib.error
+
+    refused = (isinstance(error, urllib.error.HTTPError) and error.code == 401) or \
+        str(error).startswith("UNAUTHENTICATED")
+    return f"{error}; {UNAUTHENTICATED_HINT}" if refused else str(error)
 
 
 def http_call(url: str, security, certs: str | None, body: dict | None = None):
@@ -92,14 +128,15 @@ def cmd_status(args) -> int:
     from rolefleet.common.errors import RoleFleetError
     from rolefleet.common.roles import use_security
 
-    where = args.http or args.address
     try:
-        security = operator_security(args.certs)
+        where_to_ask(args)
+        security = operator_security(args)
         use_security(security)  # a run with a token or TLS answers only to calls that present them
         status, roles = (_http_status(args.http, security, args.certs) if args.http
                          else asyncio.run(_grpc_status(args.address)))
     except (RoleFleetError, OSError, ValueError) as e:  # no coordinator there (yet, or any more)
-        print(f"rolefleet: no run status from {where}: {e}", file=sys.stderr)
+        print(f"rolefleet: no run status from {args.http or args.address or args.run}: {_explained(e)}",
+              file=sys.stderr)
         return 1
     print(f"run {status['run_name']}: {status['state']}, step {status['step']}/{status['total_steps']}, "
           f"policy version {status['policy_version']}, last mean reward {status['last_reward_mean']:.3f}"
@@ -146,13 +183,15 @@ def cmd_scale(args) -> int:
 
     change, address = ("add", args.add) if args.add else ("remove", args.remove)
     try:
-        replicas = http_call(f"{args.http.rstrip('/')}/v1/reward/replicas/{change}", operator_security(args.certs),
+        where_to_ask(args)
+        replicas = http_call(f"{args.http.rstrip('/')}/v1/reward/replicas/{change}", operator_security(args),
                              args.certs, {"address": address})["replicas"]
     except urllib.error.HTTPError as e:  # the control plane's JSON error says why
-        print(f"rolefleet: {json.load(e).get('error', e.reason)}", file=sys.stderr)
+        reason = json.load(e).get("error", e.reason)
+        print(f"rolefleet: {reason}" + (f"; {UNAUTHENTICATED_HINT}" if e.code == 401 else ""), file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:
-        print(f"rolefleet: no answer from {args.http}: {e}", file=sys.stderr)
+        print(f"rolefleet: no answer from {args.http or args.run}: {e}", file=sys.stderr)
         return 1
     print(f"reward replicas in use: {', '.join(replicas)}")
     return 0
@@ -249,6 +288,14 @@ def _at_least(low: int, multiple_of: int = 1):
     return parse
 
 
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """How `status` and `scale` find a run and present what it demands."""
+    p.add_argument("--run", metavar="DIR", help="the run's run.output_dir (runs/NAME): its coordinator's "
+                   "address when none is given, and the token `rolefleet up` made there")
+    p.add_argument("--token-file", metavar="FILE", help="a file whose first line is the run's token")
+    p.add_argument("--certs", metavar="DIR", help=CERTS_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolefleet", description="RL post-training on role servers.")
     parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
@@ -273,10 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("status", help="show a running coordinator's run status")
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
     where.add_argument("--address", help="coordinator gRPC address (printed when the run starts)")
     where.add_argument("--http", help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
-    p.add_argument("--certs", metavar="DIR", help=CERTS_HELP)
+    _run_options(p)
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("scale", help="add or remove a reward replica of a running run")
@@ -284,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     change = p.add_mutually_exclusive_group(required=True)
     change.add_argument("--add", metavar="HOST:PORT", help="a running reward server to give work to")
     change.add_argument("--remove", metavar="HOST:PORT", help="a replica to give no new work (its calls finish)")
-    p.add_argument("--http", required=True, help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
-    p.add_argument("--certs", metavar="DIR", help=CERTS_HELP)
+    p.add_argument("--http", help="coordinator HTTP control plane URL, e.g. http://127.0.0.1:8080")
+    _run_options(p)
     p.set_defaults(fn=cmd_scale)
 
     p = sub.add_parser("deploy", help="print deployment files generated from a config's devices map")

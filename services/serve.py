@@ -13,7 +13,7 @@ import grpc
 
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.gpu_metrics import GpuSampler
-from rolefleet.common.security import Security
+from rolefleet.common.security import Security, refuse_if_open
 from rolefleet.common.server import (
     StartupError,
     check_ports_free,
@@ -74,6 +74,14 @@ def worker_count(role: str, cfg: RoleFleetConfig) -> int:
     return getattr(cfg, role).workers or max(1, len(getattr(cfg.devices, role)))
 
 
+def bound_hosts(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
+    """The interfaces `role`'s servers bind, by config key (the coordinator's control plane too)."""
+    hosts = {f"{role}.host": getattr(cfg, role).host}
+    if role == "coordinator" and cfg.coordinator.http_enabled:
+        hosts["coordinator.http_host"] = cfg.coordinator.http_host
+    return hosts
+
+
 def run_security(cfg: RoleFleetConfig, role: str) -> Security:
     """What `role`'s server demands and its calls present (`client`: a process that only calls);
     its own channels use it from now on."""
@@ -81,7 +89,9 @@ def run_security(cfg: RoleFleetConfig, role: str) -> Security:
 
     try:
         security = Security.of(cfg.security, role)
-    except ValueError as exc:  # TokenError, TlsError: they name the key and file, never a secret
+        if role != "client":
+            refuse_if_open(role, bound_hosts(cfg, role), security, cfg.security)
+    except ValueError as exc:  # TokenError, TlsError, Unauthenticated: they name the keys, never a secret
         raise StartupError(str(exc)) from None
     use_security(security)
     return security

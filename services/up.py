@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
+from rolefleet.common.auth import write_run_token
 from rolefleet.common.config import ConfigError, RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.roles import fetch_status
+from rolefleet.common.run_files import RUN_TOKEN_FILE
 from rolefleet.common.server import StartupError
 
 log = logging.getLogger(__name__)
@@ -213,10 +215,23 @@ class Supervisor:
                     rp.log_file.close()
 
 
+def with_run_token(cfg: RoleFleetConfig) -> tuple[RoleFleetConfig, Optional[Path]]:
+    """The config with the run's token: the one it names, else a new one in <run.out>/token that every
+    role started here reads (security.token_file), so no other local user's process (nor, on a
+    role bound beyond loopback, any other machine's) can call the roles. Open only when the config
+    says so (security.allow_unauthenticated). Also returns the file made, if one was."""
+    s = cfg.security
+    if s.allow_unauthenticated or s.token_file or (s.token_env and os.environ.get(s.token_env)):
+        return cfg, None
+    path = write_run_token(cfg.run.out / RUN_TOKEN_FILE)
+    return cfg.model_copy(update={"security": s.model_copy(update={"token_file": str(path)})}), path
+
+
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
     from rolefleet.serve import run_security
 
+    cfg, made_token = with_run_token(cfg)
     try:
         run_security(cfg, "client")  # `up`'s own calls (the identity check) present the run's token and certificate
     except StartupError as exc:
@@ -236,6 +251,10 @@ def up(cfg: RoleFleetConfig) -> int:
             addresses = {role: f"{dial_host(getattr(cfg, role).host)}:{ports[role]['grpc_port']}" for role in servers}
             sup.check_identity(addresses, ports)
             print(f"rolefleet: {', '.join(servers)} ready; logs in {out / 'logs'}", flush=True)
+            if made_token is not None:
+                print(f"rolefleet: every role refuses calls without the run's token, made for this run in "
+                      f"{out / RUN_TOKEN_FILE} (readable by you alone); `rolefleet status --run {out}` "
+                      "presents it", flush=True)
             sup.start("coordinator", [f"{role}.address={a}" for role, a in addresses.items()], log_to_file=False)
             return sup.watch("coordinator")
         finally:

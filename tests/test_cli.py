@@ -193,9 +193,43 @@ def test_tiny_model_into_an_unwritable_place(tmp_path, capsys):
     assert f"tiny-model: cannot write {tmp_path / 'a-file' / 'model'}: Not a directory" in capsys.readouterr().err
 
 
-def test_status_without_a_coordinator_says_so(capsys):
+def test_status_without_a_coordinator_says_so(capsys, tmp_path):
     assert cli.main(["status", "--address", "127.0.0.1:1"]) == 1  # port 1: nothing listens
     assert "rolefleet: no run status from 127.0.0.1:1: " in capsys.readouterr().err
+    assert cli.main(["status", "--run", str(tmp_path)]) == 1  # no coordinator of a run there has started
+    assert f"{tmp_path / 'coordinator.json'} does not exist: no coordinator of a run in" in capsys.readouterr().err
+    assert cli.main(["status"]) == 1
+    assert "say which run: --run DIR (its run.output_dir), --address HOST:PORT or --http URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "actor.example.internal"])
+def test_serve_beyond_loopback_refuses_to_start_without_a_token_or_mutual_tls(config_file, monkeypatch, host):
+    monkeypatch.delenv("ROLEFLEET_TOKEN", raising=False)
+    result = rolefleet("serve", "reward", "--config", str(config_file), f"reward.host={host}", "reward.port=0")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"rolefleet: reward: reward.host={host} is reachable beyond this machine, and the run has no token" \
+        in result.stderr
+    for key in ("security.token_file", "$ROLEFLEET_TOKEN", "mutual: true", "security.allow_unauthenticated=true"):
+        assert key in result.stderr
+    assert result.elapsed < FAST_S, "the reward loaded before the refusal"
+
+
+def test_the_coordinators_control_plane_beyond_loopback_needs_the_token_too(config_file, monkeypatch):
+    from rolefleet.common.config import load_config
+    from rolefleet.common.server import StartupError
+    from rolefleet.serve import run_security
+
+    monkeypatch.delenv("ROLEFLEET_TOKEN", raising=False)
+    cfg = load_config(config_file, ["coordinator.http_enabled=true", "coordinator.http_host=0.0.0.0"])
+    with pytest.raises(StartupError, match=r"coordinator: coordinator\.http_host=0\.0\.0\.0 is reachable beyond"):
+        run_security(cfg, "coordinator")
+    monkeypatch.setenv("ROLEFLEET_TOKEN", "a-token-of-this-run-0123456789")
+    assert run_security(cfg, "coordinator").token == "a-token-of-this-run-0123456789"
+    monkeypatch.delenv("ROLEFLEET_TOKEN")
+    open_on_purpose = load_config(config_file, ["coordinator.http_enabled=true", "coordinator.http_host=0.0.0.0",
+                                                "security.allow_unauthenticated=true"])
+    assert run_security(open_on_purpose, "coordinator").token is None
+    assert run_security(load_config(config_file), "coordinator").token is None  # loopback: open is fine
 
 
 @pytest.mark.parametrize("args, message", [

@@ -192,6 +192,11 @@ class _Buffers:
     temperature: torch.Tensor     # fp32 [1]
     top_p: torch.Tensor           # fp32 [1]
     graph: torch.cuda.CUDAGraph | None = None
+    graph_pool_bytes: int = 0     # device memory the capture reserved for the graph's own intermediates
+
+    def held_bytes(self) -> int:
+        tensors = [*self.cache.keys.values(), *self.cache.values.values(), self.out_tokens, self.out_logprobs]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.graph_pool_bytes
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,10 @@ class DecodeLoop:
 
     def release(self) -> None:
         self._shape, self._buffers = None, None
+
+    def held_bytes(self) -> int:
+        """Device memory the kept buffers and graph hold (0 after `release`)."""
+        return self._buffers.held_bytes() if self._buffers is not None else 0
 
     @torch.no_grad()
     def run(self, prompts: list[torch.Tensor], temperature: float, top_k: int, top_p: float,
@@ -328,7 +337,9 @@ class DecodeLoop:
             raise UnsupportedModel(f"the decode loop failed on this model's first step: {exc}") from exc
         self._check_served(cache)
         if self.use_graphs:
+            reserved = torch.cuda.memory_reserved(dev)
             buf.graph = self._capture(buf, mode)
+            buf.graph_pool_bytes = torch.cuda.memory_reserved(dev) - reserved
         self._shape, self._buffers = shape, buf
         return buf
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 from pathlib import Path
 
 import grpc
@@ -43,6 +44,21 @@ def load_token(token_file: str | None, token_env: str | None) -> str | None:
     if any(c.isspace() or not c.isprintable() for c in token):
         raise TokenError(f"{source}: the token has whitespace or control characters")
     return token
+
+
+def write_run_token(path: Path) -> Path:
+    """A new random token in `path`, readable by its owner alone (0600 from the moment it exists:
+    the file is created with that mode, never chmod-ed after the secret is in it). An older file
+    there (another run's) is replaced. Returns the absolute path."""
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def token_matches(metadata, token: str) -> str | None:

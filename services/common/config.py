@@ -134,8 +134,12 @@ class SecuritySection(_Section):
                                       "role server then refuses gRPC calls without it (health checks excepted), "
                                       "and so does the HTTP control plane (/healthz excepted)")
     token_env: Optional[str] = Field("ROLEFLEET_TOKEN", description="environment variable holding the token "
-                                     "when no token_file is given; unset or empty: no authentication")
+                                     "when no token_file is given; with neither, `rolefleet up` makes a token for the "
+                                     "run and a server bound beyond loopback refuses to start")
     tls: TlsSection = Field(default_factory=TlsSection)
+    allow_unauthenticated: bool = Field(False, description="let a role server bound beyond loopback start "
+                                        "without a token or mutual TLS, and `rolefleet up` run without making "
+                                        "a token: for a network that only trusted callers reach")
     max_calls_per_client: int = Field(128, ge=1, description="calls one client host may have in flight at a role "
                                       "server; more are refused with RESOURCE_EXHAUSTED (health checks excepted)")
     max_message_mb: int = Field(512, ge=1, le=2047, description="largest gRPC message a role server accepts or "
@@ -401,6 +405,11 @@ class RolloutSection(_Section):
         "auto", description="decoding of the hf engine: loop (the engine's own KV cache, device sampling, "
         "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
         "generate for a model whose attention the loop cannot serve)")
+    keep_decode_state_mb: int = Field(2048, ge=0, description="hf decode loop: while its KV cache, buffers and "
+                                      "captured CUDA graph take at most this many MiB, they stay between calls "
+                                      "(a colocated trainer updates around them); larger ones go back to the "
+                                      "trainer before each update and are built again, graph capture included, "
+                                      "at the next call")
     vllm: VllmSection = Field(default_factory=VllmSection)
     workers: Optional[int] = Field(None, ge=1, description="CPU groups: the first N of the actor's workers only "
                                    "generate and the others only train (on GPUs devices.rollout says it)")

@@ -12,6 +12,7 @@ from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError, Unavailable
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
 from rolefleet.common.roles import fetch_status, wait_healthy
+from rolefleet.common.run_files import write_endpoints
 from rolefleet.common.security import OPEN, Security
 from rolefleet.common.server import (
     RoleServicer,
@@ -129,6 +130,8 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
         raise
     if ready_file:
         write_ready_file(ready_file, handle, **({"http_port": http.port} if http else {}))
+    write_endpoints(out, f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}",
+                    f"{http.scheme}://{dial_host(http.host)}:{http.port}" if http else None)
 
     async def work() -> RunStatus:
         # Printed once the signal handlers are in place, so a stop right after it is handled.

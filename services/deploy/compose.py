@@ -45,6 +45,11 @@ HOST_MODELS_DIR = "models"
 # directory, numbered in the order of these keys.
 SECRETS_DIR = "/etc/rolefleet/secrets"
 SECRET_KEYS = ("security.tls.cert_file", "security.tls.key_file", "security.tls.ca_file", "security.token_file")
+# What `docker compose` says, and refuses to start, when the run's token is not set where it runs.
+# No "$" or "}" in it (compose would read them as part of the expression), nor ": " or "'" (YAML would
+# quote the whole value).
+TOKEN_MISSING = ("every role needs the token of the run, so put {name}=<a random secret of 16+ characters> in .env "
+                 "beside docker-compose.yml (docs/deploy-compose.md)")
 # A variable compose can interpolate (${NAME:-}).
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # SERVING comes after the model load (and vLLM's warm-up), which a large checkpoint stretches to
@@ -249,7 +254,11 @@ def secret_mounts(cfg: RoleFleetConfig) -> SecretMounts:
         if not _ENV_NAME.fullmatch(security.token_env):
             raise ValueError(f"security.token_env: {security.token_env!r} is not a variable name compose can "
                              "pass through (letters, digits and _, not starting with a digit)")
-        mounts.environment[security.token_env] = f"${{{security.token_env}:-}}"
+        name = security.token_env
+        # Required unless something else authenticates callers: every role binds all interfaces of
+        # its container, where it refuses to start open (docs/security.md); compose says so first.
+        optional = security.allow_unauthenticated or (security.tls.enabled and security.tls.mutual)
+        mounts.environment[name] = f"${{{name}:-}}" if optional else f"${{{name}:?{TOKEN_MISSING.format(name=name)}}}"
     return mounts
 
 
@@ -335,7 +344,9 @@ def _security_summary(cfg: RoleFleetConfig, secrets: SecretMounts) -> list[str]:
         lines.append(f"The run's token: {security.token_file} (security.token_file).")
     elif secrets.environment:
         [name] = secrets.environment
-        lines.append(f"The run's token, if any: ${name} where `docker compose up` runs (security.token_env).")
+        required = not secrets.environment[name].endswith(":-}")
+        lines.append(f"The run's token: ${name} where `docker compose up` runs (security.token_env)"
+                     + ("; compose refuses to start without it." if required else ", if set."))
     if secrets.volumes:
         lines.append(f"Mounted read-only into every role at {SECRETS_DIR}/<n>: "
                      f"{', '.join(v.split(':')[0] for v in secrets.volumes)}.")

@@ -126,14 +126,34 @@ def test_auto_falls_back_to_generate_for_a_model_the_loop_cannot_serve(tiny_mode
         strict.generate(["1+2="], SamplingParams(max_new_tokens=4))
 
 
-def test_sleep_frees_the_cache_and_the_next_call_rebuilds_it(tiny_model_dir):
-    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+def test_sleep_frees_a_cache_over_the_limit_and_the_next_call_rebuilds_it(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.keep_decode_state_mb=0")
     sampling = SamplingParams(max_new_tokens=4, n=2, seed=2)
     before = [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)]
-    assert core.engine._loop._buffers is not None
+    assert core.engine._loop.held_bytes() > 0
     core.engine.sleep()
-    assert core.engine._loop._buffers is None
+    assert core.engine._loop._buffers is None and core.engine._loop.held_bytes() == 0
     assert [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)] == before
+
+
+def test_a_small_cache_stays_through_sleep_and_decodes_with_the_new_weights(tiny_model_dir):
+    """Kept state (and on a GPU its captured graph) reads the engine's parameters, which the weight
+    sync refreshes in place: after new weights, it samples exactly what a freshly built loop does."""
+    kept = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    fresh = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.keep_decode_state_mb=0")
+    sampling = SamplingParams(max_new_tokens=6, n=4, seed=7, temperature=1.5)
+    prompts = ["3+4=", "12+9="]
+    assert [s.response_ids.tolist() for s in kept.generate(prompts, sampling)] == \
+        [s.response_ids.tolist() for s in fresh.generate(prompts, sampling)]
+    buffers = kept.engine._loop._buffers
+    for core in (kept, fresh):
+        core.engine.sleep()
+        torch.manual_seed(0)
+        core.engine.load_weights((name, p + 0.05 * torch.randn_like(p)) for name, p in core.engine.model.named_parameters())
+    assert kept.engine._loop._buffers is buffers and fresh.engine._loop._buffers is None
+    after = [s.response_ids.tolist() for s in kept.generate(prompts, sampling)]
+    assert after == [s.response_ids.tolist() for s in fresh.generate(prompts, sampling)]
+    assert kept.engine._loop._buffers is buffers  # the same shape: nothing was built again
 
 
 @pytest.mark.parametrize("layer_types", [["full_attention", "conv"], ["full_attention", "linear_attention"]])

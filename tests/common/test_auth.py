@@ -7,8 +7,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rolefleet.common.auth import AUTH_REFUSED, TokenError, client_interceptors, load_token
+from rolefleet.common.auth import AUTH_REFUSED, TokenError, client_interceptors, load_token, write_run_token
+from rolefleet.common.config import SecuritySection
 from rolefleet.common.guard import GuardInterceptor
+from rolefleet.common.security import Security, Unauthenticated, is_loopback, refuse_if_open
 
 TOKEN = "s3cret-token-of-the-run-0123456789"
 
@@ -82,3 +84,35 @@ def test_tokens_load_from_a_file_or_the_environment_with_clear_errors(tmp_path, 
     monkeypatch.setenv("ROLEFLEET_TEST_TOKEN", "has a space in it, see")
     with pytest.raises(TokenError, match="ROLEFLEET_TEST_TOKEN .*whitespace"):
         load_token(None, "ROLEFLEET_TEST_TOKEN")
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.1.1", True), ("::1", True),
+                                            ("localhost", True), ("0.0.0.0", False), ("::", False), ("", False),
+                                            ("10.0.0.5", False), ("actor", False)])
+def test_which_hosts_are_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_a_server_beyond_loopback_needs_a_token_or_mutual_tls():
+    binds = {"actor.host": "127.0.0.1", "coordinator.http_host": "0.0.0.0"}
+    with pytest.raises(Unauthenticated, match=r"actor: coordinator\.http_host=0\.0\.0\.0 is reachable"):
+        refuse_if_open("actor", binds, Security(), SecuritySection())
+    tls_files = object()  # a loaded certificate: what matters is whether clients must present one
+    with pytest.raises(Unauthenticated):  # TLS without mutual admits any client
+        refuse_if_open("actor", binds, Security(tls=tls_files), SecuritySection())
+    mutual = SecuritySection(tls={"cert_file": "c.pem", "key_file": "k.pem", "ca_file": "ca.pem", "mutual": True})
+    refuse_if_open("actor", binds, Security(tls=tls_files), mutual)
+    refuse_if_open("actor", binds, Security(token=TOKEN), SecuritySection())
+    refuse_if_open("actor", binds, Security(), SecuritySection(allow_unauthenticated=True))
+    refuse_if_open("actor", {"actor.host": "127.0.0.1"}, Security(), SecuritySection())
+
+
+def test_a_run_token_is_random_owner_only_and_loads(tmp_path):
+    first = write_run_token(tmp_path / "run" / "token")
+    assert first.is_absolute() and first.stat().st_mode & 0o777 == 0o600
+    token = load_token(str(first), None)
+    assert len(token) >= 32
+    (tmp_path / "run" / "token").chmod(0o644)  # a file left by an older run: replaced, owner-only again
+    again = write_run_token(tmp_path / "run" / "token")
+    assert load_token(str(again), None) != token and again.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["token"]

@@ -27,7 +27,7 @@ from rolefleet.certs import make_certs
 from rolefleet.common.config import Endpoint, RewardSection, load_config
 from rolefleet.common.preflight import MODEL_KEYS
 from rolefleet.common.server import start_server
-from rolefleet.deploy.compose import SECRETS_DIR, render_compose
+from rolefleet.deploy.compose import SECRETS_DIR, TOKEN_MISSING, render_compose
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
 from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
@@ -40,6 +40,8 @@ REGENERATE = f"rolefleet deploy compose {CONFIG} > docker-compose.yml"
 GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
 METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
 MONITORING = {"prometheus", "grafana"}
+REQUIRED_TOKEN = "${ROLEFLEET_TOKEN:?" + TOKEN_MISSING.format(name="ROLEFLEET_TOKEN") + "}"
+A_TOKEN = {"ROLEFLEET_TOKEN": "compose-test-token-0123456789"}
 
 
 def render(*overrides: str) -> str:
@@ -54,9 +56,11 @@ def reservations(service: dict) -> list[dict]:
     return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
 
 
-def compose_config(path: Path) -> subprocess.CompletedProcess:
+def compose_config(path: Path, environ: dict[str, str] = A_TOKEN) -> subprocess.CompletedProcess:
+    """`docker compose config -q` where `environ` is set (and ROLEFLEET_TOKEN only if it says so)."""
+    env = {k: v for k, v in os.environ.items() if k != "ROLEFLEET_TOKEN"} | environ
     return subprocess.run([tool("docker-compose"), "-f", str(path), "--project-directory", str(REPO), "config", "-q"],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
 
 
 # --- the generated file --------------------------------------------------------------------------
@@ -95,8 +99,7 @@ def test_gpu_reservations_are_the_devices_map_and_the_coordinator_has_none():
         assert "CUDA_VISIBLE_DEVICES" not in json.dumps(services[role])  # the reservation alone picks the GPUs
     for name in ("coordinator", *MONITORING):
         assert reservations(services[name]) == [] and "gpus" not in services[name], name
-    assert services["coordinator"]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void",
-                                                      "ROLEFLEET_TOKEN": "${ROLEFLEET_TOKEN:-}"}
+    assert services["coordinator"]["environment"] == {"NVIDIA_VISIBLE_DEVICES": "void", "ROLEFLEET_TOKEN": REQUIRED_TOKEN}
 
 
 def test_a_grpo_render_leaves_the_critic_out_and_follows_another_placement():
@@ -290,15 +293,32 @@ def test_without_a_token_file_the_token_comes_from_the_environment_compose_runs_
 
 
 def test_the_token_variable_passes_through_with_or_without_a_security_section():
-    assert yaml.safe_load(render())["services"]["actor"]["environment"] == {"ROLEFLEET_TOKEN": "${ROLEFLEET_TOKEN:-}"}
+    assert yaml.safe_load(render())["services"]["actor"]["environment"] == {"ROLEFLEET_TOKEN": REQUIRED_TOKEN}
     services = yaml.safe_load(render("security.max_calls_per_client=64"))["services"]
     for role in ROLES:
-        assert services[role]["environment"]["ROLEFLEET_TOKEN"] == "${ROLEFLEET_TOKEN:-}"
+        assert services[role]["environment"]["ROLEFLEET_TOKEN"] == REQUIRED_TOKEN
         assert not [v for v in services[role]["volumes"] if SECRETS_DIR in v]
         assert services[role]["healthcheck"]["test"][-2:] == ["--timeout", "5"]
     services = yaml.safe_load(render("security.max_calls_per_client=64", "security.token_env="))["services"]
     assert "environment" not in services["actor"]  # no variable named: no token, nothing to pass
     assert render() == COMPOSE.read_text()
+
+
+def test_compose_refuses_to_start_without_the_token_unless_the_config_says_the_run_is_open(tmp_path):
+    done = compose_config(COMPOSE, environ={})
+    assert done.returncode != 0
+    assert "every role needs the token of the run, so put ROLEFLEET_TOKEN=" in done.stderr, done.stderr
+    assert compose_config(COMPOSE, environ={"ROLEFLEET_TOKEN": ""}).returncode != 0  # empty is no token either
+    assert compose_config(COMPOSE).returncode == 0
+    # Open on purpose (in the config file the containers read): the variable is passed when set,
+    # nothing is required, and the roles' config lets them start open on all interfaces.
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(render_secured(tmp_path, {"allow_unauthenticated": True}))
+    services = yaml.safe_load(path.read_text())["services"]
+    assert services["actor"]["environment"] == {"ROLEFLEET_TOKEN": "${ROLEFLEET_TOKEN:-}"}
+    assert compose_config(path, environ={}).returncode == 0
+    _, cfg = container_config(services["reward"])
+    assert cfg.security.allow_unauthenticated and cfg.reward.host == "0.0.0.0"
 
 
 def test_one_directory_holding_every_file_is_mounted_once(certs):

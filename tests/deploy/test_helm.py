@@ -3,6 +3,8 @@ Kubernetes API schemas, and the placement values `rolefleet.deploy.helm` derives
 
 from __future__ import annotations
 
+import base64
+
 import asyncio
 import re
 import shlex
@@ -178,6 +180,7 @@ def test_placement_manifests_validate(placement):
 def test_default_renders_one_workload_per_role_and_their_services(default_docs):
     assert names(default_docs) == {
         ("ServiceAccount", PREFIX), ("ConfigMap", f"{PREFIX}-config"), ("PersistentVolumeClaim", f"{PREFIX}-runs"),
+        ("Secret", f"{PREFIX}-token"),
         *{("Deployment", f"{PREFIX}-{r}") for r in ("actor", "reward", "critic")},
         ("Job", f"{PREFIX}-coordinator"),
         *{("Service", f"{PREFIX}-{r}") for r in GRPC_PORTS}, ("Service", f"{PREFIX}-reward-headless"),
@@ -485,9 +488,10 @@ def test_the_rendered_probe_command_finds_a_mutual_tls_server_serving(tmp_path, 
 def test_tls_without_mutual_and_a_token_alone():
     docs = render("--set", "security.tls.secret=run1-tls")
     assert overrides(docs, "critic")["security.tls.mutual"] == "false"
-    assert "security.token_env" not in overrides(docs, "critic")
-    assert not [e for e in container(docs, "critic")["env"] if e["name"] == "ROLEFLEET_TOKEN"]
+    (token,) = [e for e in container(docs, "critic")["env"] if e["name"] == "ROLEFLEET_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"]["name"] == f"{PREFIX}-token"  # TLS alone lets anyone call: a token too
     docs = render("--set", "security.tokenSecret=run1-token")
+    assert ("Secret", f"{PREFIX}-token") not in names(docs)  # a named Secret: the chart makes none
     for role, port in GRPC_PORTS.items():
         c = container(docs, role)
         assert not [a for a in c["args"] if a.startswith("security.tls")]
@@ -496,12 +500,41 @@ def test_tls_without_mutual_and_a_token_alone():
         assert [e["name"] for e in c["env"]].count("ROLEFLEET_TOKEN") == 1
 
 
-def test_without_security_values_nothing_of_it_is_rendered(default_docs):
+def test_by_default_the_chart_makes_a_token_secret_every_role_demands(tmp_path, default_docs):
+    secret = find(default_docs, "Secret", f"{PREFIX}-token")
+    # Kept by `helm uninstall`, so a reinstall (which looks it up, as every upgrade does) reuses it.
+    assert secret["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    other = find(render(), "Secret", f"{PREFIX}-token")["data"]["token"]
+    assert other != secret["data"]["token"]  # drawn at random (offline: no Secret to look up)
+    config = write(tmp_path / "config.yaml", find(default_docs, "ConfigMap", f"{PREFIX}-config")["data"]["config.yaml"])
     for role in GRPC_PORTS:
         c = container(default_docs, role)
-        assert not [a for a in c["args"] if a.startswith("security.")]
-        assert "ROLEFLEET_TOKEN" not in env(default_docs, role)
+        (entry,) = [e for e in c["env"] if e["name"] == "ROLEFLEET_TOKEN"]
+        assert entry["valueFrom"] == {"secretKeyRef": {"name": f"{PREFIX}-token", "key": "token"}}, role
+        assert [a for a in c["args"] if a.startswith("security.")] == ["security.token_file=",
+                                                                      "security.token_env=ROLEFLEET_TOKEN"]
         assert "tls" not in {v["name"] for v in pod(default_docs, role)["volumes"]}
+        parsed = parse_args([a.replace("/etc/rolefleet/config.yaml", str(config)) for a in c["args"]])
+        cfg = load_config(parsed.config, parsed.overrides)
+        assert not cfg.security.allow_unauthenticated and cfg.security.token_env == "ROLEFLEET_TOKEN"
+    text = notes()
+    assert f"export ROLEFLEET_TOKEN=$(kubectl --namespace ml get secret {PREFIX}-token" in text
+    assert f"Every role refuses calls without the run's token, from Secret {PREFIX}-token" in text
+
+
+def test_allow_unauthenticated_renders_no_token_and_lets_the_roles_start_open(tmp_path):
+    docs = render("--set", "security.allowUnauthenticated=true")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    config = write(tmp_path / "config.yaml", find(docs, "ConfigMap", f"{PREFIX}-config")["data"]["config.yaml"])
+    for role in GRPC_PORTS:
+        c = container(docs, role)
+        assert "ROLEFLEET_TOKEN" not in env(docs, role)
+        assert [a for a in c["args"] if a.startswith("security.")] == ["security.allow_unauthenticated=true"]
+        parsed = parse_args([a.replace("/etc/rolefleet/config.yaml", str(config)) for a in c["args"]])
+        assert load_config(parsed.config, parsed.overrides).security.allow_unauthenticated
+    assert "refuses calls without the run's token" not in notes("--set", "security.allowUnauthenticated=true")
 
 
 def test_mutual_tls_without_a_secret_is_refused():

@@ -65,6 +65,11 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def bearer(run_dir: Path) -> dict[str, str]:
+    """The header that presents the token `rolefleet up` made for the run in `run_dir`."""
+    return {"Authorization": f"Bearer {(run_dir / 'token').read_text().strip()}"}
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -1,6 +1,7 @@
 """End to end: the four role servers as real processes on loopback, two PPO steps, clean shutdown."""
 
 import asyncio
+import json
 import signal
 import time
 import urllib.request
@@ -117,9 +118,11 @@ def test_status_of_a_running_run_then_sigterm_stops_every_role(make_config, tmp_
     try:
         metrics = cfg.run.out / "metrics.jsonl"
         address = running_run(proc, metrics)
-        status = rolefleet("status", "--address", address)
+        # The run's own token and address, from its directory; the address it printed is the same.
+        status = rolefleet("status", "--run", str(cfg.run.out))
         output, _ = status.communicate(timeout=60)
         assert status.returncode == 0, output
+        assert json.loads((cfg.run.out / "coordinator.json").read_text())["address"] == address
         assert "run test: RUNNING, step " in output and "/1000" in output
         # The role map: each role's address, its GPUs (CUDA_VISIBLE_DEVICES from `up`: none on
         # the CPU) and its workers.

@@ -6,11 +6,12 @@ import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from rolefleet.coordinator.journal import Journal
-from tests.e2e.procs import read_metrics, rolefleet, running_run_http, wait_ready, write_config
+from tests.e2e.procs import bearer, read_metrics, rolefleet, running_run_http, wait_ready, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -22,8 +23,9 @@ def scored(metrics_port: int) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def scale(*args: str) -> tuple[int, str]:
-    proc = rolefleet("scale", "reward", *args)
+def scale(run_dir: Path, *args: str) -> tuple[int, str]:
+    """`rolefleet scale reward ARGS` with the token `up` made in `run_dir`."""
+    proc = rolefleet("scale", "reward", *args, "--run", str(run_dir))
     out, _ = proc.communicate(timeout=60)
     return proc.returncode, out
 
@@ -48,16 +50,16 @@ def test_a_reward_replica_added_mid_run_gets_work_and_one_removed_loses_none(mak
         ports = wait_ready(extra, ready)
         address = f"127.0.0.1:{ports['grpc_port']}"
 
-        code, out = scale("--add", address, "--http", url)
+        code, out = scale(cfg.run.out, "--add", address)  # the control plane's URL from the run's directory
         assert code == 0 and out.strip().endswith(f", {address}"), out
         wait_for(lambda: scored(ports["metrics_port"]) > 0)  # the next batches are shared with it
 
-        code, out = scale("--add", "127.0.0.1:1", "--http", url)  # nothing listens there
+        code, out = scale(cfg.run.out, "--add", "127.0.0.1:1", "--http", url)  # nothing listens there
         assert code == 1 and "reward replica 127.0.0.1:1 does not answer" in out, out
-        code, out = scale("--add", address, "--http", url)
+        code, out = scale(cfg.run.out, "--add", address, "--http", url)
         assert code == 1 and f"reward replica {address} is already in use" in out, out
 
-        code, out = scale("--remove", address, "--http", url)
+        code, out = scale(cfg.run.out, "--remove", address, "--http", url)
         assert code == 0 and address not in out, out
         step = len(read_metrics(metrics))
         wait_for(lambda: len(read_metrics(metrics)) >= step + 2)
@@ -68,9 +70,10 @@ def test_a_reward_replica_added_mid_run_gets_work_and_one_removed_loses_none(mak
         extra.wait(timeout=60)
         wait_for(lambda: len(read_metrics(metrics)) >= step + 6)  # the run goes on without it
 
-        code, out = scale("--remove", address, "--http", url)
+        code, out = scale(cfg.run.out, "--remove", address, "--http", url)
         assert code == 1 and f"no reward replica {address} in use" in out, out
-        urllib.request.urlopen(urllib.request.Request(f"{url}/v1/stop", method="POST"), timeout=10).read()
+        urllib.request.urlopen(urllib.request.Request(f"{url}/v1/stop", method="POST", headers=bearer(cfg.run.out)),
+                               timeout=10).read()
         output, _ = proc.communicate(timeout=120)
     finally:
         for p in (proc, extra):

@@ -40,7 +40,7 @@ def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
     proc = rolefleet("up", str(config))
     try:
         address = running_run(proc, cfg.run.out / "metrics.jsonl")
-        status = rolefleet("status", "--address", address)
+        status = rolefleet("status", "--address", address, "--run", str(cfg.run.out))
         shown, _ = status.communicate(timeout=60)
         [row] = [line for line in shown.splitlines() if line.split()[:1] == ["actor"]]
         assert "2 workers" in row, shown

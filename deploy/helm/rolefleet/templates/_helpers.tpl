@@ -180,9 +180,21 @@ and 127.0.0.1 (the probes, a port-forward) on its own.
 {{- printf "rolefleet certs DIR %s" (join " " $args) }}
 {{- end }}
 
-{{/* The Secret holding the run's token under key `token` (security.tokenSecret), or "". */}}
+{{/*
+The Secret holding the run's token under key `token`: security.tokenSecret, else the one the chart
+creates (templates/token-secret.yaml); "" only with security.allowUnauthenticated.
+*/}}
 {{- define "rolefleet.tokenSecret" -}}
-{{- dig "tokenSecret" "" (.Values.security | default dict) }}
+{{- $security := .Values.security | default dict }}
+{{- with dig "tokenSecret" "" $security }}{{ . }}
+{{- else }}{{ if not (dig "allowUnauthenticated" false $security) }}{{ include "rolefleet.fullname" . }}-token{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the chart creates the token Secret itself (none named, authentication not turned off). */}}
+{{- define "rolefleet.createsTokenSecret" -}}
+{{- $security := .Values.security | default dict }}
+{{- if not (or (dig "tokenSecret" "" $security) (dig "allowUnauthenticated" false $security)) }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -225,6 +237,8 @@ token's source), then the role's extraArgs, which come last so that they win.
 {{- /* The token is the Secret's, in ROLEFLEET_TOKEN: not a file the config may name. */}}
 {{- $args = append $args "security.token_file=" }}
 {{- $args = append $args "security.token_env=ROLEFLEET_TOKEN" }}
+{{- else }}
+{{- $args = append $args "security.allow_unauthenticated=true" }}
 {{- end }}
 {{- $args = concat $args ($v.extraArgs | default list) }}
 {{- toYaml $args }}
