@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -208,11 +209,13 @@ class Decoded:
 class DecodeLoop:
     """Samples continuations of left-padded prompts with the model's own layers over a `KVCache`.
 
-    The buffers (and the captured graph) of the last shape are kept for the next call; `release`
-    frees them (the trainer wants the memory)."""
+    The buffers (and the captured graph) of each shape are kept for later calls of that shape, the
+    most recently used first, while all of them together take at most `keep_bytes`: a run's
+    training batches and its evaluation batches (another batch size, greedy) each replay their own
+    graph. `trim` frees the least recently used ones down to a budget (the trainer wants the memory)."""
 
     def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, prefill_tokens: int,
-                 compile: bool = False):
+                 compile: bool = False, keep_bytes: int = 0):
         """`compile` (`compile_layers`): the sampling runs compiled too. Eager, `sample_next` makes
         about ten passes over the [B, V] logits at every decode step (an fp32 copy, the tempered
         logits, the noise, its log, the noisy scores, the argmax, the log-sum-exp); profiled on a
@@ -227,15 +230,18 @@ class DecodeLoop:
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.prefill_tokens = prefill_tokens
         self.use_graphs = device.type == "cuda"
-        self._shape: tuple | None = None
-        self._buffers: _Buffers | None = None
+        self.keep_bytes = keep_bytes
+        self._states: OrderedDict[tuple, _Buffers] = OrderedDict()  # by shape, least recently used first
 
-    def release(self) -> None:
-        self._shape, self._buffers = None, None
+    def trim(self, max_bytes: int = 0, spare_newest: bool = False) -> None:
+        """Free the least recently used shapes' buffers and graphs until the rest hold at most
+        `max_bytes` (0: all of them); `spare_newest`: never the most recently used one."""
+        while len(self._states) > spare_newest and self.held_bytes() > max_bytes:
+            self._states.popitem(last=False)
 
     def held_bytes(self) -> int:
-        """Device memory the kept buffers and graph hold (0 after `release`)."""
-        return self._buffers.held_bytes() if self._buffers is not None else 0
+        """Device memory the kept buffers and graphs hold."""
+        return sum(buf.held_bytes() for buf in self._states.values())
 
     @torch.no_grad()
     def run(self, prompts: list[torch.Tensor], temperature: float, top_k: int, top_p: float,
@@ -317,9 +323,10 @@ class DecodeLoop:
 
     def _prepare(self, batch: int, length: int, mode: _Mode) -> _Buffers:
         shape = (batch, length, mode)
-        if shape == self._shape:
-            return self._buffers
-        self.release()  # the previous shape's buffers go back to the allocator, which reuses them
+        if shape in self._states:
+            self._states.move_to_end(shape)
+            return self._states[shape]
+        self.trim(self.keep_bytes)  # what is over the budget goes back to the allocator, which reuses it
         dev = self.device
         long = dict(dtype=torch.int64, device=dev)
         cache = KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long))
@@ -340,7 +347,10 @@ class DecodeLoop:
             reserved = torch.cuda.memory_reserved(dev)
             buf.graph = self._capture(buf, mode)
             buf.graph_pool_bytes = torch.cuda.memory_reserved(dev) - reserved
-        self._shape, self._buffers = shape, buf
+        self._states[shape] = buf
+        # Older shapes over the budget go; this one stays for the rest of the call's batches and
+        # until the engine sleeps, whatever its size.
+        self.trim(self.keep_bytes, spare_newest=True)
         return buf
 
     def _check_served(self, cache: KVCache) -> None:

@@ -61,7 +61,8 @@ class HFRolloutEngine:
         self.device = device
         self.cfg = cfg
         self._loop = None if cfg.rollout.decode == "generate" else DecodeLoop(
-            self.model, device, tokenizer.pad_token_id, cfg.max_tokens_per_micro_batch, compile=cfg.compile_layers)
+            self.model, device, tokenizer.pad_token_id, cfg.max_tokens_per_micro_batch, compile=cfg.compile_layers,
+            keep_bytes=cfg.rollout.keep_decode_state_mb * 2**20)
 
     # --- weights and memory -------------------------------------------------------------------------
 
@@ -72,15 +73,15 @@ class HFRolloutEngine:
             params[name].copy_(tensor)  # casts fp32 master weights to the engine's dtype
 
     def sleep(self) -> None:
-        # A large KV cache and its captured graph go back to this process's allocator, where the
-        # trainer reuses them. Not `empty_cache`: the trainer would pay cudaMalloc (and the
+        # KV caches and captured graphs over `keep_decode_state_mb` go back to this process's
+        # allocator, where the trainer reuses them. Not `empty_cache`: the trainer would pay cudaMalloc (and the
         # device-wide sync of cudaFree) for every block again, about 60 ms per update at 0.5B on an
-        # H200. A small one stays: building it again at the next call (a warm-up step and a capture,
+        # H200. Small ones stay: building it again at the next call (a warm-up step and a capture,
         # cuDNN's plans and the compiled layers' guards on the host) took 0.3-0.4 s a call with
         # SmolLM2-135M, against 46 ms of GPU work for the whole call. The weights it reads are the
         # engine's own parameters, refreshed in place by `load_weights`, so the graph stays valid.
-        if self._loop is not None and self._loop.held_bytes() > self.cfg.rollout.keep_decode_state_mb * 2**20:
-            self._loop.release()
+        if self._loop is not None:
+            self._loop.trim(self.cfg.rollout.keep_decode_state_mb * 2**20)
 
     def wake(self) -> None:
         pass

@@ -405,11 +405,12 @@ class RolloutSection(_Section):
         "auto", description="decoding of the hf engine: loop (the engine's own KV cache, device sampling, "
         "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
         "generate for a model whose attention the loop cannot serve)")
-    keep_decode_state_mb: int = Field(2048, ge=0, description="hf decode loop: while its KV cache, buffers and "
-                                      "captured CUDA graph take at most this many MiB, they stay between calls "
-                                      "(a colocated trainer updates around them); larger ones go back to the "
-                                      "trainer before each update and are built again, graph capture included, "
-                                      "at the next call")
+    keep_decode_state_mb: int = Field(2048, ge=0, description="hf decode loop: the KV cache, buffers and "
+                                      "captured CUDA graph of each batch shape (training, evaluation) stay "
+                                      "between calls while all of them take at most this many MiB (a colocated "
+                                      "trainer updates around them); beyond it the least recently used go back "
+                                      "to the trainer before each update and are built again, graph capture "
+                                      "included, at their next call")
     vllm: VllmSection = Field(default_factory=VllmSection)
     workers: Optional[int] = Field(None, ge=1, description="CPU groups: the first N of the actor's workers only "
                                    "generate and the others only train (on GPUs devices.rollout says it)")

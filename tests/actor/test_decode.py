@@ -127,33 +127,60 @@ def test_auto_falls_back_to_generate_for_a_model_the_loop_cannot_serve(tiny_mode
 
 
 def test_sleep_frees_a_cache_over_the_limit_and_the_next_call_rebuilds_it(tiny_model_dir):
-    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.keep_decode_state_mb=0")
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.keep_decode_state_mb=0",
+                     "actor.rollout.batch_size=2")
     sampling = SamplingParams(max_new_tokens=4, n=2, seed=2)
-    before = [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)]
-    assert core.engine._loop.held_bytes() > 0
+    loop = core.engine._loop
+    built = []
+    prepare = loop._prepare
+    loop._prepare = lambda *args: built.append(prepare(*args)) or built[-1]
+    before = [s.response_ids.tolist() for s in core.generate(["3+4=", "5+6=", "7+1="], sampling)]
+    # Three batches of two of one shape: built once, kept for the whole call whatever the budget.
+    assert len(built) == 3 and len(set(map(id, built))) == 1
+    assert len(loop._states) == 1 and loop.held_bytes() > 0
     core.engine.sleep()
-    assert core.engine._loop._buffers is None and core.engine._loop.held_bytes() == 0
-    assert [s.response_ids.tolist() for s in core.generate(["3+4="], sampling)] == before
+    assert not core.engine._loop._states and core.engine._loop.held_bytes() == 0
+    assert [s.response_ids.tolist() for s in core.generate(["3+4=", "5+6=", "7+1="], sampling)] == before
 
 
-def test_a_small_cache_stays_through_sleep_and_decodes_with_the_new_weights(tiny_model_dir):
+def test_small_caches_stay_through_sleep_one_per_shape_and_decode_with_the_new_weights(tiny_model_dir):
     """Kept state (and on a GPU its captured graph) reads the engine's parameters, which the weight
-    sync refreshes in place: after new weights, it samples exactly what a freshly built loop does."""
+    sync refreshes in place: after new weights, it samples exactly what a freshly built loop does.
+    A training batch and an evaluation batch (greedy, another size) each keep their own."""
     kept = make_core(tiny_model_dir, "actor.compute_dtype=float32")
     fresh = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.keep_decode_state_mb=0")
-    sampling = SamplingParams(max_new_tokens=6, n=4, seed=7, temperature=1.5)
+    train = SamplingParams(max_new_tokens=6, n=4, seed=7, temperature=1.5)
+    evaluate = SamplingParams(max_new_tokens=6, n=1, temperature=0.0)
     prompts = ["3+4=", "12+9="]
-    assert [s.response_ids.tolist() for s in kept.generate(prompts, sampling)] == \
-        [s.response_ids.tolist() for s in fresh.generate(prompts, sampling)]
-    buffers = kept.engine._loop._buffers
+
+    def both(core):
+        return ([s.response_ids.tolist() for s in core.generate(prompts, train)],
+                [s.response_ids.tolist() for s in core.generate(prompts * 3, evaluate)])
+
+    assert both(kept) == both(fresh)
+    states = dict(kept.engine._loop._states)
+    assert len(states) == 2
     for core in (kept, fresh):
         core.engine.sleep()
         torch.manual_seed(0)
         core.engine.load_weights((name, p + 0.05 * torch.randn_like(p)) for name, p in core.engine.model.named_parameters())
-    assert kept.engine._loop._buffers is buffers and fresh.engine._loop._buffers is None
-    after = [s.response_ids.tolist() for s in kept.generate(prompts, sampling)]
-    assert after == [s.response_ids.tolist() for s in fresh.generate(prompts, sampling)]
-    assert kept.engine._loop._buffers is buffers  # the same shape: nothing was built again
+    assert kept.engine._loop._states == states and not fresh.engine._loop._states
+    assert both(kept) == both(fresh)
+    # Nothing was built again: the same buffers for each shape.
+    assert all(kept.engine._loop._states[shape] is buf for shape, buf in states.items())
+
+
+def test_the_least_recently_used_shape_goes_first_when_over_the_budget(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    loop = core.engine._loop
+    for prompts in (["3+4="], ["3+4="] * 2, ["3+4="] * 3):
+        core.generate(prompts, SamplingParams(max_new_tokens=4, seed=1))
+    first, second, third = loop._states
+    loop._states.move_to_end(first)  # used again most recently
+    loop.trim(loop.held_bytes() - 1)
+    assert list(loop._states) == [third, first]
+    loop.trim(0)
+    assert not loop._states
 
 
 @pytest.mark.parametrize("layer_types", [["full_attention", "conv"], ["full_attention", "linear_attention"]])
