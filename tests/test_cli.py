@@ -61,23 +61,27 @@ def nothing_starts(monkeypatch):
     monkeypatch.setattr("rolefleet.up.up", started)
 
 
+@pytest.mark.procs
 def test_a_config_file_that_is_not_utf8(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("run:\n  name: café\n".encode("latin-1"))
     assert_config_error(rolefleet("up", str(path)), f"config file {path} is not UTF-8 text")
 
 
+@pytest.mark.procs
 def test_a_config_path_that_is_a_directory_or_missing(tmp_path):
     assert_config_error(rolefleet("train", str(tmp_path)), f"config file {tmp_path} is a directory")
     assert_config_error(rolefleet("up", str(tmp_path / "nope.yaml")), "nope.yaml does not exist")
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("override", ["actor.lr=[1,", "run.name={"])
 def test_an_override_that_is_not_yaml(config_file, override):
     assert_config_error(rolefleet("up", str(config_file), override),
                         f"override {override!r}: the value", "is not valid YAML")
 
 
+@pytest.mark.procs
 def test_an_unwritable_output_dir(config_file, tmp_path):
     (tmp_path / "a-file").write_text("x")
     out = tmp_path / "a-file" / "run"
@@ -85,6 +89,7 @@ def test_an_unwritable_output_dir(config_file, tmp_path):
                         f"run.output_dir: {out} is not writable (Not a directory)")
 
 
+@pytest.mark.procs
 def test_a_missing_model_directory_is_found_before_serve_loads_anything(config_file, tmp_path):
     (tmp_path / "runs").mkdir()  # so `runs/demo-modle` is a typo of a local path, not a hub id
     result = rolefleet("serve", "actor", "--config", str(config_file), "model.model_name_or_path=runs/demo-modle",
@@ -93,26 +98,31 @@ def test_a_missing_model_directory_is_found_before_serve_loads_anything(config_f
                         "model directory runs/demo-modle does not exist")
 
 
+@pytest.mark.procs
 def test_up_refuses_a_gpu_this_machine_does_not_have(config_file):
     assert_config_error(rolefleet("up", str(config_file), "devices.actor=[7]"),
                         "devices.actor: GPU 7 does not exist on this machine (it has 0 GPUs)")
 
 
+@pytest.mark.procs
 def test_serve_refuses_a_group_larger_than_the_gpus_it_sees(config_file):
     assert_config_error(rolefleet("serve", "actor", "--config", str(config_file), "devices.actor=[0, 1]"),
                         "devices.actor: lists 2 GPUs but this process sees 0 (CUDA_VISIBLE_DEVICES is '';")
 
 
+@pytest.mark.procs
 def test_an_infinite_learning_rate(config_file):
     assert_config_error(rolefleet("up", str(config_file), "actor.lr=.inf"),
                         "actor.lr: Input should be a finite number")
 
 
+@pytest.mark.procs
 def test_responses_longer_than_the_models_positions(config_file):
     assert_config_error(rolefleet("up", str(config_file), "sampling.max_new_tokens=500"),
                         "sampling.max_new_tokens: 500 plus at least one prompt token exceeds the 128 positions")
 
 
+@pytest.mark.procs
 def test_a_step_larger_than_a_request_may_carry(config_file):
     result = rolefleet("train", str(config_file), "train.samples_per_prompt=4", "actor.max_sequences_per_request=8",
                        "reward.max_items_per_request=8", "actor.address=a:1", "reward.address=r:1",
@@ -121,6 +131,7 @@ def test_a_step_larger_than_a_request_may_carry(config_file):
                         "train.samples_per_prompt = 4 x 4 = 16 sequences", "reward.max_items_per_request=8")
 
 
+@pytest.mark.procs
 def test_serve_applies_the_overrides_after_config(config_file):
     # The override reaches the config: its unknown key is what fails, not the command line.
     assert_config_error(rolefleet("serve", "reward", "--config", str(config_file), "reward.bogus=1"),
@@ -202,6 +213,7 @@ def test_status_without_a_coordinator_says_so(capsys, tmp_path):
     assert "say which run: --run DIR (its run.output_dir), --address HOST:PORT or --http URL" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "actor.example.internal"])
 def test_serve_beyond_loopback_refuses_to_start_without_a_token_or_mutual_tls(config_file, monkeypatch, host):
     monkeypatch.delenv("ROLEFLEET_TOKEN", raising=False)
@@ -253,6 +265,7 @@ def test_tiny_model_sizes_are_checked_before_building(tmp_path, capsys, args, me
     ('{"prompt": "q", "ground_truth": null}\n', "'ground_truth' must be a string or a number"),
     (b"\xff\xfe{}\n", "is not UTF-8"),
 ])
+@pytest.mark.procs
 def test_a_bad_data_file_is_found_before_any_role_starts(config_file, tmp_path, content, message, capsys):
     data = tmp_path / "data.jsonl"
     data.write_bytes(content if isinstance(content, bytes) else content.encode())

@@ -132,6 +132,7 @@ def _sharded_worker(rank: int, world: int, store: str, base_dir: str, actor: str
         dist.destroy_process_group()
 
 
+@pytest.mark.procs
 def test_export_joins_the_shards_of_an_fsdp_checkpoint(base_dir, tmp_path):
     import torch.multiprocessing as mp
 
@@ -147,6 +148,7 @@ def test_export_joins_the_shards_of_an_fsdp_checkpoint(base_dir, tmp_path):
     assert_same_weights(out, torch.load(tmp_path / "full.pt"), torch.float32)
 
 
+@pytest.mark.procs
 def test_the_cli_exports_and_prints_where(trained, tmp_path):
     ckpt, weights = trained
     proc = rolefleet("export", str(ckpt), str(tmp_path / "out"), "--dtype", "bfloat16")

@@ -9,6 +9,7 @@ from rolefleet.up import RoleFailed, Supervisor
 from tests.e2e.procs import gone, rolefleet, terminate, wait_ready, write_config
 
 
+@pytest.mark.procs
 def test_up_checks_that_each_address_is_answered_by_the_server_it_started(make_config, tmp_path):
     cfg = make_config()
     config = write_config(cfg, tmp_path / "config.yaml")
@@ -26,6 +27,7 @@ def test_up_checks_that_each_address_is_answered_by_the_server_it_started(make_c
         assert terminate(proc) == 0
 
 
+@pytest.mark.procs
 def test_what_a_killed_role_leaves_behind_is_ended(tmp_path):
     """A role killed by a signal cannot stop its own children (worker ranks, a vLLM engine's
     processes): the supervisor ends the rest of the role's process group before it restarts it."""

@@ -72,9 +72,10 @@ class Endpoint(_Section):
 
 
 class RunSection(_Section):
-    name: str = Field("rolefleet", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field("rolefleet", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (letters, digits, _.-); "
+                      "the default output directory is runs/<name>")
     output_dir: Optional[str] = Field(None, description="default runs/<name>")
-    seed: int = 0
+    seed: int = Field(0, description="seeds model initialisation order, prompt shuffling and sampling")
     max_restarts: int = Field(3, ge=0, description="`rolefleet up` restarts a role process that dies up to this "
                               "many times (the coordinator with run.resume=true), and the coordinator recovers "
                               "from a lost role as often: it reloads the newest checkpoint into every trainer "
@@ -281,10 +282,13 @@ class EvalSection(_Section):
 
 
 class SamplingSection(_Section):
-    temperature: float = Field(1.0, ge=MIN_TEMPERATURE)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="softmax temperature of the rollouts; "
+                               "every recorded and trained logprob is of softmax(logits / temperature)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens holding this "
+                         "probability mass (1: off)")
+    top_k: int = Field(0, ge=0, description="top-k sampling: the k most likely tokens only (0: off)")
+    max_new_tokens: int = Field(16, ge=1, description="response length cap; a response cut there finishes with "
+                                "reason LENGTH")
     stop_token_ids: list[int] = Field(default_factory=list, max_length=256, description="token ids that end a "
                                       "response besides the checkpoint's own (its tokenizer's eos and every id of "
                                       "its generation_config.json eos_token_id); the stop token is the response's "
@@ -300,15 +304,17 @@ class SamplingSection(_Section):
 
 
 class TrainSection(_Section):
-    total_steps: int = Field(20, ge=1)
-    prompts_per_step: int = Field(32, ge=1)
+    total_steps: int = Field(20, ge=1, description="training steps of the run (each one policy update)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts drawn per step (each sampled "
+                                  "samples_per_prompt times)")
     samples_per_prompt: int = Field(1, ge=1, description="n rollouts per prompt (a group)")
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of the token rewards (GAE, REINFORCE++ returns)")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
     whiten_advantages: Optional[bool] = Field(None, description="default: the algorithm's")
     norm_adv_by_std: Optional[bool] = Field(None, description="GRPO std scaling; default: the algorithm's")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference penalty in the token rewards")
-    kl_estimator: str = "k1"
+    kl_estimator: str = Field("k1", description="estimator of the per-token KL to the reference, for the reward "
+                              f"penalty and the kl metric: {' | '.join(KL_ESTIMATORS.names())}")
     kl_controller: str = Field("fixed", description="fixed | adaptive (targets kl_target)")
     kl_target: float = Field(0.1, gt=0, description="adaptive controller: per-token KL to track")
     kl_horizon: int = Field(10000, ge=1, description="adaptive controller: samples to close the gap")
@@ -328,12 +334,13 @@ class TrainSection(_Section):
 
 
 class _TrainerSection(Endpoint):
-    model_name_or_path: Optional[str] = None
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    ppo_epochs: int = Field(1, ge=1)
+    model_name_or_path: Optional[str] = Field(None, description="the model this trainer starts from; default "
+                                              "model.model_name_or_path")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch per update")
     num_mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: the global gradient norm's bound")
     # Per-request caps, checked from the declared sizes before anything is decoded or allocated.
     max_sequences_per_request: int = Field(65536, ge=1, description="sequences one request may carry "
                                            "(actor Generate: prompts x n)")
@@ -439,7 +446,8 @@ class ActorSection(_TrainerSection):
                               "ComputeLogProbs calls (frees its GPU memory for training)")
     logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
                                       "logprobs and entropy (bounds the [tokens, vocab] logits)")
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = Field("ppo_clip", description=f"the policy loss: {' | '.join(POLICY_LOSSES.names())} "
+                             "(gspo: the sequence-level ratio)")
     clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
                                         "default: the policy loss's")
     clip_ratio_high: Optional[float] = Field(None, gt=0, description="upper clip epsilon (clip-higher)")
@@ -449,7 +457,8 @@ class ActorSection(_TrainerSection):
                                             "default sampling.max_new_tokens")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus in the policy loss")
     kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference term in the policy loss")
-    kl_loss_estimator: str = "k3"
+    kl_loss_estimator: str = Field("k3", description="estimator of the kl_loss_coef term: "
+                                   f"{' | '.join(KL_ESTIMATORS.names())}")
     is_correction: str = Field("none", description="rollout/train importance-sampling correction")
     is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
     old_logprobs: Literal["auto", "recompute"] = Field(
@@ -501,7 +510,7 @@ class ActorSection(_TrainerSection):
 
 
 class CriticSection(_TrainerSection):
-    value_clip: float = Field(0.2, gt=0)
+    value_clip: float = Field(0.2, gt=0, description="value clipping range around the old values")
 
 
 class RewardSection(Endpoint):
@@ -697,9 +706,9 @@ DeviceList = list[Union[int, str]]
 class DevicesSection(_Section):
     """GPU groups, as in verl guides: ints are local GPU indices, "node:i" names another node."""
 
-    actor: DeviceList = Field(default_factory=list)
-    reward: DeviceList = Field(default_factory=list)
-    critic: DeviceList = Field(default_factory=list)
+    actor: DeviceList = Field(default_factory=list, description="the actor's GPUs (one worker each); empty: CPU")
+    reward: DeviceList = Field(default_factory=list, description="the reward's GPUs (a reward model); empty: CPU")
+    critic: DeviceList = Field(default_factory=list, description="the critic's GPUs (one worker each); empty: CPU")
     rollout: DeviceList = Field(default_factory=list, description="subset of the actor's GPUs")
     colocate: list[list[Literal["actor", "reward", "critic"]]] = Field(
         default_factory=list, description="sets of roles that share GPUs on purpose, e.g. [[actor, critic]]; "
@@ -744,7 +753,7 @@ class DevicesSection(_Section):
 
 class RoleFleetConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
-    algorithm: str = Field("ppo", description="ppo | grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline")
+    algorithm: str = Field("ppo", description=f"the algorithm preset: {' | '.join(ALGORITHMS)}")
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)

@@ -43,6 +43,7 @@ def test_recorded_logprob_is_the_untruncated_tempered_one():
     assert torch.allclose(logprobs, expected, atol=1e-6)
 
 
+@pytest.mark.procs
 def test_the_compiled_sampler_draws_from_the_same_distribution():
     """`compile_layers`: the decode loop samples through `sample_next` compiled, whose noise comes
     from other kernels; its draws follow the same truncated, tempered softmax and it records the

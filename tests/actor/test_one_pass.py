@@ -84,6 +84,7 @@ def test_asking_for_nothing_is_refused(tiny_model_dir):
         core.compute_logprobs(batch, 1.0, include_reference=False, reference_only=True)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("sharding", ["fsdp", "replicate"])
 def test_two_workers_answer_the_one_pass_logprobs_of_one(tiny_model_dir, sharding):
     """Each rank computes its share of the micro-batches; every rank's part comes back, in order.

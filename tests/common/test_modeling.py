@@ -52,6 +52,7 @@ def test_a_metric_entropy_is_computed_once_per_chunk_without_a_graph(monkeypatch
     assert calls_b == [4, 4, 2]           # a metric: once per chunk
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("with_entropy, entropy_grad", [(True, True), (True, False), (False, True)])
 def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, entropy_grad, monkeypatch):
     """`compile_layers`: each chunk's logprobs and entropy through `token_stats` compiled, in the
@@ -85,6 +86,7 @@ def test_compiled_token_stats_give_the_eager_values_and_gradients(with_entropy, 
             torch.testing.assert_close(compiled, eager.detach())
 
 
+@pytest.mark.procs
 def test_a_compiled_function_takes_any_row_count_without_recompiling():
     """`compiled`: the rows of a chunk or a decode batch change from call to call (a ragged last
     chunk, a smaller batch). The first graph is already shape-generic in them, so a new count runs

@@ -5,7 +5,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.e2e.procs import gone
+
+pytestmark = pytest.mark.procs
 
 BLOCKED_CHILD = ("from rolefleet.common.orphans import exit_with_parent; exit_with_parent(1, 'test child'); "
                  "import time; time.sleep(300)")  # as a rank blocked in a collective

@@ -146,6 +146,7 @@ def test_positions_from_the_config_file_as_transformers_reads_them(tmp_path, con
     assert pf.max_positions(str(tmp_path)) == expected
 
 
+@pytest.mark.procs
 def test_up_reads_the_positions_without_importing_transformers(tiny_model_dir):
     """The check runs in `rolefleet up` before any role starts: transformers' import would cost
     seconds every time."""

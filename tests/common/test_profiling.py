@@ -4,6 +4,7 @@ rank; the others run as before and leave nothing."""
 
 import json
 
+import pytest
 import torch
 
 from rolefleet.actor.core import ActorCore
@@ -43,6 +44,7 @@ def test_the_chosen_updates_are_profiled_per_role(tiny_model_dir, tmp_path):
     assert actor.policy_version == 2  # profiled updates apply as any other
 
 
+@pytest.mark.procs
 def test_new_graphs_counts_what_torch_compile_made_between_takes():
     from rolefleet.common.profiling import NewGraphs
 

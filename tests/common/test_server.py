@@ -63,6 +63,7 @@ def test_a_busy_metrics_port_is_a_clear_error_and_frees_the_grpc_port():
     asyncio.run(scenario())
 
 
+@pytest.mark.procs
 def test_serve_on_a_busy_port_exits_with_a_message_not_a_traceback(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.core import CriticCore
 from tests.helpers import save_after_one_update_over_two_workers
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.procs]
 COMMON = {"compute_dtype": "float32", "lr": 1e-2, "num_threads": 1, "max_tokens_per_micro_batch": 20,
           "num_mini_batches": 2, "ppo_epochs": 2}
 

@@ -118,6 +118,7 @@ def test_pause_resume_stop_and_what_an_ended_run_refuses(served):
     assert served.call("POST", "/v1/pause")[0] == 409
 
 
+@pytest.mark.procs
 def test_schemathesis_with_the_token_finds_no_server_error_no_answer_outside_the_schema_and_no_ignored_auth(
         guarded, tmp_path):
     """Fuzzed with authentication on: schemathesis's `ignored_auth` check also sends each request

@@ -4,7 +4,10 @@ coordinator image or pod without model libraries must run, and start fast)."""
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.procs
 def test_the_coordinator_imports_no_model_library_and_no_role_core():
     code = ("import sys, rolefleet.serve, rolefleet.coordinator.server, rolefleet.coordinator.loop; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'tokenizers', 'vllm') "

@@ -123,6 +123,7 @@ def record_then_die(path: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.procs
 def test_a_commit_survives_sigkill_of_its_process(tmp_path: Path):
     path = tmp_path / FILENAME
     # spawn, not fork: the child starts clean rather than from a copy of pytest's threads and locks.

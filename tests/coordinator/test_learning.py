@@ -44,6 +44,7 @@ def run_demo(demo_model, out, config: str, overrides: list[str]) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 @pytest.mark.parametrize("config, overrides", [
     ("demo.yaml", ["train.total_steps=40"]),
     ("demo_grpo.yaml", ["train.total_steps=60"]),

@@ -24,6 +24,7 @@ def run_with(backends, tmp_path, **options):
     return trackers
 
 
+@pytest.mark.procs
 def test_mlflow_gets_every_numeric_key_at_its_step_and_the_config(tmp_path):
     from mlflow import MlflowClient
 
@@ -37,6 +38,7 @@ def test_mlflow_gets_every_numeric_key_at_its_step_and_the_config(tmp_path):
     assert "note" not in run.data.metrics and run.data.params["actor.lr"] == "1e-06"
 
 
+@pytest.mark.procs
 def test_wandb_offline_keeps_the_run_in_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     [tracker] = run_with(["wandb"], tmp_path, wandb_mode="offline")
@@ -45,6 +47,7 @@ def test_wandb_offline_keeps_the_run_in_the_run_directory(tmp_path, monkeypatch)
     assert b"reward/mean" in data and b"0.75" in data and b"timing/step_s" in data
 
 
+@pytest.mark.procs
 def test_tensorboard_by_default_and_several_at_once(tmp_path):
     cfg = parse_config(MODEL, [])
     assert cfg.tracking.backends == ["tensorboard"]

@@ -33,6 +33,8 @@ from rolefleet.reward.core import RewardCore
 from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
 from tests.e2e.procs import rolefleet, terminate, wait_ready
 
+pytestmark = pytest.mark.procs
+
 CONFIG = "configs/8gpu.yaml"
 COMPOSE = REPO / "docker-compose.yml"
 REGENERATE = f"rolefleet deploy compose {CONFIG} > docker-compose.yml"

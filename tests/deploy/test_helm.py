@@ -3,9 +3,8 @@ Kubernetes API schemas, and the placement values `rolefleet.deploy.helm` derives
 
 from __future__ import annotations
 
-import base64
-
 import asyncio
+import base64
 import re
 import shlex
 import subprocess
@@ -22,6 +21,8 @@ from rolefleet.cli import parse_args
 from rolefleet.common.config import load_config, parse_config
 from rolefleet.deploy.helm import HOSTNAME_LABEL, render_values, values_for
 from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
+
+pytestmark = pytest.mark.procs
 
 CHART = REPO / "deploy" / "helm" / "rolefleet"
 DOC = REPO / "docs" / "deploy-kubernetes.md"

@@ -23,6 +23,8 @@ from rolefleet.common import metrics
 from tests.deploy.tools import REPO, tool
 from tests.e2e.procs import rolefleet, terminate, wait_ready
 
+pytestmark = pytest.mark.procs
+
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 GRAFANA_DIR = REPO / "deploy" / "grafana"
 DASHBOARD = GRAFANA_DIR / "dashboards" / "rolefleet.json"

@@ -13,7 +13,7 @@ import pytest
 from rolefleet.coordinator.journal import Journal
 from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, write_config
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.e2e]
 
 
 def last_step(metrics) -> int:

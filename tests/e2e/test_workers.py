@@ -5,7 +5,11 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.e2e.procs import children_of, processes_mentioning, read_metrics, rolefleet, running_run, write_config
+
+pytestmark = pytest.mark.e2e
 
 
 def actor_pid(config_path: str) -> int:

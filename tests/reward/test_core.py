@@ -116,6 +116,7 @@ def test_a_reward_model_source_combines_with_functions(reward_model):
     core.close()
 
 
+@pytest.mark.procs
 def test_user_sources_that_cannot_load_stop_the_start_naming_their_key(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("raise ImportError('no such helper')\n")
@@ -135,6 +136,7 @@ def test_user_sources_that_cannot_load_stop_the_start_naming_their_key(tmp_path)
     assert "reward.sources[4].path: ImportError: no such helper" in message
 
 
+@pytest.mark.procs
 def test_a_memory_limit_too_small_for_the_imports_stops_the_start():
     cfg = RewardSection(sources=[{"function": "math"}], user_memory_mb=40)
     # The worker either reports its MemoryError or dies of it first (where the import runs out differs

@@ -47,6 +47,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.procs
 def test_misbehaving_user_functions_cost_only_their_samples(core):
     before = workers()
     assert len(before) == 2
@@ -78,6 +79,7 @@ def errors_of(result, source: str) -> list[str]:
     return [next((part for part in e.split("; ") if part.startswith(f"{source}: ")), "") for e in result.errors]
 
 
+@pytest.mark.procs
 def test_batched_user_function(core):
     result = core.score([ScoreItem("p", "abc", ""), ScoreItem("p", "none", ""), ScoreItem("p", "de", "")])
     assert result.sources["batch"][0] == 3.0 and result.sources["batch"][2] == 2.0

@@ -129,6 +129,7 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_real_reward_server_answers_misbehaving_user_functions_with_per_sample_errors(tmp_path):
     config = tmp_path / "run.yaml"
