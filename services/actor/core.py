@@ -43,7 +43,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.common.profiling import NewGraphs, profiled
-from rolefleet.common.roles import CheckpointInfo, RoleStatus
+from rolefleet.common.role_types import CheckpointInfo, RoleStatus
 from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.steps import PartialUpdate, StepLedger, TrainerState
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on

@@ -10,7 +10,7 @@ import torch
 
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
-from rolefleet.common.roles import UpdateResult
+from rolefleet.common.role_types import UpdateResult
 
 
 class FinishReason(IntEnum):  # values match rolefleet.v1.FinishReason

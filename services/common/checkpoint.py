@@ -31,12 +31,11 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from rolefleet.common.roles import CheckpointInfo
+from rolefleet.common.role_types import CheckpointInfo
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -235,7 +234,6 @@ def _missing_parts(path: Path) -> list[str]:
 
 def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> CheckpointInfo:
     from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-    from rolefleet.common.roles import CheckpointInfo
     from rolefleet.common.workers import spmd
 
     target = _role_dir(core, path)
@@ -269,7 +267,6 @@ def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> C
 
 def load_role(core, path: str, ranks: list[int]) -> CheckpointInfo:
     from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-    from rolefleet.common.roles import CheckpointInfo
     from rolefleet.common.workers import spmd
 
     source = _role_dir(core, path)

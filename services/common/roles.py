@@ -1,75 +1,23 @@
-"""What every role client shares: the role status type and the gRPC call wrapper."""
+"""What every role client shares: channels with the process's security, and the gRPC call wrapper."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolefleet.common.auth import client_interceptors
+from rolefleet.common.channels import client_options
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
+from rolefleet.common.role_types import CheckpointInfo, RoleStatus
 from rolefleet.common.security import OPEN, Security
-from rolefleet.common.server import INSTANCE_ID, client_options
 
 T = TypeVar("T")
-UNSET_DEVICES = "(unset)"  # no CUDA_VISIBLE_DEVICES: every GPU of the machine is visible
-
-
-@dataclass(frozen=True)
-class RoleStatus:
-    role: str
-    model_version: int = 0
-    last_step: int = 0
-    weights_digest: str = ""
-    requests_served: int = 0
-    broken: str = ""  # why the role refuses updates until restarted
-    instance_id: str = INSTANCE_ID  # the answering process (a status is built where it is served)
-    workers: int = 1
-    # The GPUs the answering process was given (`up`, compose and Helm set them per role).
-    devices: str = field(default_factory=lambda: os.environ.get("CUDA_VISIBLE_DEVICES", UNSET_DEVICES))
-
-    def to_proto(self) -> common_pb2.RoleStatus:
-        return common_pb2.RoleStatus(
-            role=self.role, model_version=self.model_version, last_step=self.last_step,
-            weights_digest=self.weights_digest, requests_served=self.requests_served, broken=self.broken,
-            instance_id=self.instance_id, workers=self.workers, devices=self.devices,
-        )
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.RoleStatus) -> RoleStatus:
-        return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served,
-                   msg.broken, msg.instance_id, msg.workers, msg.devices)
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    """What a trainer role answers to Update (and replays for a repeated step)."""
-
-    step: int
-    model_version: int
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What a trainer role answers to SaveCheckpoint and LoadCheckpoint."""
-
-    step: int           # the last applied step of the saved or loaded state
-    model_version: int
-
-    def to_proto(self) -> common_pb2.CheckpointResponse:
-        return common_pb2.CheckpointResponse(step=self.step, model_version=self.model_version)
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.CheckpointResponse) -> CheckpointInfo:
-        return cls(msg.step, msg.model_version)
 
 
 _security = OPEN  # what every call of this process presents: the run's token, its certificate

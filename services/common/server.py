@@ -15,10 +15,8 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,37 +28,15 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from rolefleet.common import metrics, oom
+from rolefleet.common.channels import message_options
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for
 from rolefleet.common.guard import GuardInterceptor
+from rolefleet.common.role_types import INSTANCE_ID
 from rolefleet.common.security import OPEN, Security
 from rolefleet.common.tls import ServerTls
 
 log = logging.getLogger(__name__)
-
-# Calls answered UNAVAILABLE (a server restarting, a connection reset) are retried by gRPC itself,
-# with backoff, before the caller sees the error: every RPC of the project is safe to repeat
-# (generation is seeded, scoring pure, updates and checkpoints idempotent per step). Each call's
-# deadline bounds its retries too.
-RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{}],  # every method of every service
-    "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"]},
-}]})
-
-
-def message_options(max_bytes: int) -> list[tuple[str, int]]:
-    # Batches of token tensors easily pass gRPC's 4 MiB default; one step's batch must fit in a message.
-    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
-
-
-def client_options(security: Security) -> list[tuple[str, Any]]:
-    """Clients spread their calls over every address a name resolves to (a headless Kubernetes
-    Service of reward replicas; one address behaves as before) and retry UNAVAILABLE."""
-    tls = security.tls.channel_options() if security.tls else []
-    return [*message_options(security.max_message_bytes), ("grpc.lb_policy_name", "round_robin"),
-            ("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG), *tls]
-
 
 def server_options(security: Security) -> list[tuple[str, Any]]:
     # gRPC sets SO_REUSEPORT by default, which lets a second server bind a busy port and silently share
@@ -71,8 +47,6 @@ def server_options(security: Security) -> list[tuple[str, Any]]:
 
 
 SHUTDOWN_GRACE_S = 10.0
-# Tells this process apart from any other server that answers at the same address (`up` checks it).
-INSTANCE_ID = uuid.uuid4().hex
 
 
 class StartupError(RuntimeError):
@@ -173,53 +147,6 @@ class TrainerServicer(RoleServicer):
     async def LoadCheckpoint(self, request, context):
         info = await asyncio.to_thread(self.core.load_checkpoint, request.path)
         return info.to_proto()
-
-
-_DONE = object()
-
-
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator on a thread of its own and yield its items on the event loop.
-
-    Its own thread, not the shared executor: an iterator that holds a lock between items (the
-    actor's model lock during a rollout) must not wait for a pool slot that callers queued on that
-    lock already hold. Closing the async iterator (a cancelled call) stops the thread after the item
-    in flight and closes the blocking iterator there, where it runs.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stop = threading.Event()
-
-    def post(item: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
-
-    def produce() -> None:
-        try:
-            iterator = make_iterator()
-            try:
-                for item in iterator:
-                    post(item)
-                    if stop.is_set():
-                        break
-            finally:
-                close = getattr(iterator, "close", None)
-                if close is not None:
-                    close()
-            post(_DONE)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
-            post(exc)
-
-    threading.Thread(target=produce, name="stream-producer", daemon=True).start()
-    try:
-        while (item := await queue.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Generic, Optional, TypeVar
 
 from rolefleet.common import metrics
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+from rolefleet.common.role_types import UpdateResult
 
 R = TypeVar("R")
 
@@ -85,8 +86,6 @@ class TrainerState:
         """Apply `train()` as step `step`; `input_version` (None: no fence) is the version that
         produced the batch's oldest sample, which may lag this role's version by up to `max_lag`
         (the async pipeline's `max_staleness`). Returns the UpdateResult, recorded or replayed."""
-        from rolefleet.common.roles import UpdateResult
-
         with self.lock:
             done = self.ledger.check(step)
             if done is not None:
@@ -127,8 +126,6 @@ class TrainerState:
                              "input_version": input_version} for step, (result, input_version) in results]}
 
     def restore(self, saved: dict) -> None:
-        from rolefleet.common.roles import UpdateResult
-
         self.ledger = StepLedger(self.role)
         for entry in saved["results"]:
             result = UpdateResult(step=entry["step"], model_version=entry["model_version"], stats=entry["stats"])

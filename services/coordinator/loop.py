@@ -28,7 +28,7 @@ from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, Unavailable
-from rolefleet.common.roles import UpdateResult
+from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
 from rolefleet.coordinator.checkpoints import Checkpointer

@@ -9,7 +9,7 @@ import torch
 from rolefleet.actor.types import FinishReason, LogProbs, Sample
 from rolefleet.algos import logprob_mismatch
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.roles import UpdateResult
+from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.targets import Targets
 from rolefleet.reward.types import ScoreResult
 

@@ -10,7 +10,8 @@ import torch
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import critic_pb2, critic_pb2_grpc
-from rolefleet.common.roles import CheckpointInfo, GrpcTrainerClient, RoleStatus, UpdateResult, call
+from rolefleet.common.role_types import CheckpointInfo, RoleStatus, UpdateResult
+from rolefleet.common.roles import GrpcTrainerClient, call
 from rolefleet.critic.types import CriticValues
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library

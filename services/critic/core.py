@@ -22,7 +22,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.common.profiling import NewGraphs, profiled
-from rolefleet.common.roles import CheckpointInfo, RoleStatus, UpdateResult
+from rolefleet.common.role_types import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 from rolefleet.common.steps import StepLedger, TrainerState
 from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs

@@ -10,7 +10,8 @@ import torch
 from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
-from rolefleet.common.roles import GrpcRoleClient, RoleStatus, call
+from rolefleet.common.role_types import RoleStatus
+from rolefleet.common.roles import GrpcRoleClient, call
 from rolefleet.reward.types import ScoreItem, ScoreResult
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library

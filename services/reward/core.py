@@ -12,7 +12,7 @@ import torch
 from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
-from rolefleet.common.roles import RoleStatus
+from rolefleet.common.role_types import RoleStatus
 from rolefleet.reward.sandbox_worker import FLOAT32_MAX, Outcome
 from rolefleet.reward.sources import Source, build_sources
 from rolefleet.reward.types import ScoreItem, ScoreResult

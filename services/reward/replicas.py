@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rolefleet.common.errors import Unavailable
-from rolefleet.common.roles import RoleStatus
+from rolefleet.common.role_types import RoleStatus
 from rolefleet.reward.types import ScoreItem, ScoreResult
 
 log = logging.getLogger(__name__)

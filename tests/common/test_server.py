@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from rolefleet.common.config import Endpoint, RewardSection
+from rolefleet.common.role_types import INSTANCE_ID
 from rolefleet.common.roles import fetch_status
-from rolefleet.common.server import INSTANCE_ID, StartupError, check_ports_free, start_server
+from rolefleet.common.server import StartupError, check_ports_free, start_server
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
 

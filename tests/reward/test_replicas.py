@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rolefleet.common.errors import InvalidArgument, Unavailable
-from rolefleet.common.roles import RoleStatus
+from rolefleet.common.role_types import RoleStatus
 from rolefleet.reward.replicas import ReplicatedRewardClient
 from rolefleet.reward.types import ScoreItem, ScoreResult
 
