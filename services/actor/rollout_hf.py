@@ -74,12 +74,12 @@ class HFRolloutEngine:
 
     def sleep(self) -> None:
         # KV caches and captured graphs over `keep_decode_state_mb` go back to this process's
-        # allocator, where the trainer reuses them. Not `empty_cache`: the trainer would pay cudaMalloc (and the
-        # device-wide sync of cudaFree) for every block again, about 60 ms per update at 0.5B on an
-        # H200. Small ones stay: building it again at the next call (a warm-up step and a capture,
-        # cuDNN's plans and the compiled layers' guards on the host) took 0.3-0.4 s a call with
-        # SmolLM2-135M, against 46 ms of GPU work for the whole call. The weights it reads are the
-        # engine's own parameters, refreshed in place by `load_weights`, so the graph stays valid.
+        # allocator, where the trainer reuses them. Not `empty_cache`: the trainer would pay
+        # cudaMalloc (and the device-wide sync of cudaFree) for every block again, about 60 ms per
+        # update at 0.5B on an H200. Those within it stay: building one again at the next call (a
+        # warm-up step and a capture, cuDNN's plans and the compiled layers' guards on the host) cost
+        # about 0.2 s a call with SmolLM2-135M, whose whole call is 46 ms of GPU work. A graph reads
+        # the engine's own parameters, which `load_weights` refreshes in place, so it stays valid.
         if self._loop is not None:
             self._loop.trim(self.cfg.rollout.keep_decode_state_mb * 2**20)
 

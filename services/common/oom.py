@@ -5,9 +5,9 @@ The failed call's tensors are freed here, not when its exception is garbage some
 exception's traceback holds every frame of the failed forward or backward, and with them the
 activations and the autograd graph (138 of 139.8 GiB stayed held on an H200 until this cleared
 them). A trainer's gradients are dropped at the start of its next step. Cached blocks go back to
-the device, the role stays SERVING and no
-state changed (an update's first optimizer step had not begun; one that fails inside Adam is a
-partial update and blocks the role as before), so a smaller request succeeds afterwards.
+the device, the role stays SERVING and no state changed (an update's first optimizer step had not
+begun; one that fails inside Adam is a partial update and blocks the role as before), so a smaller
+request succeeds afterwards.
 """
 
 from __future__ import annotations
