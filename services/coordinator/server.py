@@ -135,8 +135,8 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
 
     async def work() -> RunStatus:
         # Printed once the signal handlers are in place, so a stop right after it is handled.
-        print(f"rolefleet: run {cfg.run.name}: `rolefleet status --address "
-              f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}` shows its progress"
+        print(f"rolefleet: run {cfg.run.name}: `rolefleet status --run {out}` (or `--address "
+              f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}`) shows its progress"
               + (f"; HTTP control plane on {http.scheme}://{dial_host(http.host)}:{http.port}" if http else ""), flush=True)
         try:
             roles = await connect_roles(cfg, addresses, status)

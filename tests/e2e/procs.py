@@ -94,7 +94,7 @@ def running_run_both(proc: subprocess.Popen, metrics: Path, timeout_s: float = 1
 def _started(proc: subprocess.Popen, metrics: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     line = ""
-    while "rolefleet status --address" not in line:
+    while "shows its progress" not in line:
         assert time.monotonic() < deadline and proc.poll() is None
         line = proc.stdout.readline()
     while not (metrics.exists() and metrics.read_text().strip()):

@@ -180,7 +180,7 @@ def test_sigterm_while_connecting_stops_the_coordinator_at_once(make_config, tmp
     proc = rolefleet("train", str(write_config(cfg, tmp_path / "config.yaml")))
     deadline = time.monotonic() + 60
     line = ""
-    while "rolefleet status --address" not in line:  # the control service is up; roles are not
+    while "shows its progress" not in line:  # the control service is up; roles are not
         assert time.monotonic() < deadline and proc.poll() is None
         line = proc.stdout.readline()
     started = time.monotonic()
