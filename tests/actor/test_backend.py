@@ -26,9 +26,11 @@ def test_vllm_where_it_cannot_run_names_the_key_and_the_fix():
         choose_backend("vllm", False, True)
 
 
-def test_the_actor_refuses_to_start_with_vllm_here(tiny_model_dir):
-    """This machine has neither vLLM nor a GPU: a clear error, not an ImportError from deep inside."""
-    with pytest.raises(ValueError, match=r"actor\.rollout\.backend"):
+def test_the_actor_refuses_to_start_with_vllm_where_it_is_not_installed(tiny_model_dir, monkeypatch):
+    """A clear error, not an ImportError from deep inside (on any machine: a GPU machine with vLLM
+    installed is told it is not)."""
+    monkeypatch.setattr("rolefleet.actor.core.vllm_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"actor\.rollout\.backend: vllm is not installed"):
         make_core(tiny_model_dir, "actor.rollout.backend=vllm")
 
 
@@ -37,6 +39,7 @@ def config(tiny_model_dir, *overrides):
 
 
 def test_preflight_reports_vllm_problems(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr("rolefleet.actor.rollout.vllm_installed", lambda: False)  # whatever this machine has
     cfg = config(tiny_model_dir, "actor.rollout.backend=vllm")
     [problem] = check_rollout_backend(cfg, ["actor"], "up")
     assert problem.startswith("actor.rollout.backend: vllm")
