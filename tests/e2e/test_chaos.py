@@ -32,6 +32,12 @@ def wait_for_step(proc, metrics, step: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
+def kill_9(role: str, resolved: str) -> None:
+    """`kill -9` of the process serving `role` for the run whose resolved config is `resolved`."""
+    [pid] = [p for p in processes_mentioning(f"serve {role}") if p in processes_mentioning(resolved)]
+    os.kill(pid, signal.SIGKILL)
+
+
 def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
     total = 60
     cfg = make_config("algorithm=ppo", f"train.total_steps={total}", "checkpoint.every=3", "checkpoint.keep=2",
@@ -46,8 +52,7 @@ def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
         for role in ("actor", "critic", "reward", "coordinator"):
             reached = max(reached, last_step(metrics)) + rng.randint(2, 4)  # a random point after the last recovery
             wait_for_step(proc, metrics, reached)
-            [pid] = [p for p in processes_mentioning(f"serve {role}") if p in processes_mentioning(resolved)]
-            os.kill(pid, signal.SIGKILL)
+            kill_9(role, resolved)
             assert last_step(metrics) < total, "the run ended before every role was killed: give it more steps"
         output, _ = proc.communicate(timeout=300)
     finally:
@@ -77,8 +82,7 @@ def kill_once(cfg, tmp_path, role: str, at_step: int) -> tuple[str, list[dict]]:
     proc = rolefleet("up", str(config))
     try:
         wait_for_step(proc, metrics, at_step)
-        [pid] = [p for p in processes_mentioning(f"serve {role}") if p in processes_mentioning(resolved)]
-        os.kill(pid, signal.SIGKILL)
+        kill_9(role, resolved)
         assert last_step(metrics) < cfg.train.total_steps, "the run ended before the kill: give it more steps"
         output, _ = proc.communicate(timeout=240)
     finally:
