@@ -64,7 +64,7 @@ def peak_gb(fn) -> float:
 
 def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams, decode: str) -> dict:
     core.cfg.rollout.decode = decode
-    core.engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, core.engine.model.dtype,
+    core.worker.engine = HFRolloutEngine(core.worker.model, core.tokenizer, core.worker.device, core.cfg, core.worker.engine.model.dtype,
                                   core.stop_ids)
     start = time.perf_counter()
     core.generate(prompts, sampling)  # warm-up: graph capture, allocator
@@ -78,7 +78,7 @@ def bench_generate(core: ActorCore, prompts: list[str], sampling: SamplingParams
     recorded = torch.cat([s.logprobs for s in samples])
     with torch.no_grad():
         (engine,) = batch.map_micro_batches(16384, lambda mb: lm_logprobs(
-            core.engine.model, mb, core.device, sampling.temperature, 2048, with_entropy=False)[:1])
+            core.worker.engine.model, mb, core.worker.device, sampling.temperature, 2048, with_entropy=False)[:1])
     trainer = core.compute_logprobs(batch, sampling.temperature, include_reference=False).logprobs
     return {"rollout_decode": decode, "sequences": len(samples), "tokens": made, "seconds": seconds,
             "tokens_per_s": made / seconds, "warmup_s": warmup, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
@@ -120,21 +120,21 @@ def bench_vllm_backend(model_dir: Path, prompts: list[str], sampling: SamplingPa
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
-    core.engine.sleep()
+    core.worker.engine.sleep()
     sleep_s = time.perf_counter() - start
     free_asleep = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()
-    core.engine.load_weights(core.model.named_parameters())
+    core.worker.engine.load_weights(core.worker.model.named_parameters())
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    core.engine.wake()
+    core.worker.engine.wake()
     wake_s = time.perf_counter() - start
     result.update({"backend_tokens_per_s": made / seconds, "tokens": made,
                    "ratio_to_vllm_alone": made / seconds / result["vllm_alone_tokens_per_s"],
                    "logprob_vs_trainer": {"mean": float(diff.mean()), "max": float(diff.max())},
                    "sleep_s": sleep_s, "load_weights_s": load_s, "wake_s": wake_s,
                    "gpu_gb_freed_by_sleep": (free_asleep - free_awake) / 2**30})
-    core.engine.sleep()  # its memory back for the hf variants timed next in this process
+    core.worker.engine.sleep()  # its memory back for the hf variants timed next in this process
     return result
 
 
@@ -218,7 +218,7 @@ def main() -> None:
                            ["actor.max_tokens_per_request=4194304", "actor.rollout.backend=hf",
                             *(f"actor.{kv}" for kv in variant.split(","))])
         core = ActorCore(cfg.actor)
-        n_params = results["params"] = sum(p.numel() for p in core.model.parameters())
+        n_params = results["params"] = sum(p.numel() for p in core.worker.model.parameters())
         # Generate: 256 prompts x 256 new tokens (random weights rarely stop early: every token is made).
         rng = random.Random(0)
         prompts = ["".join(rng.choice(string.ascii_lowercase) for _ in range(args.prompt_tokens)) for _ in range(256)]

@@ -18,28 +18,28 @@ from rolefleet.common.server import (
     StartupError,
     check_ports_free,
     serve_until_stopped,
-    set_threads,
     start_server,
     write_ready_file,
 )
+from rolefleet.common.threads import set_threads
 
 log = logging.getLogger(__name__)
 
 AddServicers = Callable[[grpc.aio.Server], list[str]]
 
 
-def _actor(cfg: RoleFleetConfig):
+def _actor(cfg: RoleFleetConfig, group=None):
     from rolefleet.actor import server
     from rolefleet.actor.core import ActorCore
     from rolefleet.actor.placement import rollout_ranks
 
     core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound,
-                     rollout_ranks=rollout_ranks(cfg))
+                     rollout_ranks=rollout_ranks(cfg), group=group)
     core.checkpoint_root = cfg.checkpoint.root(cfg.run)
     return core, functools.partial(server.add_to_server, core)
 
 
-def _reward(cfg: RoleFleetConfig):
+def _reward(cfg: RoleFleetConfig, group=None):
     from rolefleet.reward import server
     from rolefleet.reward.core import RewardCore
 
@@ -47,11 +47,11 @@ def _reward(cfg: RoleFleetConfig):
     return core, functools.partial(server.add_to_server, core)
 
 
-def _critic(cfg: RoleFleetConfig):
+def _critic(cfg: RoleFleetConfig, group=None):
     from rolefleet.critic import server
     from rolefleet.critic.core import CriticCore
 
-    core = CriticCore(cfg.critic, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound)
+    core = CriticCore(cfg.critic, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound, group=group)
     core.checkpoint_root = cfg.checkpoint.root(cfg.run)
     return core, functools.partial(server.add_to_server, core)
 
@@ -62,9 +62,15 @@ ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
 GROUP_ROLES = ("actor", "critic")  # roles that can run over several worker processes
 
 
-def build_core(role: str, cfg: RoleFleetConfig):
-    """The role's core alone (what each worker rank of a group builds)."""
-    return ROLE_BUILDERS[role](cfg)[0]
+def worker_factory(role: str):
+    """What each other rank of `role`'s group builds: its worker (`common/workers.py`)."""
+    if role == "actor":
+        from rolefleet.actor.worker import ActorWorker
+
+        return ActorWorker.from_config
+    from rolefleet.critic.worker import CriticWorker
+
+    return CriticWorker.from_config
 
 
 def worker_count(role: str, cfg: RoleFleetConfig) -> int:
@@ -119,9 +125,8 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if world > 1:
         from rolefleet.common.workers import WorkerGroup
 
-        group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"))
-    core, add_servicers = ROLE_BUILDERS[role](cfg)
-    core.group = group
+        group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"), worker_factory(role))
+    core, add_servicers = ROLE_BUILDERS[role](cfg, group)
     handle = await start_server(role, section, add_servicers, security)
     if ready_file:
         write_ready_file(ready_file, handle)

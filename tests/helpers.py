@@ -47,13 +47,13 @@ def save_after_one_update_over_two_workers(cfg, path: str):
 
     from rolefleet.actor.core import ActorCore
     from rolefleet.actor.types import PolicyTargets, SamplingParams
+    from rolefleet.actor.worker import ActorWorker
     from rolefleet.common.batch import SequenceBatch
     from rolefleet.common.workers import WorkerGroup
 
-    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
+    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:
-        double = ActorCore(cfg.actor)
-        double.group = group
+        double = ActorCore(cfg.actor, group=group)
         samples = double.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=4, n=2, seed=5))
         batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
         lp = double.compute_logprobs(batch, 1.0, include_reference=True)

@@ -1,38 +1,55 @@
-"""The rollout-engine interface (DESIGN "Engines"): what the actor asks of any backend.
+"""The rollout-engine base (DESIGN "Engines"): what the actor asks of any backend.
 
 An engine owns its own copy of the policy weights in its own precision; the trainer owns the fp32
-master weights and hands them over after every update (`load_weights`). The recorded logprob of a
-sampled token follows the project's convention (docs/algorithms.md): log softmax(logits /
-temperature) of the engine's own forward, before top-k / top-p truncation.
+master weights and hands them over after every update, through the actor's weight transport
+(`actor/transport.py`): in place (`load_weights`), or over a link of the engine's own
+(`join_weight_transfer`, `receive_weights`). The recorded logprob of a sampled token follows the
+project's convention (docs/algorithms.md): log softmax(logits / temperature) of the engine's own
+forward, before top-k / top-p truncation.
+
+A new backend is one file: a subclass of `RolloutEngine`, registered in `actor/engines.py`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import Protocol
 
 import torch
 
 from rolefleet.actor.types import Sample, SamplingParams
 
 
-class RolloutEngine(Protocol):
+class RolloutEngine(ABC):
+    @abstractmethod
     def generate(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams,
                  policy_version: int) -> Iterator[list[Sample]]:
         """n samples per prompt, yielded a batch of finished samples at a time."""
 
+    @abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the trainer's weights (by parameter name) into the engine's own."""
 
-    def sleep(self) -> None:
+    def join_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's link for weights that travel to the engine's own processes."""
+        raise NotImplementedError(f"{type(self).__name__} takes weights in place only (load_weights)")
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Load the weights the trainer sends now over the joined link."""
+        raise NotImplementedError(f"{type(self).__name__} takes weights in place only (load_weights)")
+
+    def sleep(self) -> None:  # noqa: B027 - optional: an engine may hold nothing to release
         """Release caches and compiled buffers (the trainer needs the memory)."""
 
-    def wake(self) -> None:
+    def wake(self) -> None:  # noqa: B027 - optional, as `sleep`
         """Undo `sleep` before the next `generate`."""
 
-    def reset_cache(self) -> None:
+    def reset_cache(self) -> None:  # noqa: B027 - optional: an engine may cache no prefixes
         """Drop any cached prefixes: they were computed with the previous weights."""
+
+    def close(self) -> None:  # noqa: B027 - optional: an engine may start no processes
+        """Stop anything the engine started (its own processes)."""
 
 
 def derived_seed(seed: int, index: int) -> int:

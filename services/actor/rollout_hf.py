@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.actor.decode import DecodeLoop, UnsupportedModel
-from rolefleet.actor.rollout import derived_seed
+from rolefleet.actor.rollout import RolloutEngine, derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
@@ -46,7 +46,7 @@ def _engine_copy(policy: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel
     return engine
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     def __init__(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                  cfg: ActorSection, dtype: torch.dtype | None, stop_ids: tuple[int, ...]):
         """`stop_ids`: the checkpoint's own (`stop_tokens.checkpoint_stop_ids`); each request may add more."""
@@ -83,11 +83,7 @@ class HFRolloutEngine:
         if self._loop is not None:
             self._loop.trim(self.cfg.rollout.keep_decode_state_mb * 2**20)
 
-    def wake(self) -> None:
-        pass
-
-    def reset_cache(self) -> None:
-        pass  # no prefix cache survives a call
+    # `wake`, `reset_cache`: nothing to do (the kept decode state is valid, no prefix cache survives a call).
 
     # --- generation ----------------------------------------------------------------------------------
 

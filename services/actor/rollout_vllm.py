@@ -35,12 +35,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rolefleet.actor.rollout import derived_seed
+from rolefleet.actor.rollout import RolloutEngine, derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
-from rolefleet.common.sharding import full_named_parameters
 from rolefleet.common.stop_tokens import merged
+from rolefleet.training.sharding import full_named_parameters
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def truncation_refused(sampling: SamplingParams) -> None:
                               "or set actor.rollout.backend=hf")
 
 
-class VllmRolloutEngine:
+class VllmRolloutEngine(RolloutEngine):
     def __init__(self, policy: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
                  model_path: str, stop_ids: tuple[int, ...], seed: int = 0, gpus: list[str] | None = None):
         """`stop_ids`: the checkpoint's own (`stop_tokens.checkpoint_stop_ids`): vLLM's tokenizer is

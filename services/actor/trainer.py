@@ -22,24 +22,10 @@ from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggreg
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import (
-    autocast,
-    compile_decoder_layers,
-    compute_dtype,
-    decoder_layers,
-    enable_activation_checkpointing,
-    lm_logprobs,
-)
-from rolefleet.common.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
-from rolefleet.common.training import apply_gradients, make_optimizer, run_epochs
-from rolefleet.common.workers import (
-    group_micro_batches,
-    map_micro_batches,
-    merge_over_ranks,
-    my_share,
-    rank_and_world,
-    sum_over_ranks,
-)
+from rolefleet.common.modeling import compile_decoder_layers, decoder_layers, lm_logprobs
+from rolefleet.common.ranks import Ranks
+from rolefleet.training.sharding import shard
+from rolefleet.training.trainer import Trainer
 
 
 class LogprobModule(torch.nn.Module):
@@ -58,39 +44,28 @@ class LogprobModule(torch.nn.Module):
                            entropy_grad, self.compile_head)
 
 
-class PolicyTrainer:
+class PolicyTrainer(Trainer):
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel, device: torch.device,
-                 cfg: ActorSection, seed: int):
-        self.model = model
-        self.packed = cfg.sequence_packing  # micro-batches as one row each (see SequenceBatch.packed_inputs)
-        self.ref_model = ref_model
-        self.device = device
-        self.cfg = cfg
-        self.dtype = compute_dtype(device, cfg.compute_dtype)
+                 cfg: ActorSection, seed: int, ranks: Ranks | None = None):
         if cfg.loss_norm_length is None:  # the config fills it in; a default per micro-batch width would be wrong
             raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
-        self.policy = LogprobModule(model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
+        ranks = ranks or Ranks.alone()
+        policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers)
+        super().__init__(model, policy, model, cfg, device, ranks, seed)
+        self.policy, self.ref_model = policy, ref_model
         self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
-        if cfg.gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
-        self.sharded = sharding_wanted(cfg.sharding)
         if self.sharded:
-            shard(self.policy, decoder_layers(model), device, self.dtype)
-            shard(self.reference, decoder_layers(ref_model), device, self.dtype, offload=cfg.ref_offload)
+            shard(self.reference, decoder_layers(ref_model), device, self.dtype, ranks, offload=cfg.ref_offload)
         if cfg.compile_layers:
-            compile_decoder_layers(model, hooks_outside=self.sharded)
             compile_decoder_layers(ref_model, hooks_outside=self.sharded)
-        self.optimizer, self.scheduler = make_optimizer(model, cfg)  # over the shards, if sharded
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
-        self.generator = torch.Generator().manual_seed(seed)
 
     def forward(self, module: LogprobModule, batch: SequenceBatch, temperature: float, with_entropy: bool,
                 entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `module`."""
-        with autocast(self.device, self.dtype):
+        with self.autocast():
             return module(batch, self.device, temperature, with_entropy, entropy_grad)
 
     @torch.no_grad()
@@ -99,17 +74,14 @@ class PolicyTrainer:
         """Over the worker group (each rank its share of the micro-batches, every rank the whole
         result)."""
         self.model.eval()
-        budget, packed, lockstep = self.cfg.max_tokens_per_micro_batch, self.packed, self.sharded
         logprobs = entropy = ref = None
         if include_policy:
-            logprobs, entropy = map_micro_batches(
-                batch, budget, lambda mb: self.forward(self.policy, mb, temperature, with_entropy=True), packed,
-                lockstep)
+            logprobs, entropy = self.map_micro_batches(
+                batch, lambda mb: self.forward(self.policy, mb, temperature, with_entropy=True))
         if include_reference:
             with self._reference_on_device():  # one visit of an offloaded reference per call
-                (ref,) = map_micro_batches(
-                    batch, budget, lambda mb: self.forward(self.reference, mb, temperature, with_entropy=False)[:1],
-                    packed, lockstep)
+                (ref,) = self.map_micro_batches(
+                    batch, lambda mb: self.forward(self.reference, mb, temperature, with_entropy=False)[:1])
         return LogProbs(logprobs=logprobs, ref_logprobs=ref, entropy=entropy, policy_version=policy_version)
 
     @contextlib.contextmanager
@@ -140,14 +112,10 @@ class PolicyTrainer:
             stats, seen = self._step(mb, part(targets.advantages), part(targets.old_logprobs),
                                      part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature)
             if one_pass is not None:
-                one_pass.append((tokens, merge_over_ranks(mb, seen)))
+                one_pass.append((tokens, self.ranks.merge(mb, seen)))
             return stats
 
-        self.model.train()
-        try:
-            stats = run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, step)
-        finally:
-            self.model.eval()
+        stats = self.run_epochs(batch, step)
         if one_pass is None:
             return stats, None
         (tokens, (logprobs, entropy)), = one_pass  # one mini-batch, its rows in a shuffled order
@@ -158,50 +126,40 @@ class PolicyTrainer:
     def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
               ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
               temperature: float) -> tuple[dict[str, float], list]:
-        """One optimizer step over a mini-batch (padded [b, R] targets), micro-batch by micro-batch.
-        Statistics stay on the device until the step is done: two host syncs per step in all (the
-        micro-batch shares, and the gradient norm with the statistics), not one per statistic.
-        Also returns, for a one-pass update (no `old_logprobs`), this rank's (rows, (logprobs,
-        entropy)) per micro-batch."""
+        """One optimizer step over a mini-batch (padded [b, R] targets). Each micro-batch's share is
+        its part of the loss aggregation's weight (`actor.loss_agg_mode`). Also returns, for a
+        one-pass update (no `old_logprobs`), this rank's (rows, (logprobs, entropy)) per micro-batch."""
         cfg, mask = self.cfg, mb.response_mask().to(self.device)
         weights, stats, seen = None, {}, []
-        first_rank = rank_and_world()[0] == 0  # mini-batch-wide statistics: once over the ranks' sum
         if rollout_logprobs is not None and old_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.
             weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
-            if first_rank:
+            if self.ranks.first:  # mini-batch-wide statistics: once in the ranks' sum
                 stats["is_weight_mean"] = masked_mean(weights, mask)
-        if rollout_logprobs is not None and first_rank:
+        if rollout_logprobs is not None and self.ranks.first:
             stats["is_masked_frac"] = 1.0 - mask.sum() / mb.response_lengths.sum().clamp(min=1).to(self.device)
-        micro = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
-                 for rows in group_micro_batches(mb, cfg.max_tokens_per_micro_batch, self.packed)]
+        rows_of = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
+                   for rows in self.micro_batches(mb)]
+        # One host sync for every share: the aggregation weights of the mini-batch and of each part.
         total, *parts = torch.stack([aggregation_weight(mask, cfg.loss_agg_mode)]
-                                    + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in micro]).tolist()
+                                    + [aggregation_weight(part(mask), cfg.loss_agg_mode) for _, part in rows_of]).tolist()
+        part_of = {id(rows): part for rows, part in rows_of}
         tokens = mask.sum().clamp(min=1)
-        self.optimizer.zero_grad(set_to_none=True)
-        scale = loss_scale(self.sharded)
-        # Several workers: each takes every world-th micro-batch (a throw-away pass, share 0, where
-        # sharding needs every rank to run as many).
-        for ((rows, part), weight), real in my_share(list(zip(micro, parts)), self.sharded):
-            share = weight / max(total, 1.0) if real else 0.0
+
+        def micro_loss(rows: torch.Tensor, real: bool) -> tuple[torch.Tensor, dict]:
+            part = part_of[id(rows)]
             loss, micro_stats, own = self._micro_loss(
                 mb.select(rows), part(advantages), part(old_logprobs), part(ref_logprobs), part(weights), part(mask),
                 temperature, part(rollout_logprobs))
-            (loss * (share * scale)).backward()
-            for name, value in micro_stats.items():
-                stats[name] = stats.get(name, 0.0) + value * share
             if own is not None and real:
                 logprobs, entropy, micro_weights = own
                 seen.append((rows, (logprobs, entropy)))
                 if micro_weights is not None:  # their mean over the mini-batch's tokens, a part per micro-batch
                     stats["is_weight_mean"] = stats.get("is_weight_mean", 0.0) + (micro_weights * part(mask)).sum() / tokens
-        reduce_gradients(self.model, self.sharded)
-        stats = sum_over_ranks(stats)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
-        grad_norm = apply_gradients(self.model, self.optimizer, cfg.max_grad_norm, stats["loss"], self.scheduler)
-        out = dict(zip(stats, torch.stack([torch.as_tensor(v, device=self.device).float() for v in stats.values()])
-                       .tolist()))
-        return {**out, "lr": lr, "grad_norm": grad_norm}, seen
+            return loss, micro_stats
+
+        shares = [weight / max(total, 1.0) for weight in parts]
+        return self.optimizer_step([(rows, share) for (rows, _), share in zip(rows_of, shares)], micro_loss, stats), seen
 
     def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
                     ref_logprobs: torch.Tensor | None, weights: torch.Tensor | None, mask: torch.Tensor,

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -232,9 +233,10 @@ def _missing_parts(path: Path) -> list[str]:
     return [part for part in ("weights/.metadata", "trainer.pt") if not (path / part).is_file()]
 
 
-def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> CheckpointInfo:
+def save_role(core, step: int, path: str, save_state: Callable[[str], None],
+              write_hf_files: Callable[[Path], None]) -> CheckpointInfo:
+    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks)."""
     from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-    from rolefleet.common.workers import spmd
 
     target = _role_dir(core, path)
     last = core.state.ledger.last_step
@@ -257,7 +259,7 @@ def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> C
         work = begin(target)
     except OSError as exc:
         raise InvalidArgument("path", f"cannot write {target}: {exc}") from exc
-    spmd(core, "_save_state", str(work), ranks=ranks)
+    save_state(str(work))
     write_hf_files(work)
     write_json(work / "role.json", core.state.to_json())
     shutil.rmtree(target, ignore_errors=True)  # a save of another step at the same path
@@ -265,9 +267,9 @@ def save_role(core, step: int, path: str, ranks: list[int], write_hf_files) -> C
     return CheckpointInfo(step, core.state.version)
 
 
-def load_role(core, path: str, ranks: list[int]) -> CheckpointInfo:
+def load_role(core, path: str, load_state: Callable[[str], None]) -> CheckpointInfo:
+    """`core`'s trainer from `path` (`load_state(path)` over the training ranks)."""
     from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-    from rolefleet.common.workers import spmd
 
     source = _role_dir(core, path)
     saved = read_role_json(source)
@@ -276,7 +278,7 @@ def load_role(core, path: str, ranks: list[int]) -> CheckpointInfo:
     if missing := _missing_parts(source):  # refused before the model is touched: the role stays whole
         raise InvalidArgument("path", f"{source} is no complete {core.state.role} checkpoint: no {', '.join(missing)}")
     try:
-        spmd(core, "_load_state", str(source), ranks=ranks)
+        load_state(str(source))
     except Exception as exc:  # the weights may be half loaded: neither the old state nor the saved one
         core.state.ledger.broken = f"loading the checkpoint {source} failed: {exc}"
         raise FailedPrecondition(core.state.ledger.broken) from exc

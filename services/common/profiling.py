@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.common.workers import sum_over_ranks
+from rolefleet.common.ranks import Ranks
 
 log = logging.getLogger(__name__)
 TABLE_ROWS = 40
@@ -68,8 +68,8 @@ class NewGraphs:
                      "TORCH_LOGS=recompiles names the guard that failed)", self.role, new)
         return new
 
-    def take_over_ranks(self) -> int:
-        """`take` summed over the ranks of this process's group (SPMD: every rank calls it). A rank
+    def take_over_ranks(self, ranks: Ranks) -> int:
+        """`take` summed over `ranks` (collective: every rank of the part calls it). A rank
         compiles alone when only its share of the micro-batches has a new shape (no padding, more
         tokens past an Inductor size heuristic): rank 0's count alone would miss it."""
-        return int(sum_over_ranks({"graphs": self.take()})["graphs"])
+        return int(ranks.sum_stats({"graphs": self.take()})["graphs"])

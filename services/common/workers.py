@@ -1,19 +1,16 @@
-"""A role over several worker processes (DESIGN "Process model"): a single controller over SPMD
-workers.
+"""A role over several worker processes (DESIGN "Process model"): a controller over SPMD workers.
 
-Rank 0 is the role's server process. `WorkerGroup.start` spawns ranks 1..N-1, each of which builds
-the same core and then waits for commands on its own pipe. For a request, rank 0 validates it, then
-`spmd(core, name, *args, ranks=...)` sends (name, args) to those ranks and every one of them, rank 0
-included when listed, runs the core's method `name`: an SPMD method that splits its work by rank
-and meets the other ranks in collectives (`torch.distributed`: NCCL on CUDA, gloo on the CPU).
+Every rank of a role's group builds the role's worker (the process's share of the work: its
+model, trainer, engine); rank 0, the role's server process, also builds the controller (validation,
+ledger, locks), which drives the workers through `Workers.run(WorkerClass.method, *args)`. The
+method is named by reference, never by a string: it is marked `@collective(part)`, the part of the
+group it runs on (a part's ranks come from the worker's `parts`), and every rank of that part runs
+it at once: an SPMD method that splits its work by rank and meets the other ranks in collectives
+(`torch.distributed`: NCCL on CUDA, gloo on the CPU) of its own process group (`common/ranks.py`).
 
-Work groups: a core may split its ranks into parts that work at the same time (the actor's
-trainers and its rollout engines, `actor/placement.py`). Each process then does its collectives in
-its part's process group (`set_work_group`): `rank_and_world`, `all_gather`, the gradient
-all-reduce and FSDP's mesh all speak of that part. Commands travel on per-rank pipes, not in a
-collective, so that two parts can be driven at once from two threads of rank 0 (the caller's locks
-keep any one rank's pipe to one thread at a time); a command for a part without rank 0 returns the
-result of that part's first rank.
+Commands travel on per-rank pipes, not in a collective, so that two parts can be driven at once
+from two threads of rank 0 (the caller's locks keep any one rank's pipe to one thread at a time);
+a command for a part without rank 0 returns the result of that part's first rank.
 
 Failure: the result of a collective method must not depend on a rank, so an error that all ranks
 raise alike (a refused step, a non-finite gradient) is an ordinary error on each. Any other error
@@ -29,8 +26,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,148 +37,58 @@ from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.orphans import exit_with_parent
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable)
 
 STOP = None
 WATCH_PERIOD_S = 0.5
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective that waits longer means a rank is gone
 
-_work_group: dist.ProcessGroup | None = None  # this process's part of the group (None: the whole group)
+PARTS = ("all", "trainers", "engines")  # the parts a worker's `parts` may name
 
 
-def set_work_group(group: dist.ProcessGroup | None) -> None:
-    """The process group this process's SPMD work meets in from now on (None: every rank)."""
-    global _work_group
-    _work_group = group
+def collective(part: str) -> Callable[[F], F]:
+    """Mark a worker method as a collective one, run on `part` of the group (`Workers.run`)."""
+    if part not in PARTS:
+        raise ValueError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
+
+    def mark(method: F) -> F:
+        method.__collective__ = part
+        return method
+
+    return mark
 
 
-def work_group() -> dist.ProcessGroup | None:
-    return _work_group
+class Workers:
+    """The controller's handle on its role's workers: `local` (this process's, rank 0's) and, over
+    several processes, the others through `group`."""
 
+    def __init__(self, local, group: WorkerGroup | None = None):
+        self.local, self.group = local, group
 
-def new_subgroups(parts: list[list[int]]) -> list[dist.ProcessGroup | None]:
-    """A process group per list of ranks. Every rank must call this with the same parts in the same
-    order (creating a group is collective); a rank gets None for a group it is not in."""
-    groups = []
-    for ranks in parts:
-        group = dist.new_group(sorted(ranks))
-        groups.append(group if dist.get_rank() in ranks else None)
-    return groups
+    @property
+    def size(self) -> int:
+        return self.group.size if self.group is not None else 1
 
+    def ranks(self, method: Callable) -> list[int]:
+        part = getattr(method, "__collective__", None)
+        if part is None:
+            raise TypeError(f"{method.__qualname__} is not a collective method (mark it @collective(part))")
+        return self.local.parts[part] if self.group is not None else [0]
 
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and size within its work group (0, 1 outside a group)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(_work_group), dist.get_world_size(_work_group)
-    return 0, 1
+    def run(self, method: Callable, *args):
+        """`method(worker, *args)` on every rank of its part; the result of the part's first rank.
 
+        A role error is raised alike on every rank of a part (they compute the same thing). Any other
+        error on rank 0 may have left the workers inside a collective this rank never reached: the
+        next command would pair with it, so the group is over and the role ends."""
+        ranks = self.ranks(method)
+        if self.group is None:
+            return method(self.local, *args)
+        return self.group.run(self.local, method, args, ranks)
 
-def work_mesh(device: torch.device):
-    """The device mesh FSDP shards over: the work group's (None: the default, every rank)."""
-    if _work_group is None:
-        return None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(_work_group, device.type)
-
-
-def rank_slice(n: int) -> torch.Tensor:
-    """Indices [0, n) this rank handles: a contiguous share, the first ranks one larger."""
-    rank, world = rank_and_world()
-    return torch.arange(n).tensor_split(world)[rank]
-
-
-def all_gather(obj):
-    """Every rank's `obj`, in rank order (a list of one on a single rank)."""
-    rank, world = rank_and_world()
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj, group=_work_group)
-    return out
-
-
-def sum_over_ranks(stats: dict) -> dict:
-    """Per-key sums of every rank's statistics (tensors or floats; a rank may have none)."""
-    rank, world = rank_and_world()
-    if world == 1:
-        return stats
-    totals: dict[str, float] = {}
-    for part in all_gather({k: float(v) for k, v in stats.items()}):
-        for k, v in part.items():
-            totals[k] = totals.get(k, 0.0) + v
-    return totals
-
-
-def my_share(items: list, lockstep: bool = False) -> list[tuple[object, bool]]:
-    """(item, real) for this rank's every world-th item. `lockstep` (sharded weights: every pass is
-    a collective): padded with throw-away repeats of the first item (real False) to the count of
-    the busiest rank, so every rank runs as many passes."""
-    rank, world = rank_and_world()
-    mine = [(item, True) for item in items[rank::world]]
-    if lockstep and items:
-        mine += [(items[0], False)] * (-(-len(items) // world) - len(mine))
-    return mine
-
-
-def group_micro_batches(batch, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
-    """The batch's micro-batches, as many as a multiple of the group's ranks where rows allow: with
-    every world-th one each (`my_share`), the ranks get equal counts of similar sizes."""
-    return batch.micro_batches(max_tokens, packed, multiple_of=rank_and_world()[1])
-
-
-def map_micro_batches(batch, max_tokens: int, fn, packed: bool = False, lockstep: bool = False) -> tuple:
-    """`SequenceBatch.map_micro_batches` over the group: each rank maps its share of the
-    micro-batches (`my_share`) and every rank gets the whole result, in the batch's token order."""
-    rank, world = rank_and_world()
-    if world == 1:
-        return batch.map_micro_batches(max_tokens, fn, packed)
-    done = []
-    for rows, real in my_share(group_micro_batches(batch, max_tokens, packed), lockstep):
-        out = fn(batch.select(rows))
-        if real:
-            done.append((rows, out))
-    return merge_over_ranks(batch, done)
-
-
-def merge_over_ranks(batch, done: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> tuple:
-    """Packed per-token tensors of the whole batch, in its token order, on every rank, from each
-    rank's (rows, (packed tensors of those rows...)) for its share of the micro-batches."""
-    done = [(rows, tuple(part.float().cpu() for part in parts)) for rows, parts in done]
-    if rank_and_world()[1] > 1:
-        done = [item for part in all_gather(done) for item in part]
-    width = len(done[0][1]) if done else 0
-    return tuple(batch.merge_rows([(rows, parts[i]) for rows, parts in done]) for i in range(width))
-
-
-def spmd(core, name: str, *args, ranks: list[int] | None = None):
-    """Run the core's SPMD method `name` on `ranks` of its group (default: every rank; just here
-    without a group) and return its result (rank 0's, or the first listed rank's).
-
-    A role error is raised alike on every rank of a part (they compute the same thing). Any other
-    error on rank 0 may have left the workers inside a collective this rank never reached: the next
-    command would pair with it, so the group is over and the role ends."""
-    group = getattr(core, "group", None)
-    if group is None:
-        return getattr(core, name)(*args)
-    return group.run(core, name, args, ranks)
-
-
-def all_reduce_gradients(module: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over the ranks (a rank that ran no micro-batch adds zeros),
-    flattened into one buffer per dtype so the group makes one call, not one per parameter."""
-    _, world = rank_and_world()
-    if world == 1:
-        return
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for dtype in {p.grad.dtype for p in params}:
-        grads = [p.grad for p in params if p.grad.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=_work_group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+    def here_alone(self, method: Callable) -> bool:
+        """Whether `method`'s part is this process alone (its work may then stream from here)."""
+        return self.ranks(method) == [0]
 
 
 def free_port() -> int:
@@ -209,13 +117,13 @@ class WorkerGroup:
         self._watch.start()
 
     @classmethod
-    def start(cls, role: str, world: int, raw_config: dict) -> WorkerGroup:
-        """Spawn ranks 1..world-1 (each builds its core with `serve.build_core(role, config)`) and
-        join the group as rank 0."""
+    def start(cls, role: str, world: int, raw_config: dict, factory: Callable) -> WorkerGroup:
+        """Spawn ranks 1..world-1 (each builds its worker with `factory(config)`, a function or
+        class method found by name in the worker process) and join the group as rank 0."""
         port = free_port()
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         pipes = [ctx.Pipe() for _ in range(1, world)]
-        processes = [ctx.Process(target=worker_main, args=(role, raw_config, rank, world, port, theirs),
+        processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, world, port, theirs),
                                  name=f"{role}-rank{rank}", daemon=False)
                      for rank, (_, theirs) in enumerate(pipes, start=1)]
         for p in processes:
@@ -232,17 +140,18 @@ class WorkerGroup:
         """Worker processes, rank 0 included."""
         return len(self.processes) + 1
 
-    def run(self, core, name: str, args: tuple, ranks: list[int] | None = None):
-        """`core.<name>(*args)` on `ranks` (default: all); see `spmd`."""
-        ranks = sorted(ranks) if ranks is not None else list(range(self.size))
+    def run(self, local, method: Callable, args: tuple, ranks: list[int]):
+        """`method(worker, *args)` on `ranks`, rank 0's worker being `local`; see `Workers.run`."""
+        ranks = sorted(ranks)
         workers = [r for r in ranks if r != 0]
+        name = method.__qualname__
         try:
             for r in workers:
-                self._pipes[r - 1].send((name, args, r == ranks[0]))
+                self._pipes[r - 1].send((method, args, r == ranks[0]))
             refused, result = None, None
             if 0 in ranks:
                 try:
-                    result = getattr(core, name)(*args)
+                    result = method(local, *args)
                 except RoleFleetError as exc:
                     refused = exc
             replies = {r: self._pipes[r - 1].recv() for r in workers}  # also: every rank is done
@@ -267,7 +176,6 @@ class WorkerGroup:
             p.join(timeout_s)
             if p.is_alive():
                 p.kill()
-        set_work_group(None)
         dist.destroy_process_group()
 
     def fail(self, what: str) -> NoReturn:
@@ -292,13 +200,12 @@ class WorkerGroup:
             time.sleep(WATCH_PERIOD_S)
 
 
-def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int, pipe) -> None:
-    """Ranks 1..N-1: build the core, then run each command from the pipe until STOP. The reply is
+def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, world: int, port: int, pipe) -> None:
+    """Ranks 1..N-1: build the worker, then run each command from the pipe until STOP. The reply is
     (error, result): a role error raised here (alike on the part's every rank), and the result if
     this rank was asked for it."""
     from rolefleet.common.config import parse_config
-    from rolefleet.common.server import set_threads
-    from rolefleet.serve import build_core
+    from rolefleet.common.threads import set_threads
 
     # Rank 0 killed (SIGKILL, the OOM killer): a rank inside a collective with it would otherwise
     # wait for COLLECTIVE_TIMEOUT, holding its GPU (and spinning it, on NCCL).
@@ -307,18 +214,17 @@ def worker_main(role: str, raw_config: dict, rank: int, world: int, port: int, p
     cfg = parse_config(raw_config, [])
     set_threads(getattr(cfg, role).num_threads)
     _init(rank, world, port)
-    core = build_core(role, cfg)
+    worker = factory(cfg)
     while (command := pipe.recv()) is not STOP:
-        name, args, answer = command
+        method, args, answer = command
         try:
-            result = getattr(core, name)(*args)
+            result = method(worker, *args)
             pipe.send((None, result if answer else None))
         except RoleFleetError as exc:  # raised alike on every rank of the part
-            log.info("%s refused on this rank too: %s", name, exc)
+            log.info("%s refused on this rank too: %s", method.__qualname__, exc)
             pipe.send((exc, None))
         except Exception:
-            log.exception("%s failed on rank %d; stopping the group", name, rank)
+            log.exception("%s failed on rank %d; stopping the group", method.__qualname__, rank)
             os._exit(1)
-    if hasattr(core, "close"):
-        core.close()  # a rank's own child processes (a vLLM engine) end with it
+    worker.close()  # a rank's own child processes (a vLLM engine) end with it
     dist.destroy_process_group()

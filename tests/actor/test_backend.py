@@ -29,7 +29,7 @@ def test_vllm_where_it_cannot_run_names_the_key_and_the_fix():
 def test_the_actor_refuses_to_start_with_vllm_where_it_is_not_installed(tiny_model_dir, monkeypatch):
     """A clear error, not an ImportError from deep inside (on any machine: a GPU machine with vLLM
     installed is told it is not)."""
-    monkeypatch.setattr("rolefleet.actor.core.vllm_installed", lambda: False)
+    monkeypatch.setattr("rolefleet.actor.worker.vllm_installed", lambda: False)
     with pytest.raises(ValueError, match=r"actor\.rollout\.backend: vllm is not installed"):
         make_core(tiny_model_dir, "actor.rollout.backend=vllm")
 

@@ -62,10 +62,10 @@ def test_compile_layers_puts_the_compiled_sampler_and_head_maths_in_the_engine_a
     """The config's switch reaches both: the decode loop samples through the compiled sampler, and
     the trainer's and the reference's logprob passes compile the LM head's maths."""
     eager = make_core(tiny_model_dir)
-    assert eager.engine._loop.sample is sample_next and not eager.trainer.policy.compile_head
+    assert eager.worker.engine._loop.sample is sample_next and not eager.worker.trainer.policy.compile_head
     core = make_core(tiny_model_dir, "actor.compile_layers=true")
-    assert core.engine._loop.sample is compiled(sample_next)
-    assert core.trainer.policy.compile_head and core.trainer.reference.compile_head
+    assert core.worker.engine._loop.sample is compiled(sample_next)
+    assert core.worker.trainer.policy.compile_head and core.worker.trainer.reference.compile_head
 
 
 def sequences(samples):
@@ -76,12 +76,12 @@ def sequences(samples):
 def test_decode_logprobs_match_a_plain_forward(tiny_model_dir, top_k, top_p):
     """Prompts of different lengths (left-padded in the cache), some responses stopping early."""
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
-    assert core.engine._loop is not None
+    assert core.worker.engine._loop is not None
     samples = core.generate(["1+2=", "13+4=", "7+7=", "19+19="],
                             SamplingParams(max_new_tokens=6, n=3, seed=5, temperature=0.8, top_k=top_k, top_p=top_p))
     batch = sequences(samples)
     with torch.no_grad():
-        plain, _ = lm_logprobs(core.engine.model, batch, core.device, 0.8, 64, with_entropy=False)
+        plain, _ = lm_logprobs(core.worker.engine.model, batch, core.worker.device, 0.8, 64, with_entropy=False)
     plain = plain.cpu()  # the engine's device (these tests also run on a GPU)
     assert torch.allclose(torch.cat([s.logprobs for s in samples]), plain, atol=1e-5)
     eos = core.tokenizer.eos_token_id
@@ -102,10 +102,10 @@ def test_same_seed_same_samples_and_batches_draw_independently(tiny_model_dir):
 
 def test_generate_fallback_gives_the_same_contract(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=generate")
-    assert core.engine._loop is None
+    assert core.worker.engine._loop is None
     samples = core.generate(["1+2=", "13+4="], SamplingParams(max_new_tokens=5, n=2, seed=1, top_k=5))
     with torch.no_grad():
-        plain, _ = lm_logprobs(core.engine.model, sequences(samples), core.device, 1.0, 64, with_entropy=False)
+        plain, _ = lm_logprobs(core.worker.engine.model, sequences(samples), core.worker.device, 1.0, 64, with_entropy=False)
     plain = plain.cpu()
     assert torch.allclose(torch.cat([s.logprobs for s in samples]), plain, atol=1e-5)
 
@@ -116,13 +116,13 @@ def test_auto_falls_back_to_generate_for_a_model_the_loop_cannot_serve(tiny_mode
     def unsupported(*args, **kwargs):
         raise UnsupportedModel("LlamaAttention uses attention options the cache attention lacks: ['softcap']")
 
-    monkeypatch.setattr(core.engine._loop, "run", unsupported)
+    monkeypatch.setattr(core.worker.engine._loop, "run", unsupported)
     with caplog.at_level(logging.WARNING):
         samples = core.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=1))
-    assert len(samples) == 2 and core.engine._loop is None
+    assert len(samples) == 2 and core.worker.engine._loop is None
     assert "falling back to transformers' generate" in caplog.text and "softcap" in caplog.text
     strict = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=loop")
-    monkeypatch.setattr(strict.engine._loop, "run", unsupported)
+    monkeypatch.setattr(strict.worker.engine._loop, "run", unsupported)
     with pytest.raises(UnsupportedModel):
         strict.generate(["1+2="], SamplingParams(max_new_tokens=4))
 
@@ -131,7 +131,7 @@ def test_sleep_frees_a_cache_over_the_limit_and_the_next_call_rebuilds_it(tiny_m
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.keep_decode_state_mb=0",
                      "actor.rollout.batch_size=2")
     sampling = SamplingParams(max_new_tokens=4, n=2, seed=2)
-    loop = core.engine._loop
+    loop = core.worker.engine._loop
     built = []
     prepare = loop._prepare
     loop._prepare = lambda *args: built.append(prepare(*args)) or built[-1]
@@ -139,8 +139,8 @@ def test_sleep_frees_a_cache_over_the_limit_and_the_next_call_rebuilds_it(tiny_m
     # Three batches of two of one shape: built once, kept for the whole call whatever the budget.
     assert len(built) == 3 and len(set(map(id, built))) == 1
     assert len(loop._states) == 1 and loop.held_bytes() > 0
-    core.engine.sleep()
-    assert not core.engine._loop._states and core.engine._loop.held_bytes() == 0
+    core.worker.engine.sleep()
+    assert not core.worker.engine._loop._states and core.worker.engine._loop.held_bytes() == 0
     assert [s.response_ids.tolist() for s in core.generate(["3+4=", "5+6=", "7+1="], sampling)] == before
 
 
@@ -159,21 +159,21 @@ def test_small_caches_stay_through_sleep_one_per_shape_and_decode_with_the_new_w
                 [s.response_ids.tolist() for s in core.generate(prompts * 3, evaluate)])
 
     assert both(kept) == both(fresh)
-    states = dict(kept.engine._loop._states)
+    states = dict(kept.worker.engine._loop._states)
     assert len(states) == 2
     for core in (kept, fresh):
-        core.engine.sleep()
+        core.worker.engine.sleep()
         torch.manual_seed(0)
-        core.engine.load_weights((name, p + 0.05 * torch.randn_like(p)) for name, p in core.engine.model.named_parameters())
-    assert kept.engine._loop._states == states and not fresh.engine._loop._states
+        core.worker.engine.load_weights((name, p + 0.05 * torch.randn_like(p)) for name, p in core.worker.engine.model.named_parameters())
+    assert kept.worker.engine._loop._states == states and not fresh.worker.engine._loop._states
     assert both(kept) == both(fresh)
     # Nothing was built again: the same buffers for each shape.
-    assert all(kept.engine._loop._states[shape] is buf for shape, buf in states.items())
+    assert all(kept.worker.engine._loop._states[shape] is buf for shape, buf in states.items())
 
 
 def test_the_least_recently_used_shape_goes_first_when_over_the_budget(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
-    loop = core.engine._loop
+    loop = core.worker.engine._loop
     for prompts in (["3+4="], ["3+4="] * 2, ["3+4="] * 3):
         core.generate(prompts, SamplingParams(max_new_tokens=4, seed=1))
     first, second, third = loop._states
@@ -189,7 +189,7 @@ def test_layers_the_cache_does_not_serve_are_refused_not_sampled_wrong(tiny_mode
     """A hybrid model's convolution or linear-attention layers would decode without their state:
     the loop says it cannot serve the model (`auto` then falls back to generate, see above)."""
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=loop")
-    core.engine.model.config.layer_types = layer_types
+    core.worker.engine.model.config.layer_types = layer_types
     with pytest.raises(UnsupportedModel, match="layer types"):
         core.generate(["1+2="], SamplingParams(max_new_tokens=3, n=2, seed=1))
 

@@ -11,7 +11,7 @@ from tests.actor.test_trainer import make_core, rollout
 
 
 def params(core) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in core.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in core.worker.model.named_parameters()}
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
@@ -27,7 +27,7 @@ def test_micro_batches_give_the_update_of_one_batch(tiny_model_dir, agg, packed)
     split = make_core(tiny_model_dir, *common, f"actor.max_tokens_per_micro_batch={30 if packed else 1}",
                       f"actor.sequence_packing={str(packed).lower()}")
     for core in (whole, split):  # plain SGD: the weight change is the gradient (Adam would amplify noise)
-        core.trainer.optimizer, core.trainer.scheduler = torch.optim.SGD(core.model.parameters(), lr=1.0), None
+        core.worker.trainer.optimizer, core.worker.trainer.scheduler = torch.optim.SGD(core.worker.model.parameters(), lr=1.0), None
     _, batch, lp = rollout(whole)
     n = batch.num_response_tokens
     rollout_lp = (lp.logprobs + torch.linspace(-0.6, 0.6, n)).clamp(max=0)  # some leave [1/1.5, 1.5]
@@ -87,16 +87,16 @@ def test_micro_batches_cover_every_row_once_within_the_budget():
 
 def test_the_rollout_engine_owns_its_weights_and_samples_from_the_new_ones_after_an_update(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.lr=1e-2", "actor.compute_dtype=float32")
-    assert core.engine.model is not core.model  # its own copy, not the trainer's module
+    assert core.worker.engine.model is not core.worker.model  # its own copy, not the trainer's module
     _, batch, lp = rollout(core)
-    engine_before = core.engine._logprobs(batch, 1.0)
+    engine_before = core.worker.engine._logprobs(batch, 1.0)
     assert torch.allclose(engine_before, lp.logprobs, atol=1e-5)  # same weights, same convention
     result = core.update(1, 0, batch, PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens),
                                                     lp.logprobs), 1.0)
     assert result.stats["weight_sync_s"] >= 0
     trained = core.compute_logprobs(batch, 1.0, include_reference=False).logprobs
     assert not torch.allclose(trained, lp.logprobs, atol=1e-3)  # the update moved the policy
-    assert torch.allclose(core.engine._logprobs(batch, 1.0), trained, atol=1e-5)  # and the engine with it
+    assert torch.allclose(core.worker.engine._logprobs(batch, 1.0), trained, atol=1e-5)  # and the engine with it
     samples = core.generate(["1+2="], SamplingParams(max_new_tokens=3, seed=1))
     assert samples[0].policy_version == 1
 
@@ -110,7 +110,7 @@ def test_a_failed_weight_sync_blocks_the_role_instead_of_reapplying_the_step(tin
     def broken(named):
         raise RuntimeError("CUDA out of memory")
 
-    core.engine.load_weights = broken
+    core.worker.engine.load_weights = broken
     targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
     with pytest.raises(FailedPrecondition, match="moving the new weights into the rollout engine failed"):
         core.update(1, 0, batch, targets, 1.0)
@@ -125,7 +125,7 @@ def test_a_failed_weight_sync_blocks_the_role_instead_of_reapplying_the_step(tin
     ("cosine", [0.5, 1.0, 1.0, 0.55, 0.1]),
 ])
 def test_lr_schedule(schedule, expected):
-    from rolefleet.common.training import lr_factor
+    from rolefleet.training.optim import lr_factor
 
     got = [lr_factor(step, warmup=2, decay_steps=4, schedule=schedule, min_ratio=0.1) for step in range(5)]
     assert got == pytest.approx(expected)
@@ -134,7 +134,7 @@ def test_lr_schedule(schedule, expected):
 def test_the_schedule_and_gradient_checkpointing_reach_the_trainer(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.lr=1e-2", "actor.lr_warmup_steps=4", "actor.gradient_checkpointing=true",
                      "actor.ref_offload=true")
-    assert any(getattr(m, "gradient_checkpointing", False) for m in core.model.modules())
+    assert any(getattr(m, "gradient_checkpointing", False) for m in core.worker.model.modules())
     _, batch, lp = rollout(core)
     targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs)
     lrs = [core.update(step, step - 1, batch, targets, 1.0).stats["lr"] for step in (1, 2)]
@@ -169,9 +169,9 @@ def test_checkpoint_generation_defaults_do_not_reshape_sampling(tiny_model_dir):
     from rolefleet.actor.rollout_hf import HFRolloutEngine
 
     core = make_core(tiny_model_dir)
-    core.model.generation_config.repetition_penalty = 1.5
-    core.model.generation_config.top_k = 3
-    engine = HFRolloutEngine(core.model, core.tokenizer, core.device, core.cfg, None, core.stop_ids)
+    core.worker.model.generation_config.repetition_penalty = 1.5
+    core.worker.model.generation_config.top_k = 3
+    engine = HFRolloutEngine(core.worker.model, core.tokenizer, core.worker.device, core.cfg, None, core.stop_ids)
     assert engine.model.generation_config.repetition_penalty in (None, 1.0)
     assert engine.model.generation_config.top_k in (None, 50)  # transformers' own default, overridden per call
 

@@ -31,7 +31,7 @@ def cores(model_dir, dtype, compiled=False):
 def test_actor_and_critic_train_on_cuda(tiny_model_dir, dtype, compiled):
     """compiled: `compile_layers`, the layers, the sampler and the LM head's logprob maths compiled."""
     actor, critic = cores(tiny_model_dir, dtype, compiled)
-    assert actor.device.type == "cuda" and next(actor.model.parameters()).is_cuda
+    assert actor.worker.device.type == "cuda" and next(actor.worker.model.parameters()).is_cuda
     samples = actor.generate(["1+2=", "13+4="] * 8, SamplingParams(max_new_tokens=4, n=2, seed=0))
     batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
     assert len(batch.micro_batches(40)) > 1  # the micro-batch path runs on the GPU
@@ -44,7 +44,7 @@ def test_actor_and_critic_train_on_cuda(tiny_model_dir, dtype, compiled):
     adv = torch.linspace(-1, 1, batch.num_response_tokens)
     result = actor.update(1, 0, batch, PolicyTargets(adv, lp.logprobs, lp.ref_logprobs, rollout), 1.0)
     assert actor.digest() != digest and result.model_version == 1
-    assert all(p.dtype == torch.float32 for p in actor.model.parameters())  # fp32 master weights
+    assert all(p.dtype == torch.float32 for p in actor.worker.model.parameters())  # fp32 master weights
     values = critic.compute_values(batch)
     assert values.device.type == "cpu" and values.shape == (batch.num_response_tokens,)
     critic.update(1, batch, torch.ones_like(values), values)
@@ -60,10 +60,10 @@ def test_graph_decode_matches_a_plain_forward(tiny_model_dir, dtype, tolerance, 
     actor, _ = cores(tiny_model_dir, dtype, compiled)
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=0, top_k=5, temperature=0.8)
     samples = actor.generate(["1+2=", "13+4=", "7="] * 4, sampling)
-    assert actor.engine._loop._buffers.graph is not None  # the captured step ran, not the eager one
+    assert actor.worker.engine._loop._buffers.graph is not None  # the captured step ran, not the eager one
     batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
     with torch.no_grad():
-        plain, _ = lm_logprobs(actor.engine.model, batch, actor.device, 0.8, 64, with_entropy=False)
+        plain, _ = lm_logprobs(actor.worker.engine.model, batch, actor.worker.device, 0.8, 64, with_entropy=False)
     recorded = torch.cat([s.logprobs for s in samples])
     assert (plain.cpu() - recorded).abs().max() < tolerance
     # The same seed gives the same samples through the replayed graph.
@@ -149,7 +149,7 @@ def test_fsdp_over_two_gpus_saves_shards_that_one_gpu_loads(tiny_model_dir, tmp_
     _, digest, _, _ = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"))
     single = ActorCore(cfg.actor.model_copy(update={"workers": 1}))
     single.load_checkpoint(str(tmp_path / "actor"))
-    assert single.device.type == "cuda" and single.digest() == digest and single.policy_version == 1
+    assert single.worker.device.type == "cuda" and single.digest() == digest and single.policy_version == 1
 
 
 def test_compiled_layers_train_on_any_token_count_with_one_graph(tiny_model_dir):

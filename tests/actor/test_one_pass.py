@@ -8,6 +8,7 @@ import torch
 
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.actor.worker import ActorWorker
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import InvalidArgument
@@ -95,10 +96,9 @@ def test_two_workers_answer_the_one_pass_logprobs_of_one(tiny_model_dir, shardin
     # And a next step with old logprobs sent: its mini-batch-wide IS statistics counted once.
     lp = single.compute_logprobs(batch, 1.0, include_reference=True)
     one_next = single.update(2, 1, batch, targets(batch, lp, rollout), 1.0)
-    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
+    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:
-        double = ActorCore(cfg.actor)
-        double.group = group
+        double = ActorCore(cfg.actor, group=group)
         two = double.update(1, 0, batch, targets(batch, ref, rollout, old=False), 1.0)
         assert torch.allclose(two.logprobs.logprobs, one.logprobs.logprobs, atol=2e-4)
         assert torch.allclose(two.logprobs.entropy, one.logprobs.entropy, atol=2e-4)

@@ -56,7 +56,7 @@ def test_the_stop_token_is_trained(tiny_model_dir):
     """A negative advantage on the stop tokens alone lowers their logprobs: they are in the loss."""
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
     # Plain SGD: the step follows the gradient (Adam's first step is a sign step of any size).
-    core.trainer.optimizer, core.trainer.scheduler = torch.optim.SGD(core.model.parameters(), lr=1.0), None
+    core.worker.trainer.optimizer, core.worker.trainer.scheduler = torch.optim.SGD(core.worker.model.parameters(), lr=1.0), None
     samples = [s for s in core.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=2, seed=4))
                if s.finish_reason == FinishReason.STOP]
     assert samples
@@ -77,8 +77,8 @@ def test_greedy_takes_the_most_likely_token_and_repeats(tiny_model_dir, decode):
     batch = SequenceBatch.from_lists([s.prompt_ids for s in first], [s.response_ids for s in first])
     with torch.no_grad():  # every token the argmax of its position; logprobs at temperature 1
         ids, mask = batch.model_inputs()
-        logits = core.engine.model(input_ids=ids.to(core.device), attention_mask=mask.to(core.device)).logits.cpu()
-        plain, _ = lm_logprobs(core.engine.model, batch, core.device, 1.0, 64, with_entropy=False)
+        logits = core.worker.engine.model(input_ids=ids.to(core.worker.device), attention_mask=mask.to(core.worker.device)).logits.cpu()
+        plain, _ = lm_logprobs(core.worker.engine.model, batch, core.worker.device, 1.0, 64, with_entropy=False)
     rows, cols = batch.response_positions()
     assert torch.equal(logits[rows, cols].float().argmax(-1), batch.response_ids)
     plain = plain.cpu()

@@ -34,13 +34,13 @@ def test_config_reaches_the_policy_loss(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.clip_ratio=0.1", "actor.clip_ratio_high=0.3", "actor.dual_clip=4",
                      "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_norm_length=9")
     seen = []
-    real = core.trainer.policy_loss
+    real = core.worker.trainer.policy_loss
 
     def spy(*args, **kwargs):
         seen.append(kwargs)
         return real(*args, **kwargs)
 
-    core.trainer.policy_loss = spy
+    core.worker.trainer.policy_loss = spy
     _, batch, lp = rollout(core)
     core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
     assert seen and all(kw["clip_low"] == 0.1 and kw["clip_high"] == 0.3 and kw["dual_clip"] == 4 and
@@ -105,17 +105,17 @@ def test_non_finite_gradient_changes_nothing(tiny_model_dir):
     core = make_core(tiny_model_dir)
     _, batch, lp = rollout(core)
     digest = core.digest()
-    real = core.trainer.policy_loss
+    real = core.worker.trainer.policy_loss
 
     def overflowing(*args, **kwargs):  # a loss that overflows (diverged model, extreme numerics)
         loss, stats = real(*args, **kwargs)
         return loss * float("inf"), stats
 
-    core.trainer.policy_loss = overflowing
+    core.worker.trainer.policy_loss = overflowing
     with pytest.raises(FailedPrecondition, match="non-finite gradient"):
         core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
     assert core.digest() == digest and core.policy_version == 0 and core.ledger.last_step == 0
-    core.trainer.policy_loss = real
+    core.worker.trainer.policy_loss = real
     # The same step with sane targets is then applied normally.
     core.update(1, 0, batch, PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs), 1.0)
     assert core.policy_version == 1
@@ -124,7 +124,7 @@ def test_non_finite_gradient_changes_nothing(tiny_model_dir):
 def test_a_partly_applied_update_blocks_further_updates(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.num_mini_batches=2")
     _, batch, lp = rollout(core)
-    real, calls = core.trainer._step, []
+    real, calls = core.worker.trainer._step, []
 
     def failing_second(*args, **kwargs):
         calls.append(1)
@@ -132,11 +132,11 @@ def test_a_partly_applied_update_blocks_further_updates(tiny_model_dir):
             raise RuntimeError("CUDA out of memory")
         return real(*args, **kwargs)
 
-    core.trainer._step = failing_second
+    core.worker.trainer._step = failing_second
     targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
     with pytest.raises(FailedPrecondition, match="after 1 of 2 optimizer steps"):
         core.update(1, 0, batch, targets, 1.0)
-    core.trainer._step = real
+    core.worker.trainer._step = real
     with pytest.raises(FailedPrecondition, match="refuses updates until restarted"):
         core.update(1, 0, batch, targets, 1.0)  # a retry must not apply the first mini-batch twice
     assert core.policy_version == 0
@@ -151,7 +151,7 @@ def test_a_failure_inside_the_first_optimizer_step_blocks_further_updates(tiny_m
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory")  # Adam may have moved some parameters already
 
-    core.trainer.optimizer.step = out_of_memory
+    core.worker.trainer.optimizer.step = out_of_memory
     targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
     with pytest.raises(FailedPrecondition, match="optimizer step failed midway"):
         core.update(1, 0, batch, targets, 1.0)
@@ -200,7 +200,7 @@ def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_
     targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs)
     assert core.update(1, 0, batch, targets, 1.0).stats["compiled_graphs"] == 0  # eager
     before = counted()
-    core.new_graphs.seen -= 2  # as if a new shape had compiled two graphs since
+    core.worker.new_graphs.seen -= 2  # as if a new shape had compiled two graphs since
     with caplog.at_level("INFO", logger="rolefleet.common.profiling"):
         assert core.update(2, 1, batch, targets, 1.0).stats["compiled_graphs"] == 2
     assert counted() == before + 2

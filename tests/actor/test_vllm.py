@@ -40,7 +40,7 @@ def check_against_trainer(actor, samples, temperature):
 def test_vllm_samples_under_the_logprob_convention(actor):
     from rolefleet.actor.rollout_vllm import VllmRolloutEngine
 
-    assert isinstance(actor.engine, VllmRolloutEngine)
+    assert isinstance(actor.worker.engine, VllmRolloutEngine)
     samples = actor.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=8, n=4, seed=0, temperature=0.7))
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(3) for i in range(4)]
     check_against_trainer(actor, samples, 0.7)
@@ -85,11 +85,11 @@ def test_vllm_generates_from_the_new_weights_after_an_update(actor):
 def test_sleep_frees_memory_and_wake_restores_generation(actor):
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
-    actor.engine.sleep()
+    actor.worker.engine.sleep()
     free_asleep = torch.cuda.mem_get_info()[0]
     assert free_asleep > free_awake + (1 << 28)  # at least the KV cache (256 MiB) came back
-    actor.engine.load_weights(actor.model.named_parameters())
-    actor.engine.wake()
+    actor.worker.engine.load_weights(actor.worker.model.named_parameters())
+    actor.worker.engine.wake()
     assert torch.cuda.mem_get_info()[0] < free_asleep - (1 << 28)
     samples = actor.generate(["2+2="], SamplingParams(max_new_tokens=4, n=2, seed=2))
     check_against_trainer(actor, samples, 1.0)

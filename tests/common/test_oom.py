@@ -46,7 +46,7 @@ def update_request(step, version, rows: int):
 def test_an_update_out_of_memory_names_phase_and_settings_and_a_smaller_one_succeeds(tiny_model_dir, monkeypatch):
     core = ActorCore(parse_config({"model": {"model_name_or_path": tiny_model_dir}},
                                   ["actor.compute_dtype=float32", "actor.max_tokens_per_micro_batch=100000"]).actor)
-    backbone = core.model.base_model
+    backbone = core.worker.model.base_model
     held: list[weakref.ref] = []
     monkeypatch.setattr(backbone, "forward", limited(backbone.forward, held))
 

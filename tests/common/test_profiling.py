@@ -67,6 +67,6 @@ def test_a_critic_update_counts_the_graphs_made_since_the_last_one(tiny_model_di
     values = critic.compute_values(batch)
     assert critic.update(1, batch, torch.ones_like(values), values).stats["compiled_graphs"] == 0  # eager
     before = REGISTRY.get_sample_value("rolefleet_compiled_graphs_total", {"role": "critic"})
-    critic.new_graphs.seen -= 3  # as if a new shape had compiled three graphs since
+    critic.worker.new_graphs.seen -= 3  # as if a new shape had compiled three graphs since
     assert critic.update(2, batch, torch.ones_like(values), values).stats["compiled_graphs"] == 3
     assert REGISTRY.get_sample_value("rolefleet_compiled_graphs_total", {"role": "critic"}) == before + 3

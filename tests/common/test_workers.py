@@ -7,12 +7,14 @@ import torch
 
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.actor.worker import ActorWorker
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.profiling import compiled_graphs
 from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.core import CriticCore
+from rolefleet.critic.worker import CriticWorker
 from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.procs]
@@ -50,11 +52,10 @@ def test_two_actor_workers_give_the_logprobs_and_update_of_one(tiny_model_dir, s
     after_one = single.compute_logprobs(batch, 1.0, include_reference=False).logprobs
     digest_before = ActorCore(cfg.actor).digest()
 
-    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"))
+    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:
-        double = ActorCore(cfg.actor)
-        double.group = group
-        assert double.trainer.sharded == (sharding == "fsdp")
+        double = ActorCore(cfg.actor, group=group)
+        assert double.worker.trainer.sharded == (sharding == "fsdp")
         assert double.digest() == digest_before  # the sharded weights, gathered
         lp2 = double.compute_logprobs(batch, 1.0, include_reference=True)
         # Two workers split the micro-batches finer (a count both share evenly): other padded widths,
@@ -86,11 +87,10 @@ def test_two_critic_workers_give_the_values_and_update_of_one(tiny_model_dir, sh
     one = single.update(1, batch, returns, old)
     values_one = single.compute_values(batch)
 
-    group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"))
+    group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"), CriticWorker.from_config)
     try:
-        double = CriticCore(cfg.critic)
-        double.group = group
-        assert double.sharded == (sharding == "fsdp")
+        double = CriticCore(cfg.critic, group=group)
+        assert double.worker.trainer.sharded == (sharding == "fsdp")
         two = double.update(1, batch, returns, old)
         for key in ("vf_loss", "vf_grad_norm"):
             assert two.stats[key] == pytest.approx(one.stats[key], rel=1e-4, abs=1e-6), key
@@ -188,11 +188,11 @@ def test_split_actor_trains_on_some_workers_and_generates_with_the_new_weights_o
     one = single.update(1, 0, batch, targets, 1.0)
     digest_after = single.digest()
 
-    group = WorkerGroup.start("actor", world, cfg.model_dump(mode="json"))
+    group = WorkerGroup.start("actor", world, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:
-        split = ActorCore(cfg.actor, rollout_ranks=rollout_ranks(cfg))
-        split.group = group
-        assert split.placement.split and split.trainer is None and split.model is None  # rank 0 only generates
+        split = ActorCore(cfg.actor, rollout_ranks=rollout_ranks(cfg), group=group)
+        w = split.worker
+        assert w.placement.split and w.trainer is None and w.model is None  # rank 0 only generates
         before = split.generate(prompts, sampling)
         assert all(s.policy_version == 0 for s in before)
         # Its only rollout worker is this process: samples stream per engine call (2 sequences each).
@@ -239,10 +239,9 @@ def test_an_update_counts_the_graphs_every_worker_compiled(tiny_model_dir):
                                    "num_mini_batches": 1, "ppo_epochs": 1}}, [])
     batch = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])] * 2,
                                      [torch.tensor([9, 2]), torch.tensor([10, 4, 2])] * 2)
-    group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"))
+    group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"), CriticWorker.from_config)
     try:
-        critic = CriticCore(cfg.critic)
-        critic.group = group
+        critic = CriticCore(cfg.critic, group=group)
         here = compiled_graphs()
         made = critic.update(1, batch, torch.ones(10), torch.zeros(10)).stats["compiled_graphs"]
         assert compiled_graphs() > here  # this rank compiled its micro-batches' layers

@@ -16,7 +16,7 @@ def core(model_dir, budget: int, packing: str = "false") -> CriticCore:
                        [f"critic.max_tokens_per_micro_batch={budget}", "critic.compute_dtype=float32",
                         f"critic.sequence_packing={packing}"])
     c = CriticCore(cfg.critic)
-    c.optimizer, c.scheduler = torch.optim.SGD(c.model.parameters(), lr=1.0), None  # change = gradient
+    c.worker.trainer.optimizer, c.worker.trainer.scheduler = torch.optim.SGD(c.worker.model.parameters(), lr=1.0), None  # change = gradient
     return c
 
 
@@ -29,6 +29,6 @@ def test_micro_batched_values_and_updates_match_one_batch(tiny_model_dir, budget
     assert torch.allclose(whole.compute_values(BATCH), split.compute_values(BATCH), atol=1e-6)
     a, b = whole.update(1, BATCH, returns, old), split.update(1, BATCH, returns, old)
     assert abs(a.stats["vf_loss"] - b.stats["vf_loss"]) < 1e-6 and abs(a.stats["vf_grad_norm"] - b.stats["vf_grad_norm"]) < 1e-5
-    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+    for (name, p), q in zip(whole.worker.model.named_parameters(), split.worker.model.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name
     assert torch.allclose(whole.compute_values(BATCH), split.compute_values(BATCH), atol=1e-5)

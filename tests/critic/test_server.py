@@ -89,13 +89,13 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
 
 def test_old_values_reach_the_clipped_value_loss(core):
     seen = []
-    real = core.value_loss
+    real = core.worker.trainer.value_loss
 
     def spy(values, old_values, returns, mask, value_clip):
         seen.append((old_values.clone(), value_clip))
         return real(values, old_values, returns, mask, value_clip)
 
-    core.value_loss = spy
+    core.worker.trainer.value_loss = spy
     old = torch.tensor([0.5, -0.5, 1.0, 2.0, 3.0])
     core.update(1, BATCH, torch.ones(5), old)
     assert seen and all(torch.equal(o.cpu().sort().values, old.sort().values) and c == 0.2 for o, c in seen)

@@ -8,7 +8,7 @@ bf16 and gradients are reduced in fp32 (the mixed precision of the one-GPU path,
 casts fp32 master weights).
 
 What it asks of the callers, since every gather is a collective:
-- lockstep: every rank runs as many forwards and backwards as every other (`workers.my_share`
+- lockstep: every rank runs as many forwards and backwards as every other (`Ranks.share`
   pads a rank's share of micro-batches with throw-away passes);
 - the root's parameters are gathered by the root's own forward hook, so trainers call the whole
   module (`actor.trainer.LogprobModule`, the critic's `ValueModel`), never a part of it alone;
@@ -23,16 +23,16 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from rolefleet.common.workers import all_reduce_gradients, rank_and_world, work_mesh
+from rolefleet.common.ranks import Ranks
 
 
-def sharding_wanted(setting: str) -> bool:
+def sharding_wanted(setting: str, ranks: Ranks) -> bool:
     """Shard when asked for and there is more than one worker to shard over."""
-    return setting == "fsdp" and rank_and_world()[1] > 1
+    return setting == "fsdp" and ranks.world > 1
 
 
 def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.device, dtype: torch.dtype | None,
-          offload: bool = False, full_precision: tuple[torch.nn.Module, ...] = ()) -> None:
+          ranks: Ranks, offload: bool = False, full_precision: tuple[torch.nn.Module, ...] = ()) -> None:
     """FSDP2 over the group: each of `layers` a unit, `root` (holding them) the outer one.
     `dtype`: the compute dtype of the gathered parameters (None: as stored); `full_precision`:
     units gathered as stored whatever `dtype` (a value head); `offload`: the shards live in CPU
@@ -41,7 +41,7 @@ def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.de
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     where = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
-    mesh = work_mesh(device)  # the ranks that train (the actor's rollout ranks hold no shards)
+    mesh = ranks.mesh(device)  # the ranks that train (the actor's rollout ranks hold no shards)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=where)
     for module in full_precision:
@@ -56,14 +56,14 @@ def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.
         yield name, param.full_tensor() if isinstance(param, DTensor) else param
 
 
-def loss_scale(sharded: bool) -> float:
+def loss_scale(sharded: bool, ranks: Ranks) -> float:
     """The factor on a rank's share of the loss: FSDP averages the ranks' gradients where the
     trainers' shares are meant to add up (the replicated path sums them, `all_reduce_gradients`)."""
-    return float(rank_and_world()[1]) if sharded else 1.0
+    return float(ranks.world) if sharded else 1.0
 
 
-def reduce_gradients(module: torch.nn.Module, sharded: bool) -> None:
+def reduce_gradients(module: torch.nn.Module, sharded: bool, ranks: Ranks) -> None:
     """After the last backward of a step: sum the replicas' gradients (a sharded module's were
     reduce-scattered in its backward already)."""
     if not sharded:
-        all_reduce_gradients(module)
+        ranks.all_reduce_gradients(module)

@@ -1,0 +1,49 @@
+"""Value trainer: value predictions and clipped value-loss updates (`training/trainer.py` does the
+optimizer steps).
+
+The value loss is a mean over the mini-batch's response tokens, so each micro-batch weighs by its
+share of them. The scalar head stays fp32 under bf16 autocast (sharded, it is a unit of its own).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rolefleet.algos import VALUE_LOSSES
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import CriticSection
+from rolefleet.common.ranks import Ranks
+from rolefleet.critic.model import ValueModel
+from rolefleet.training.trainer import Trainer
+
+
+class ValueTrainer(Trainer):
+    stat_prefix = "vf_"
+
+    def __init__(self, model: ValueModel, device: torch.device, cfg: CriticSection, seed: int,
+                 ranks: Ranks | None = None):
+        super().__init__(model, model, model.backbone, cfg, device, ranks or Ranks.alone(), seed,
+                         full_precision=(model.head,))
+        self.value_loss = VALUE_LOSSES.get("clipped_mse")
+
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        """float32 [N], each rank its share of the micro-batches, gathered in token order."""
+        (values,) = self.map_micro_batches(batch, lambda mb: (self.model(mb, self.device, self.packed),))
+        return values
+
+    def update(self, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        """Value-loss epochs over mini-batches (every rank the same ones: the same generator), each
+        statistic averaged over the optimizer steps."""
+        return self.run_epochs(batch, lambda mb, tokens: self._step(mb, returns[tokens], old_values[tokens]))
+
+    def _step(self, mb: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        def micro_loss(rows: torch.Tensor, real: bool) -> tuple[torch.Tensor, dict]:
+            tokens = mb.token_index(rows)
+            with self.autocast():
+                values = self.model(mb.select(rows), self.device, self.packed)
+            loss, stats = self.value_loss(values, old_values[tokens].to(self.device), returns[tokens].to(self.device),
+                                          torch.ones_like(values, dtype=torch.bool), self.cfg.value_clip)
+            return loss, {"vf_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"]}
+
+        micro = [(rows, len(mb.token_index(rows)) / mb.num_response_tokens) for rows in self.micro_batches(mb)]
+        return self.optimizer_step(micro, micro_loss, {"vf_loss": 0.0, "vf_clipfrac": 0.0})

@@ -1,0 +1,47 @@
+"""The critic's worker: one per rank of its group, each with the value model (its shards, if
+sharded) and its trainer. Every method is collective over all of the critic's ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from rolefleet.common.config import CriticSection, RoleFleetConfig
+from rolefleet.common.modeling import pick_device
+from rolefleet.common.ranks import Ranks, global_world
+from rolefleet.common.workers import collective
+from rolefleet.critic.model import ValueModel
+from rolefleet.critic.trainer import ValueTrainer
+from rolefleet.training.worker import TrainingWorker
+
+ROLE = "critic"
+
+
+class CriticWorker(TrainingWorker):
+    role = ROLE
+
+    def __init__(self, cfg: CriticSection, seed: int = 0):
+        self.cfg = cfg
+        super().__init__()
+        self.device = pick_device()
+        torch.manual_seed(seed)
+        self.ranks = Ranks.of(None)  # every rank trains
+        self.rank = self.ranks.rank
+        self.parts = dict.fromkeys(("all", "trainers"), list(range(global_world())))
+        self.model = ValueModel(cfg.model_name_or_path).to(self.device)
+        self.model.eval()
+        self.trainer = ValueTrainer(self.model, self.device, cfg, seed, self.ranks)
+
+    @classmethod
+    def from_config(cls, cfg: RoleFleetConfig) -> CriticWorker:
+        return cls(cfg.critic, seed=cfg.run.seed)
+
+    @collective("trainers")
+    def compute_values(self, batch) -> torch.Tensor:
+        return self.trainer.values(batch)
+
+    @collective("trainers")
+    def train(self, batch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
+        return self.profiled_update(lambda: (self.trainer.update(batch, returns, old_values), None))[0]
+
+    def close(self) -> None:
+        self.trainer = self.model = None

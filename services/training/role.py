@@ -1,0 +1,83 @@
+"""The controller of a trainer role (the actor's and the critic's core): what both do alike.
+
+A controller lives in the role's server process (rank 0) and owns no model: it validates requests,
+keeps the step ledger and version fence with the model lock (`common/steps.TrainerState`), and
+drives the role's workers (`common/workers.Workers`), this process's own among them. Checkpoints,
+status and the weight digest are the same for both roles; a role adds its requests and, through
+`after_load`, what else a loaded checkpoint must reach (the actor's rollout engines).
+"""
+
+from __future__ import annotations
+
+from rolefleet.common import checkpoint
+from rolefleet.common.modeling import release_memory
+from rolefleet.common.role_types import CheckpointInfo, RoleStatus
+from rolefleet.common.steps import StepLedger, TrainerState
+from rolefleet.common.workers import WorkerGroup, Workers
+from rolefleet.training.worker import TrainingWorker
+
+
+class TrainerRole:
+    def __init__(self, role: str, worker: TrainingWorker, group: WorkerGroup | None, versioned: str):
+        self.role = role
+        self.worker = worker  # this process's (rank 0's)
+        self.workers = Workers(worker, group)
+        self.state = TrainerState(role, versioned)  # model lock, step ledger, model version
+        self._lock = self.state.lock
+        # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
+        # None: anywhere (a core used in-process).
+        self.checkpoint_root = None
+
+    @property
+    def ledger(self) -> StepLedger:
+        return self.state.ledger
+
+    @property
+    def group(self) -> WorkerGroup | None:
+        return self.workers.group
+
+    # --- checkpoints (common/checkpoint.py) ------------------------------------------------------
+
+    def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
+        """The trainer's state as of `step` (its last applied one) into `path`; a repeat answers
+        from disk."""
+        with self._lock:
+            return checkpoint.save_role(self, step, path, self._save_state, self.write_hf_files)
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        with self._lock:
+            info = checkpoint.load_role(self, path, self._load_state)
+            self.after_load(info)
+            return info
+
+    def _save_state(self, work: str) -> None:
+        self.workers.run(TrainingWorker.save_state, work)
+
+    def _load_state(self, path: str) -> None:
+        self.workers.run(TrainingWorker.load_state, path)
+
+    def write_hf_files(self, work) -> None:
+        """What `rolefleet export` needs beside the weights (config, tokenizer)."""
+        raise NotImplementedError
+
+    def after_load(self, info: CheckpointInfo) -> None:
+        """Under the model lock, after the trainer's state was loaded."""
+
+    # --- status / lifecycle -----------------------------------------------------------------------
+
+    def status(self, include_digest: bool = False) -> RoleStatus:
+        """A snapshot read without the model lock (a request may be in flight); hashing the weights
+        waits for the lock and is done only when asked."""
+        return RoleStatus(self.role, self.state.version, self.ledger.last_step,
+                          self.digest() if include_digest else "", broken=self.ledger.broken or "",
+                          workers=self.workers.size)
+
+    def digest(self) -> str:
+        with self._lock:
+            return self.workers.run(TrainingWorker.digest)
+
+    def close(self) -> None:
+        with self._lock:
+            self.worker.close()
+        release_memory()
+

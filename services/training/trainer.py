@@ -1,0 +1,132 @@
+"""The trainer of a trainer role on one worker rank: what the policy and the value trainer share.
+
+A trainer owns its model's optimizer side: precision, sharding (FSDP2) or replication over its
+part of the group, activation checkpointing, compiled layers, the optimizer and its schedule, the
+mini-batch generator, and its checkpointed state. One optimizer step (`optimizer_step`) is the same
+for every loss:
+
+1. the mini-batch's micro-batches of at most `max_tokens_per_micro_batch` padded tokens, every
+   world-th one on this rank (in lockstep when sharded: a rank short of micro-batches runs
+   throw-away passes with share 0, since every forward and backward then is a collective);
+2. each micro-batch's loss, scaled by its share of the mini-batch (the shares of all ranks add up
+   to one: the step equals one over the whole mini-batch), backward;
+3. gradients summed over the replicas (sharded: reduce-scattered in the backward already), the
+   statistics summed over the ranks in one transfer, clipped and applied (a non-finite gradient
+   never is: `optim.apply_gradients`).
+
+Statistics stay on the device until the step is done. A subclass gives only its forward and its
+loss: the micro-batches' shares (how its loss aggregates over tokens) and the loss of one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rolefleet.common import checkpoint
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.modeling import (
+    autocast,
+    compile_decoder_layers,
+    compute_dtype,
+    decoder_layers,
+    enable_activation_checkpointing,
+    weights_digest,
+)
+from rolefleet.common.ranks import Ranks
+from rolefleet.training.optim import StepFn, apply_gradients, make_optimizer, run_epochs
+from rolefleet.training.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
+
+# The loss of one micro-batch (its rows of the mini-batch; `real` False for a throw-away pass) and
+# its statistics as device tensors, which the step weighs by the micro-batch's share.
+MicroLoss = Callable[[torch.Tensor, bool], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Trainer:
+    stat_prefix = ""  # before the step's `loss`, `lr` and `grad_norm` statistics (the critic's: "vf_")
+
+    def __init__(self, model: torch.nn.Module, root: torch.nn.Module, backbone, cfg, device: torch.device,
+                 ranks: Ranks, seed: int, full_precision: tuple[torch.nn.Module, ...] = ()):
+        """`model`: what is trained, saved and digested; `root`: the module whose forward the losses
+        call, holding `model`'s parameters (sharded, its forward hook gathers the root unit's);
+        `backbone`: the transformers model whose decoder layers are the units of sharding,
+        checkpointing and compiling; `full_precision`: parts kept in fp32 when sharded (a value head)."""
+        self.model, self.root, self.cfg, self.device, self.ranks = model, root, cfg, device, ranks
+        self.packed = cfg.sequence_packing  # micro-batches as one row each (see SequenceBatch.packed_inputs)
+        self.dtype = compute_dtype(device, cfg.compute_dtype)
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(backbone)
+        # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
+        self.sharded = sharding_wanted(cfg.sharding, ranks)
+        if self.sharded:
+            shard(root, decoder_layers(backbone), device, self.dtype, ranks, full_precision=full_precision)
+        if cfg.compile_layers:
+            compile_decoder_layers(backbone, hooks_outside=self.sharded)
+        self.optimizer, self.scheduler = make_optimizer(root, cfg)  # over the shards, if sharded
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # --- passes over a batch ------------------------------------------------------------------
+
+    def autocast(self):
+        return autocast(self.device, self.dtype)
+
+    def map_micro_batches(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], tuple]) -> tuple:
+        """`fn` over the batch's micro-batches (no gradients), each rank its share, every rank the
+        whole result in the batch's token order."""
+        with torch.no_grad(), self.autocast():
+            return self.ranks.map_micro_batches(batch, self.cfg.max_tokens_per_micro_batch, fn, self.packed,
+                                                self.sharded)
+
+    def micro_batches(self, mb: SequenceBatch) -> list[torch.Tensor]:
+        """The rows of each of the mini-batch's micro-batches, over the whole part."""
+        return self.ranks.micro_batches(mb, self.cfg.max_tokens_per_micro_batch, self.packed)
+
+    def run_epochs(self, batch: SequenceBatch, step: StepFn) -> dict[str, float]:
+        """`step` once per mini-batch per epoch, the model in training mode; each statistic averaged
+        over the optimizer steps (`optim.run_epochs`: a failure after the first is a PartialUpdate)."""
+        self.model.train()
+        try:
+            return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, step)
+        finally:
+            self.model.eval()
+
+    def optimizer_step(self, micro: list[tuple[torch.Tensor, float]], micro_loss: MicroLoss,
+                       stats: dict | None = None) -> dict[str, float]:
+        """One optimizer step over a mini-batch: `micro` holds (rows, share) of each of its
+        micro-batches over the whole part (`micro_batches`); this rank runs its every world-th one.
+        `stats`: the step's statistics so far (mini-batch-wide ones, which `micro_loss` may add to);
+        each micro-batch's own are added in, weighted by its share. Two host syncs in all: the sum
+        over the ranks and the gradient norm."""
+        stats = {} if stats is None else stats
+        self.optimizer.zero_grad(set_to_none=True)
+        scale = loss_scale(self.sharded, self.ranks)
+        for (rows, share), real in self.ranks.share(micro, self.sharded):
+            share = share if real else 0.0
+            loss, micro_stats = micro_loss(rows, real)  # its forward under `self.autocast()`
+            (loss * (share * scale)).backward()
+            for name, value in micro_stats.items():
+                stats[name] = stats.get(name, 0.0) + value * share
+        reduce_gradients(self.root, self.sharded, self.ranks)
+        totals = self.ranks.sum_stats(stats)
+        p = self.stat_prefix
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
+        grad_norm = apply_gradients(self.root, self.optimizer, self.cfg.max_grad_norm, totals[f"{p}loss"],
+                                    self.scheduler)
+        return {**totals, f"{p}lr": lr, f"{p}grad_norm": grad_norm}
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def save_state(self, work: Path) -> None:
+        """Collective over the part: each rank its shards; the first the scheduler and RNG states."""
+        checkpoint.save_trainer(work, self.model, self.optimizer, self.scheduler, self.generator, self.ranks.group,
+                                self.ranks.first)
+
+    def load_state(self, path: Path) -> None:
+        """The inverse of `save_state`, resharded to this part."""
+        checkpoint.load_trainer(path, self.model, self.optimizer, self.scheduler, self.generator, self.ranks.group)
+
+    def digest(self) -> str:
+        """Collective when sharded: the weights are gathered on every rank."""
+        return weights_digest(self.model)

@@ -1,0 +1,52 @@
+"""What every trainer role's worker (one per rank: `actor/worker.py`, `critic/worker.py`) does alike
+around its trainer: profile and count the compiles of its updates, save and load the trainer's
+state, digest its weights. The methods are collective over the worker's training ranks
+(`common/workers.py`); a worker whose rank does not train (an actor's rollout worker) has no
+trainer and is never asked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from rolefleet.common.profiling import NewGraphs, profiled
+from rolefleet.common.ranks import Ranks
+from rolefleet.common.workers import collective
+from rolefleet.training.trainer import Trainer
+
+T = TypeVar("T")
+
+
+class TrainingWorker:
+    role: str
+    cfg: object  # the role's config section (its `profile_updates`, `profile_dir`)
+    rank: int  # in the role's whole group
+    ranks: Ranks  # the training part's
+    trainer: Trainer | None
+    parts: dict[str, list[int]]
+
+    def __init__(self) -> None:
+        self.updates_run = 0  # by this process: what `<role>.profile_updates` counts
+        self.new_graphs = NewGraphs(self.role)
+
+    def profiled_update(self, train: Callable[[], tuple[dict, T]]) -> tuple[dict, T]:
+        """`train()` (statistics and anything else) under the profiler when this update is one of
+        `<role>.profile_updates`; adds `compiled_graphs`, summed over the training ranks."""
+        self.updates_run += 1
+        with profiled(self.role, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, self.rank):
+            stats, extra = train()
+        stats["compiled_graphs"] = self.new_graphs.take_over_ranks(self.ranks)
+        return stats, extra
+
+    @collective("trainers")
+    def save_state(self, work: str) -> None:
+        self.trainer.save_state(Path(work))
+
+    @collective("trainers")
+    def load_state(self, path: str) -> None:
+        self.trainer.load_state(Path(path))
+
+    @collective("trainers")
+    def digest(self) -> str:
+        return self.trainer.digest()
