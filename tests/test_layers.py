@@ -97,3 +97,15 @@ def test_result_and_message_types_import_no_rpc_machinery():
 
 def test_the_coordinator_holds_no_model_and_no_role_core():
     assert offenders(under("rolefleet.coordinator"), lambda n: n in CORES or under("transformers")(n)) == {}
+
+
+def test_the_config_reaches_tasks_and_rewards_only_through_app_checks():
+    """common/config/ sits below the roles and tasks: it imports the algorithm registries and itself;
+    the validators that need the task and reward-function registries import them in app_checks.py."""
+    config = under("rolefleet.common.config")
+    assert "rolefleet.common.config.app_checks" in MODULES
+    assert offenders(lambda m: config(m) and m != "rolefleet.common.config.app_checks",
+                     lambda n: n.startswith("rolefleet.") and not under("rolefleet.algos")(n) and not config(n)) == {}
+    assert offenders(lambda m: m == "rolefleet.common.config.app_checks",
+                     lambda n: n.startswith("rolefleet.") and not config(n)
+                     and not under("rolefleet.tasks", "rolefleet.reward.functions")(n)) == {}

@@ -1,0 +1,47 @@
+"""The checks that need modules above the config: the built-in tasks and prompt file formats
+(rolefleet.tasks) and the built-in reward functions (rolefleet.reward.functions).
+
+`common/` sits below them (rolefleet.tasks imports ConfigError from here), so they are imported
+when a validator runs, never when the config is imported: this file is the only place in the
+config that reaches them (tests/test_layers.py holds it to that).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rolefleet.common.config.base import _one_of
+
+
+def known_task(name: Optional[str]) -> Optional[str]:
+    from rolefleet.tasks import TASKS
+
+    if name is not None and name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+    return name
+
+
+def file_format(path: str, fmt: Optional[str]) -> str:
+    """`fmt` when given, else the format the extension names (an unknown one: ValueError)."""
+    from rolefleet.tasks.files import file_format
+
+    return file_format(path, fmt)
+
+
+def reward_function_names() -> list[str]:
+    from rolefleet.reward.functions import REWARD_FUNCTIONS
+
+    return REWARD_FUNCTIONS.names()
+
+
+def known_reward_function(name: str) -> str:
+    from rolefleet.reward.functions import REWARD_FUNCTIONS
+
+    return _one_of(REWARD_FUNCTIONS, name)
+
+
+def check_reward_options(function: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A built-in function's options, validated against its keyword-only parameters."""
+    from rolefleet.reward.functions import check_options
+
+    return check_options(function, options)

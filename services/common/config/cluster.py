@@ -1,0 +1,110 @@
+"""Where the roles run and how the coordinator drives them: the coordinator's server and HTTP
+control plane, the pipeline's schedule (sync or async, staleness) and the GPU groups (devices).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from rolefleet.common.config.base import _DEVICE, Endpoint, _Section, split_device
+
+
+class CoordinatorSection(Endpoint):
+    # One thread: the coordinator's tensor work (targets, checks) is small, and on a node shared with
+    # the role processes a pool of torch threads per core stalls on every op (docs/benchmarks.md,
+    # "The coordinator's CPU threads": 0.3-0.4 s a step at 16 threads against 0.02 s at 1).
+    num_threads: Optional[int] = Field(1, ge=1, description="torch CPU threads of the coordinator")
+    http_enabled: bool = Field(True, description="serve the HTTP control plane (FastAPI: status, steps, roles, "
+                               "pause, resume, stop; OpenAPI at /openapi.json)")
+    http_host: str = Field("127.0.0.1", description="interface the HTTP control plane binds (loopback unless set)")
+    http_port: int = Field(0, ge=0, le=65535, description="HTTP control plane port; 0 picks a free one")
+
+
+class PipelineSection(_Section):
+    """How the coordinator schedules the stages (docs/architecture.md, "The asynchronous pipeline")."""
+
+    mode: Literal["sync", "async"] = Field("sync", description="sync: one step's phases one after another; "
+                                           "async: later batches generate while earlier ones are scored "
+                                           "and trained on")
+    max_staleness: int = Field(1, ge=0, description="async: a batch is trained on only while the actor's "
+                               "version is at most this many updates past the version that generated "
+                               "its oldest sample (0: on-policy, still streaming)")
+    queue_capacity: int = Field(2, ge=1, description="async: batches each stage queue holds")
+    backpressure_threshold: float = Field(0.7, gt=0, le=1, description="async: generation pauses while the "
+                                          "batches waiting downstream fill more than this fraction of their "
+                                          "queues' capacity")
+    on_stale: Literal["regenerate", "drop"] = Field("regenerate", description="async: a batch that aged past "
+                                                    "max_staleness (a retried stage, say) is counted, logged "
+                                                    "and generated again, or dropped (the step trains on the "
+                                                    "next batch)")
+    order: Literal["exact", "eager"] = Field("exact", description="async: exact = each update waits until the "
+                                             "batches the bound lets precede it are generated, so every batch "
+                                             "lags by exactly max_staleness and runs repeat for a fixed seed; "
+                                             "eager = updates never wait for generation (on a split actor the "
+                                             "next batch generates while this one trains), lags vary with "
+                                             "timing within the bound")
+    retries: int = Field(2, ge=0, description="async: repeats of a role call that failed transiently "
+                         "(UNAVAILABLE, a deadline), with backoff; every call is safe to repeat")
+
+    @property
+    def lagged(self) -> bool:
+        """Whether updates may train on samples of an older policy."""
+        return self.mode == "async" and self.max_staleness > 0
+
+    @property
+    def staleness_bound(self) -> int:
+        """Versions a trained batch may lag the actor by (sync: none)."""
+        return self.max_staleness if self.mode == "async" else 0
+
+
+DeviceList = list[Union[int, str]]
+
+
+class DevicesSection(_Section):
+    """GPU groups, as in verl guides: ints are local GPU indices, "node:i" names another node."""
+
+    actor: DeviceList = Field(default_factory=list, description="the actor's GPUs (one worker each); empty: CPU")
+    reward: DeviceList = Field(default_factory=list, description="the reward's GPUs (a reward model); empty: CPU")
+    critic: DeviceList = Field(default_factory=list, description="the critic's GPUs (one worker each); empty: CPU")
+    rollout: DeviceList = Field(default_factory=list, description="subset of the actor's GPUs")
+    colocate: list[list[Literal["actor", "reward", "critic"]]] = Field(
+        default_factory=list, description="sets of roles that share GPUs on purpose, e.g. [[actor, critic]]; "
+        "groups that overlap otherwise are a config error")
+
+    @field_validator("actor", "reward", "critic", "rollout")
+    @classmethod
+    def _entries(cls, value: DeviceList) -> DeviceList:
+        for entry in value:
+            if isinstance(entry, int) and entry < 0:
+                raise ValueError(f"GPU index {entry} is negative")
+            if isinstance(entry, str) and not _DEVICE.match(entry):
+                raise ValueError(f"{entry!r} is not a GPU index or 'node:index'")
+        if len(set(map(str, value))) != len(value):
+            raise ValueError(f"duplicate GPUs in {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _rollout_subset(self) -> DevicesSection:
+        extra = [d for d in self.rollout if d not in self.actor]
+        if extra:
+            raise ValueError(f"rollout GPUs {extra} are not in the actor's group {self.actor}")
+        return self
+
+    @model_validator(mode="after")
+    def _overlaps_declared(self) -> DevicesSection:
+        """Two roles on one GPU split its memory and time: fine when meant (one-GPU runs), a slip
+        otherwise (a typo in an 8-GPU map). Overlaps must be listed in `colocate`."""
+        roles = ("actor", "reward", "critic")
+        for i, a in enumerate(roles):
+            for b in roles[i + 1:]:
+                shared = [d for d in getattr(self, a) if str(d) in map(str, getattr(self, b))]
+                if shared and not any(a in group and b in group for group in self.colocate):
+                    raise ValueError(f"devices.{a} and devices.{b} share GPUs {shared}: declare it with "
+                                     f"devices.colocate: [[{a}, {b}]] (or give them separate GPUs)")
+        return self
+
+    def local_indices(self, role: str) -> list[int]:
+        """GPU indices for CUDA_VISIBLE_DEVICES on this node; 'node:i' entries keep their index."""
+        return [split_device(d)[1] for d in getattr(self, role)]

@@ -1,0 +1,125 @@
+"""The reward role's section: its sources (built-in functions, user functions, reward models),
+their workers' limits, replicas and request caps.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from rolefleet.common.config.app_checks import check_reward_options, known_reward_function, reward_function_names
+from rolefleet.common.config.base import Endpoint, _Section
+
+
+class RewardSection(Endpoint):
+    class Source(_Section):
+        """One entry of `reward.sources`. Keys other than these are options of a built-in function
+        (`pattern` of `format`), checked against that function's keyword-only parameters."""
+
+        model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+        name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description="unique label of the "
+                                    "source's scores, errors and metrics; default the function name, the file's "
+                                    "stem, or `model`")
+        kind: Literal["function", "user", "model"] = Field("function", description="function: a built-in; user: "
+                                                           "a function from a Python file; model: a reward model")
+        function: Optional[str] = Field(None, description="kind function: the built-in's name")
+        path: Optional[str] = Field(None, description="kind user: path/to/file.py:function; kind model: the "
+                                    "reward model (a local directory or a hub id)")
+        weight: float = Field(1.0, description="the total adds weight x this source's score")
+        batched: bool = Field(False, description="kind user: the function takes lists (one per argument) and "
+                              "returns a list of scores")
+
+        @model_validator(mode="after")
+        def _kind(self) -> RewardSection.Source:
+            options = dict(self.model_extra or {})
+            if self.kind == "function":
+                if self.function is None:
+                    raise ValueError(f"a function source needs `function`, one of: {', '.join(reward_function_names())}")
+                known_reward_function(self.function)
+                for key in ("path", "batched"):
+                    if key in self.model_fields_set and getattr(self, key):
+                        raise ValueError(f"`{key}` is for user sources, not built-in functions")
+                self.__pydantic_extra__ = check_reward_options(self.function, options)
+            else:
+                if options:
+                    raise ValueError(f"unknown key(s) {', '.join(sorted(options))}: options are for built-in "
+                                     f"functions, not {self.kind} sources")
+                if self.function is not None:
+                    raise ValueError(f"`function` names a built-in (kind function); a {self.kind} source takes `path`")
+                if self.kind == "model" and self.batched:
+                    raise ValueError("`batched` is for user sources")
+                if not self.path:
+                    form = "path/to/file.py:function" if self.kind == "user" else "a model directory or hub id"
+                    raise ValueError(f"a {self.kind} source needs `path` ({form})")
+                if self.kind == "user":
+                    self.user_function()  # the form only: the file is checked where it runs
+            if self.name is None:
+                self.name = {"function": self.function, "model": "model"}.get(self.kind) or \
+                    Path(self.user_function()[0]).stem
+                if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+                    raise ValueError(f"set `name`: the default {self.name!r} has characters other than letters, "
+                                     "digits and _.-")
+            return self
+
+        @property
+        def options(self) -> dict[str, Any]:
+            """A built-in function's options (keyword arguments), validated."""
+            return dict(self.model_extra or {})
+
+        def user_function(self) -> tuple[str, str]:
+            """(file, function name) of a user source's `path`."""
+            file, _, fn = (self.path or "").rpartition(":")
+            if not file or not fn.isidentifier():
+                raise ValueError(f"path {self.path!r} is not of the form path/to/file.py:function")
+            return file, fn
+
+    function: str = Field("exact_match", description="the built-in reward function (weight 1) when `sources` "
+                          "is empty")
+    sources: list[Source] = Field(default_factory=list, description="reward sources combined as the sum of "
+                                  "weight x score (docs/rewards.md); default [`function`]")
+    fallback_score: float = Field(0.0, description="the score a source counts for a sample it failed on")
+    user_workers: int = Field(2, ge=1, description="worker processes running user functions (and `math`)")
+    user_timeout_s: float = Field(10.0, gt=0, description="deadline of one call in a worker (a whole batch for "
+                                  "`batched` sources); past it the worker is killed and replaced")
+    user_memory_mb: int = Field(2048, ge=0, description="address-space limit of each worker (RLIMIT_AS); 0: none")
+    model_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="reward model compute dtype on a GPU (a CPU computes float32)")
+    model_max_tokens_per_batch: int = Field(16384, ge=1, description="reward model: rows x longest row per forward")
+    max_items_per_request: int = Field(65536, ge=1, description="samples one Score request may carry")
+    max_item_bytes: int = Field(1 << 20, ge=1, description="UTF-8 bytes of one item's prompt + response + "
+                                "ground truth + extra (JSON)")
+    replicas: list[str] = Field(default_factory=list, description="host:port of several reward servers: the "
+                                "coordinator spreads each batch across them (instead of reward.address)")
+    restart_wait_s: float = Field(300.0, ge=0, description="a Score call that fails because the reward role (or "
+                                  "every replica) went away is repeated once it answers again, for up to this many "
+                                  "seconds; the trainers do not roll back (the reward holds no training state); "
+                                  "past it the run fails naming this key")
+    score_delay_s: float = Field(0.0, ge=0, le=600, description="seconds each Score call waits before "
+                                 "scoring: a stand-in for a slower reward (a reward model) in benchmarks and tests")
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v: str) -> str:
+        known_reward_function(v)
+        try:
+            check_reward_options(v, {})
+        except ValueError as e:
+            raise ValueError(f"{e}: list it in reward.sources with its options") from None
+        return v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RewardSection:
+        seen: dict[str, int] = {}
+        for i, source in enumerate(self.sources):
+            if source.name in seen:
+                raise ValueError(f"sources[{i}] and sources[{seen[source.name]}] are both named {source.name!r}: "
+                                 "give one a `name`")
+            seen[source.name] = i
+        return self
+
+    def scoring_sources(self) -> list[RewardSection.Source]:
+        """`sources`, or the one built-in `function` when there are none."""
+        return self.sources or [RewardSection.Source(kind="function", function=self.function)]

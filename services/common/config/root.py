@@ -1,0 +1,114 @@
+"""RoleFleetConfig: every section together, and what spans several of them: defaults filled from
+other sections (the models, the algorithm's preset, learning-rate decay lengths) and the checks
+that need two sections at once.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from rolefleet.algos.presets import ALGORITHMS
+from rolefleet.common.config.base import _Section
+from rolefleet.common.config.cluster import CoordinatorSection, DevicesSection, PipelineSection
+from rolefleet.common.config.data import DataSection, EvalSection, ModelSection, SamplingSection
+from rolefleet.common.config.reward import RewardSection
+from rolefleet.common.config.run import CheckpointSection, RunSection, SecuritySection, TrackingSection
+from rolefleet.common.config.trainers import ActorSection, CriticSection, TrainSection
+
+# actor.is_correction where updates may train on an older policy's samples (pipeline.lagged) and
+# the config does not say.
+ASYNC_IS_CORRECTION = "token_truncate"
+
+
+class RoleFleetConfig(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    algorithm: str = Field("ppo", description=f"the algorithm preset: {' | '.join(ALGORITHMS)}")
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    actor: ActorSection = Field(default_factory=ActorSection)
+    critic: CriticSection = Field(default_factory=CriticSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    devices: DevicesSection = Field(default_factory=DevicesSection)
+
+    @field_validator("algorithm")
+    @classmethod
+    def _algorithm(cls, v: str) -> str:
+        if v not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {v!r}; valid: {', '.join(ALGORITHMS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _resolve(self) -> RoleFleetConfig:
+        """Fill defaults that depend on other sections (models, the algorithm's preset)."""
+        default = self.model.model_name_or_path
+        for section in (self.actor, self.critic):
+            if section.model_name_or_path is None:
+                section.model_name_or_path = default
+        if self.actor.ref_model_name_or_path is None:
+            self.actor.ref_model_name_or_path = self.actor.model_name_or_path
+        if self.actor.model_name_or_path is None:
+            raise ValueError("set model.model_name_or_path (or actor.model_name_or_path)")
+        preset = ALGORITHMS[self.algorithm]
+        if self.train.whiten_advantages is None:
+            self.train.whiten_advantages = preset.whiten_advantages
+        if self.train.norm_adv_by_std is None:
+            self.train.norm_adv_by_std = preset.norm_adv_by_std
+        if self.actor.loss_agg_mode is None:
+            self.actor.loss_agg_mode = preset.loss_agg_mode
+        warmup = self.train.critic_warmup_steps
+        if warmup and not preset.uses_critic:
+            raise ValueError(f"train.critic_warmup_steps: algorithm {self.algorithm} has no critic")
+        if warmup and self.pipeline.mode == "async":
+            raise ValueError("train.critic_warmup_steps needs pipeline.mode sync (async generation waits for "
+                             "actor updates the warm-up withholds)")
+        if warmup >= self.train.total_steps:
+            raise ValueError(f"train.critic_warmup_steps={warmup} leaves no actor step of train.total_steps="
+                             f"{self.train.total_steps}")
+        for section, updates in ((self.actor, self.train.total_steps - warmup), (self.critic, self.train.total_steps)):
+            if section.lr_decay_steps is None:
+                section.lr_decay_steps = updates * section.ppo_epochs * section.num_mini_batches
+        if self.actor.loss_norm_length is None:
+            self.actor.loss_norm_length = self.sampling.max_new_tokens
+        if self.pipeline.lagged and "is_correction" not in self.actor.model_fields_set:
+            # Samples of an older policy: weigh them by pi_train / pi_rollout (truncated) unless told.
+            self.actor.is_correction = ASYNC_IS_CORRECTION
+        if self.eval.enabled and self.data.path and not (self.eval.path or self.eval.task):
+            raise ValueError("eval.path: evaluation of a run on a prompt file (data.path) needs held-out prompts of "
+                             "its own: set eval.path (or eval.task), or eval.every=0")
+        if preset.grouped and self.train.samples_per_prompt < 2:
+            raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
+                             "set train.samples_per_prompt >= 2")
+        return self
+
+    @property
+    def preset(self):
+        return ALGORITHMS[self.algorithm]
+
+    @property
+    def one_pass_update(self) -> bool:
+        """`actor.old_logprobs: auto` and it can: the actor's update computes each step's old
+        logprobs in its own forward, and ComputeLogProbs asks for the reference's alone. A KL
+        penalty in the rewards (`train.kl_coef`) needs the policy's logprobs before the advantages."""
+        return self.actor.old_logprobs == "auto" and self.train.kl_coef == 0 and self.actor.one_pass_problem() is None
+
+    def eval_data(self) -> DataSection:
+        """The held-out prompts as a data source: eval's file or task, read and rendered like
+        `data` (its chat template and token limit)."""
+        d, e = self.data, self.eval
+        return DataSection(task=None if e.path else (e.task or d.task), path=e.path, format=e.format,
+                           prompt_key=e.prompt_key or d.prompt_key, answer_key=e.answer_key or d.answer_key,
+                           extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
+                           chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong,
+                           shuffle=False, size=e.max_prompts)
+
+    def roles(self) -> list[str]:
+        """Roles this run starts, in start order (the coordinator last); the critic only if needed."""
+        return ["actor", "reward", *(["critic"] if self.preset.uses_critic else []), "coordinator"]

@@ -1,0 +1,223 @@
+"""The training sections: train (the step: batch sizes, advantages, the KL penalty, deadlines), the
+fields both trainer roles share, and the actor (its losses, its rollout engine and vLLM's knobs)
+and the critic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from rolefleet.common.config.base import Endpoint, _one_of, _Section
+
+
+class TrainSection(_Section):
+    total_steps: int = Field(20, ge=1, description="training steps of the run (each one policy update)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts drawn per step (each sampled "
+                                  "samples_per_prompt times)")
+    samples_per_prompt: int = Field(1, ge=1, description="n rollouts per prompt (a group)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of the token rewards (GAE, REINFORCE++ returns)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    whiten_advantages: Optional[bool] = Field(None, description="default: the algorithm's")
+    norm_adv_by_std: Optional[bool] = Field(None, description="GRPO std scaling; default: the algorithm's")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference penalty in the token rewards")
+    kl_estimator: str = Field("k1", description="estimator of the per-token KL to the reference, for the reward "
+                              f"penalty and the kl metric: {' | '.join(KL_ESTIMATORS.names())}")
+    kl_controller: str = Field("fixed", description="fixed | adaptive (targets kl_target)")
+    kl_target: float = Field(0.1, gt=0, description="adaptive controller: per-token KL to track")
+    kl_horizon: int = Field(10000, ge=1, description="adaptive controller: samples to close the gap")
+    critic_warmup_steps: int = Field(0, ge=0, description="first steps that train only the critic (the actor "
+                                     "is not updated), so advantages start from useful values; PPO, sync mode")
+    rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
+    connect_timeout_s: float = Field(300.0, gt=0, description="wait this long for every role to be SERVING")
+
+    _kl = field_validator("kl_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
+    _ctl = field_validator("kl_controller")(lambda cls, v: _one_of(KL_CONTROLLERS, v))
+
+    @model_validator(mode="after")
+    def _adaptive_needs_a_start(self) -> TrainSection:
+        if self.kl_controller == "adaptive" and self.kl_coef == 0:
+            raise ValueError("kl_controller adaptive scales kl_coef, which is 0: set train.kl_coef > 0")
+        return self
+
+
+class _TrainerSection(Endpoint):
+    model_name_or_path: Optional[str] = Field(None, description="the model this trainer starts from; default "
+                                              "model.model_name_or_path")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch per update")
+    num_mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: the global gradient norm's bound")
+    # Per-request caps, checked from the declared sizes before anything is decoded or allocated.
+    max_sequences_per_request: int = Field(65536, ge=1, description="sequences one request may carry "
+                                           "(actor Generate: prompts x n)")
+    max_tokens_per_request: int = Field(1 << 20, ge=1, description="prompt + response tokens one "
+                                        "ComputeLogProbs / ComputeValues / Update may carry")
+    max_tokens_per_micro_batch: int = Field(16384, ge=1, description="padded tokens (rows x longest "
+                                            "sequence) per forward; gradients accumulate over a "
+                                            "mini-batch's micro-batches")
+    lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="after warm-up")
+    lr_decay_steps: Optional[int] = Field(None, ge=1, description="optimizer steps over which linear/cosine "
+                                          "decay to min_lr_ratio x lr; default: the run's (total_steps x "
+                                          "ppo_epochs x num_mini_batches)")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate, as a fraction of lr")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the "
+                                         "backward: less memory, about a third more compute")
+    sequence_packing: bool = Field(False, description="micro-batches as one row of sequences without "
+                                   "padding (attention kept inside each sequence by a block mask) instead "
+                                   "of right-padded rows")
+    workers: Optional[int] = Field(None, ge=1, description="worker processes of this role (torch.distributed, "
+                                   "data parallel): default one per GPU of its device group; on the CPU, gloo "
+                                   "workers")
+    sharding: Literal["fsdp", "replicate"] = Field("fsdp", description="how several workers hold the model: "
+                                                   "fsdp = parameters, gradients and optimizer state sharded "
+                                                   "over the workers (FSDP2; bf16 compute on CUDA); replicate = "
+                                                   "a full copy each, gradients all-reduced")
+    compile_layers: bool = Field(False, description="torch.compile each decoder layer (one compilation "
+                                 "shared by all layers; norms, RoPE and activations fused): faster steps after "
+                                 "a compile of tens of seconds per new micro-batch shape family")
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="autocast dtype of forwards and backwards (auto: bfloat16 on CUDA, float32 on "
+        "CPU); master weights and optimizer state stay float32")
+    profile_updates: list[int] = Field(default_factory=list, description="updates of each worker process to "
+                                       "run under torch.profiler (1: its first): a Chrome trace and an op table "
+                                       "per rank go to profile_dir")
+    profile_dir: str = Field("profiles", description="where profile_updates writes <role>-update<N>-rank<R>.json "
+                             "and .txt")
+
+
+class VllmSection(_Section):
+    """Knobs of the vllm rollout backend, passed to vLLM's engine (its docs say more)."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="fraction of the GPU's memory "
+                                          "vLLM may take for weights and KV cache (the trainer shares the GPU)")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="sequences scheduled at once; default vLLM's")
+    max_num_batched_tokens: Optional[int] = Field(None, ge=1, description="tokens per engine step; "
+                                                  "default vLLM's")
+    max_model_len: Optional[int] = Field(None, ge=1, description="context length the KV cache is sized "
+                                         "for; default the model's")
+    enforce_eager: bool = Field(False, description="no CUDA graphs / torch.compile (faster start, slower decode)")
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of common prompt prefixes "
+                                        "(the n samples of a prompt); reset after every weight load")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine when the actor generates apart "
+                                      "from training (devices.rollout): the rollout GPUs form engines of this "
+                                      "many, each tensor parallel; several engines share a request's prompts")
+    sleep_level: Literal[0, 1, 2] = Field(2, description="what vLLM releases while the trainer runs on its "
+                                          "GPU: 2 = KV cache and weights freed (the trainer's new weights are "
+                                          "loaded on wake); 1 = KV cache freed, weights kept in CPU memory and "
+                                          "copied back on wake; 0 = no sleep")
+
+
+class RolloutSection(_Section):
+    backend: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="rollout engine: vllm, hf (transformers), or auto (vllm where it is installed "
+        "and a GPU is visible, else hf)")
+    batch_size: int = Field(256, ge=1, description="sequences per engine call; each call's samples "
+                            "stream back as soon as it finishes")
+    decode: Literal["auto", "loop", "generate"] = Field(
+        "auto", description="decoding of the hf engine: loop (the engine's own KV cache, device sampling, "
+        "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
+        "generate for a model whose attention the loop cannot serve)")
+    keep_decode_state_mb: int = Field(2048, ge=0, description="hf decode loop: the KV cache, buffers and "
+                                      "captured CUDA graph of each batch shape (training, evaluation) stay "
+                                      "between calls while all of them take at most this many MiB (a colocated "
+                                      "trainer updates around them); beyond it the least recently used go back "
+                                      "to the trainer before each update and are built again, graph capture "
+                                      "included, at their next call")
+    vllm: VllmSection = Field(default_factory=VllmSection)
+    workers: Optional[int] = Field(None, ge=1, description="CPU groups: the first N of the actor's workers only "
+                                   "generate and the others only train (on GPUs devices.rollout says it)")
+    sync_bucket_mb: int = Field(256, ge=1, description="split placement: MiB of weights per broadcast "
+                                "from the trainers to the rollout workers (vllm: into its engines)")
+    profile_generates: list[int] = Field(default_factory=list, description="generations of each generating "
+                                         "worker process to run under torch.profiler (1: its first), as "
+                                         "actor.profile_updates: actor-generate<N>-rank<R>.* in actor.profile_dir "
+                                         "(vllm: this process's side only, not the engine's own processes)")
+
+
+# Keys that moved: a config still using one gets the new name, not just "extra inputs are not permitted".
+_MOVED_ACTOR_KEYS = {"rollout_batch_size": "actor.rollout.batch_size", "rollout_decode": "actor.rollout.decode",
+                     "rollout_cache": "actor.rollout.decode (the decode loop replaced the static cache)"}
+
+
+CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
+
+
+class ActorSection(_TrainerSection):
+    ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
+    rollout: RolloutSection = Field(default_factory=lambda: RolloutSection())
+    max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
+                                  "checked before tokenization")
+    ref_offload: bool = Field(False, description="keep the reference model in CPU memory between "
+                              "ComputeLogProbs calls (frees its GPU memory for training)")
+    logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
+                                      "logprobs and entropy (bounds the [tokens, vocab] logits)")
+    policy_loss: str = Field("ppo_clip", description=f"the policy loss: {' | '.join(POLICY_LOSSES.names())} "
+                             "(gspo: the sequence-level ratio)")
+    clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
+                                        "default: the policy loss's")
+    clip_ratio_high: Optional[float] = Field(None, gt=0, description="upper clip epsilon (clip-higher)")
+    dual_clip: Optional[float] = Field(None, gt=1, description="dual-clip bound c for negative advantages")
+    loss_agg_mode: Optional[str] = Field(None, description="default: the algorithm's")
+    loss_norm_length: Optional[int] = Field(None, ge=1, description="seq-mean-token-sum-norm divisor; "
+                                            "default sampling.max_new_tokens")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus in the policy loss")
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference term in the policy loss")
+    kl_loss_estimator: str = Field("k3", description="estimator of the kl_loss_coef term: "
+                                   f"{' | '.join(KL_ESTIMATORS.names())}")
+    is_correction: str = Field("none", description="rollout/train importance-sampling correction")
+    is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
+    old_logprobs: Literal["auto", "recompute"] = Field(
+        "auto", description="auto: an update of one optimizer step takes the PPO ratio's old logprobs from its "
+        "own forward (no ComputeLogProbs pass of the policy) where nothing needs them earlier; recompute: always "
+        "a separate pass before the update")
+
+    _loss = field_validator("policy_loss")(lambda cls, v: _one_of(POLICY_LOSSES, v))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = [f"actor.{k} is now {new}" for k, new in _MOVED_ACTOR_KEYS.items() if k in data]
+            if moved:
+                raise ValueError("; ".join(moved))
+        return data
+    _kl = field_validator("kl_loss_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
+    _is = field_validator("is_correction")(lambda cls, v: _one_of(IS_CORRECTIONS, v))
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _agg(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else _one_of(LOSS_AGGREGATIONS, v)
+
+    @model_validator(mode="after")
+    def _clip_defaults(self) -> ActorSection:
+        if self.policy_loss == "gspo" and self.dual_clip is not None:
+            raise ValueError("dual_clip is not defined for policy_loss gspo")
+        if self.clip_ratio is None:
+            # A sequence-level ratio is a geometric mean and barely moves: GSPO clips far tighter.
+            low, high = CLIP_DEFAULTS[self.policy_loss]
+            self.clip_ratio = low
+            self.clip_ratio_high = self.clip_ratio_high if self.clip_ratio_high is not None else high
+        elif self.clip_ratio_high is None:
+            self.clip_ratio_high = self.clip_ratio
+        return self
+
+    def one_pass_problem(self) -> Optional[str]:
+        """Why an update cannot take its old logprobs from its own forward (the policy before its
+        optimizer step, that is, the proximal policy), or None."""
+        if self.ppo_epochs * self.num_mini_batches > 1:
+            return (f"the update makes {self.ppo_epochs * self.num_mini_batches} optimizer steps (actor.ppo_epochs "
+                    "x actor.num_mini_batches), and every one after the first needs the policy before the first")
+        if IS_CORRECTIONS.get(self.is_correction).drops_tokens:
+            return (f"actor.is_correction={self.is_correction} drops tokens by their old logprobs, which fixes "
+                    "the loss's divisor before the first forward")
+        return None
+
+
+class CriticSection(_TrainerSection):
+    value_clip: float = Field(0.2, gt=0, description="value clipping range around the old values")
