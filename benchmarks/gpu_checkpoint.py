@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_e2e import _run_to_the_end, count_parameters  # noqa: E402
 
-from rolefleet.common.tiny_model import make_tiny_model  # noqa: E402
+from rolefleet.app.tiny_model import make_tiny_model  # noqa: E402
 
 SAVED = re.compile(r"checkpoint of step (\d+) written to \S+ in ([\d.]+) s")
 DEFAULT_EVERY_MINUTES = 30.0

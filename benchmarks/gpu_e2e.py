@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from rolefleet.common.tiny_model import make_tiny_model
+from rolefleet.app.tiny_model import make_tiny_model
 
 
 class BusySampler(threading.Thread):

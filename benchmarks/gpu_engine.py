@@ -26,10 +26,10 @@ import torch
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.modeling import lm_logprobs
-from rolefleet.common.tiny_model import make_tiny_model
 
 PEAK_FLOPS = 790e12
 

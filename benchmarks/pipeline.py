@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rolefleet.common.tiny_model import make_tiny_model
+from rolefleet.app.tiny_model import make_tiny_model
 
 
 def up(model: Path, out: Path, name: str, steps: int, *overrides: str) -> list[dict]:

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from gpu_e2e import count_parameters, measured_until, run
 
-from rolefleet.common.tiny_model import make_tiny_model
+from rolefleet.app.tiny_model import make_tiny_model
 
 ASYNC = ("pipeline.mode=async", "pipeline.max_staleness=1")
 TORCH_THREADS = torch.get_num_threads()  # torch's default on this host (nothing has set it yet)

@@ -1,6 +1,6 @@
 """What the run's security costs a call: the same unary call carrying a step-sized payload to a
-role server, plaintext without a token against the token, TLS and mutual TLS (common/guard.py,
-common/tls.py), side by side in one process. Prints the median milliseconds per call of each and
+role server, plaintext without a token against the token, TLS and mutual TLS (rpc/guard.py,
+rpc/tls.py), side by side in one process. Prints the median milliseconds per call of each and
 the ratio to plaintext.
 
     python benchmarks/security.py [--mb 1,16] [--calls 200] [--out results.json]
@@ -23,9 +23,9 @@ import grpc
 
 from rolefleet.certs import make_certs
 from rolefleet.common.config import Endpoint, SecuritySection, TlsSection
-from rolefleet.common.roles import open_channel, use_security
-from rolefleet.common.security import OPEN, Security
-from rolefleet.common.server import start_server
+from rolefleet.rpc.roles import open_channel, use_security
+from rolefleet.rpc.security import OPEN, Security
+from rolefleet.rpc.server import start_server
 
 TOKEN = "benchmark-token-0123456789"
 

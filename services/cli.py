@@ -8,9 +8,9 @@ import logging
 import sys
 from pathlib import Path
 
+from rolefleet.app.preflight import preflight
+from rolefleet.app.shapes import SHAPES
 from rolefleet.common.config import ROLES, ConfigError, RoleFleetConfig, load_config
-from rolefleet.common.preflight import preflight
-from rolefleet.common.shapes import SHAPES
 from rolefleet.tasks import TASKS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -62,8 +62,8 @@ def operator_security(args):
     names (the one `rolefleet up` made there), else of ROLEFLEET_TOKEN; and with `--certs DIR` (what
     `rolefleet certs` wrote) TLS: the run's CA and the `client` certificate."""
     from rolefleet.common.config import SecuritySection, TlsSection
-    from rolefleet.common.run_files import run_token_file
-    from rolefleet.common.security import Security
+    from rolefleet.rpc.run_files import run_token_file
+    from rolefleet.rpc.security import Security
 
     certs = args.certs
     tls = TlsSection(cert_file=f"{certs}/client.pem", key_file=f"{certs}/client-key.pem",
@@ -75,7 +75,7 @@ def operator_security(args):
 def where_to_ask(args) -> None:
     """Without --address / --http, the coordinator of the run `--run DIR` names: its gRPC address
     (`status`) or its control plane (`scale`)."""
-    from rolefleet.common.run_files import read_endpoints
+    from rolefleet.rpc.run_files import read_endpoints
 
     wants_grpc = hasattr(args, "address")
     if (wants_grpc and args.address) or args.http:
@@ -126,7 +126,7 @@ def http_call(url: str, security, certs: str | None, body: dict | None = None):
 
 def cmd_status(args) -> int:
     from rolefleet.common.errors import RoleFleetError
-    from rolefleet.common.roles import use_security
+    from rolefleet.rpc.roles import use_security
 
     try:
         where_to_ask(args)
@@ -215,7 +215,7 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from rolefleet.common.tiny_model import make_tiny_model
+    from rolefleet.app.tiny_model import make_tiny_model
 
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)  # before the warm start, not after it

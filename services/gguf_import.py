@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.common.checkpoint import begin, commit
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, end_of_turn_id
 from rolefleet.export import DTYPES, ExportError, check_out
+from rolefleet.training.checkpoint import begin, commit
 
 log = logging.getLogger(__name__)
 

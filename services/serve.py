@@ -13,15 +13,15 @@ import grpc
 
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.gpu_metrics import GpuSampler
-from rolefleet.common.security import Security, refuse_if_open
-from rolefleet.common.server import (
+from rolefleet.rpc.security import Security, refuse_if_open
+from rolefleet.rpc.server import (
     StartupError,
     check_ports_free,
     serve_until_stopped,
     start_server,
     write_ready_file,
 )
-from rolefleet.common.threads import set_threads
+from rolefleet.training.threads import set_threads
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ GROUP_ROLES = ("actor", "critic")  # roles that can run over several worker proc
 
 
 def worker_factory(role: str):
-    """What each other rank of `role`'s group builds: its worker (`common/workers.py`)."""
+    """What each other rank of `role`'s group builds: its worker (`training/workers.py`)."""
     if role == "actor":
         from rolefleet.actor.worker import ActorWorker
 
@@ -91,7 +91,7 @@ def bound_hosts(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
 def run_security(cfg: RoleFleetConfig, role: str) -> Security:
     """What `role`'s server demands and its calls present (`client`: a process that only calls);
     its own channels use it from now on."""
-    from rolefleet.common.roles import use_security
+    from rolefleet.rpc.roles import use_security
 
     try:
         security = Security.of(cfg.security, role)
@@ -123,7 +123,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     world = worker_count(role, cfg)
     group = None
     if world > 1:
-        from rolefleet.common.workers import WorkerGroup
+        from rolefleet.training.workers import WorkerGroup
 
         group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"), worker_factory(role))
     core, add_servicers = ROLE_BUILDERS[role](cfg, group)

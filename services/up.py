@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-from rolefleet.common.auth import write_run_token
 from rolefleet.common.config import ConfigError, RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError
-from rolefleet.common.roles import fetch_status
-from rolefleet.common.run_files import RUN_TOKEN_FILE
-from rolefleet.common.server import StartupError
+from rolefleet.rpc.auth import write_run_token
+from rolefleet.rpc.roles import fetch_status
+from rolefleet.rpc.run_files import RUN_TOKEN_FILE
+from rolefleet.rpc.server import StartupError
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0

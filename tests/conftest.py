@@ -9,8 +9,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from rolefleet.app.tiny_model import make_tiny_model  # noqa: E402
 from rolefleet.common.config import RoleFleetConfig, parse_config  # noqa: E402
-from rolefleet.common.tiny_model import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,10 +86,10 @@ def make_config(tiny_model_dir, tmp_path):
 
 @pytest.fixture(autouse=True)
 def plain_clients():
-    """Channels are opened with the process's security (common/roles.py `use_security`), which the
+    """Channels are opened with the process's security (rpc/roles.py `use_security`), which the
     CLI and the TLS tests set: every test starts and ends with none."""
-    from rolefleet.common.roles import use_security
-    from rolefleet.common.security import OPEN
+    from rolefleet.rpc.roles import use_security
+    from rolefleet.rpc.security import OPEN
 
     use_security(OPEN)
     yield

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from rolefleet.common.config import Endpoint
-from rolefleet.common.server import start_server
+from rolefleet.rpc.server import start_server
 
 
 @contextlib.asynccontextmanager
@@ -49,7 +49,7 @@ def save_after_one_update_over_two_workers(cfg, path: str):
     from rolefleet.actor.types import PolicyTargets, SamplingParams
     from rolefleet.actor.worker import ActorWorker
     from rolefleet.common.batch import SequenceBatch
-    from rolefleet.common.workers import WorkerGroup
+    from rolefleet.training.workers import WorkerGroup
 
     group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:

@@ -228,7 +228,7 @@ def test_serve_beyond_loopback_refuses_to_start_without_a_token_or_mutual_tls(co
 
 def test_the_coordinators_control_plane_beyond_loopback_needs_the_token_too(config_file, monkeypatch):
     from rolefleet.common.config import load_config
-    from rolefleet.common.server import StartupError
+    from rolefleet.rpc.server import StartupError
     from rolefleet.serve import run_security
 
     monkeypatch.delenv("ROLEFLEET_TOKEN", raising=False)
@@ -305,7 +305,7 @@ def test_a_role_that_drives_a_gpu_runs_torch_on_one_thread_unless_told(monkeypat
     glue), torch's default (untouched) where the role computes on the CPU."""
     import torch
 
-    from rolefleet.common.threads import set_threads
+    from rolefleet.training.threads import set_threads
 
     seen = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)

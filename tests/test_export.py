@@ -14,9 +14,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolefleet import cli
-from rolefleet.common.checkpoint import MANIFEST, save_hf_files, save_trainer, step_dir, write_json
-from rolefleet.common.tiny_model import make_tiny_model
+from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.export import DTYPE_CHOICES, ExportError, export_checkpoint
+from rolefleet.training.checkpoint import MANIFEST, save_hf_files, save_trainer, step_dir, write_json
 from tests.e2e.procs import rolefleet
 
 STEP = 12

@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rolefleet.cli import main
+from rolefleet.common.model_paths import model_problem
 from rolefleet.common.modeling import load_causal_lm, load_tokenizer
-from rolefleet.common.preflight import model_problem
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, end_of_turn_id
 from rolefleet.gguf_import import GgufImportError, _settle_end_of_turn, import_gguf, packaged_gguf
 

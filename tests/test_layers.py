@@ -8,7 +8,7 @@ import pytest
 
 SERVICES = Path(__file__).resolve().parents[1] / "services"
 ROLES = ("actor", "critic", "reward")
-SERVERS = {"rolefleet.common.server", "rolefleet.serve", "rolefleet.up",
+SERVERS = {"rolefleet.rpc.server", "rolefleet.serve", "rolefleet.up",
            *(f"rolefleet.{r}.server" for r in (*ROLES, "coordinator"))}
 CORES = {f"rolefleet.{r}.core" for r in ROLES}
 
@@ -76,7 +76,7 @@ def test_the_rl_maths_imports_nothing_of_the_system():
     assert offenders(under("rolefleet.algos"), under("grpc", "transformers")) == {}
 
 
-@pytest.mark.parametrize("client", ["rolefleet.common.roles", "rolefleet.common.channels",
+@pytest.mark.parametrize("client", ["rolefleet.rpc.roles", "rolefleet.rpc.channels",
                                     *(f"rolefleet.{r}.client" for r in (*ROLES, "coordinator"))])
 def test_clients_never_import_servers_or_cores(client):
     assert client in MODULES
@@ -89,7 +89,7 @@ def test_result_and_message_types_import_no_rpc_machinery():
         return module.endswith(".types") or module == "rolefleet.common.role_types"
 
     def rpc(name: str) -> bool:
-        return (name in SERVERS or name in CORES or name.endswith(".client") or name == "rolefleet.common.roles"
+        return (name in SERVERS or name in CORES or name.endswith(".client") or name == "rolefleet.rpc.roles"
                 or under("grpc")(name))
 
     assert offenders(shared, rpc) == {}
@@ -109,3 +109,31 @@ def test_the_config_reaches_tasks_and_rewards_only_through_app_checks():
     assert offenders(lambda m: m == "rolefleet.common.config.app_checks",
                      lambda n: n.startswith("rolefleet.") and not config(n)
                      and not under("rolefleet.tasks", "rolefleet.reward.functions")(n)) == {}
+
+
+APPS = ("rolefleet.actor", "rolefleet.critic", "rolefleet.reward", "rolefleet.coordinator", "rolefleet.tasks",
+        "rolefleet.deploy", "rolefleet.serve", "rolefleet.up", "rolefleet.cli", "rolefleet.export",
+        "rolefleet.gguf_import", "rolefleet.app")
+
+
+def test_common_imports_no_other_layer():
+    """common/ is the bottom: wire format, result and error types, config, model loading."""
+    assert offenders(lambda m: under("rolefleet.common")(m) and m != "rolefleet.common.config.app_checks",
+                     under("rolefleet.rpc", "rolefleet.training", *APPS)) == {}
+
+
+def test_the_training_engine_knows_no_rpc_and_no_role():
+    """training/ (workers, ranks, the trainer, the controller base) is below the roles and beside
+    RPC: a role's server wraps it, it never calls out."""
+    assert offenders(under("rolefleet.training"), under("rolefleet.rpc", "grpc", *APPS)) == {}
+
+
+def test_rpc_knows_no_training_engine_and_no_role():
+    assert offenders(under("rolefleet.rpc"), under("rolefleet.training", *APPS)) == {}
+
+
+def test_workers_are_driven_by_reference_never_by_name():
+    """Every call into a role's workers names a @collective method (`Workers.run(Worker.method)`);
+    nothing dispatches on a method name's string."""
+    source = "\n".join(p.read_text() for p in SERVICES.rglob("*.py") if "pb" not in p.parts)
+    assert "spmd(" not in source and "getattr(core, name)" not in source

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rolefleet.app.tiny_model import build_tokenizer
 from rolefleet.common.config import DataSection
-from rolefleet.common.tiny_model import build_tokenizer
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.tasks import DataError
 from rolefleet.tasks.files import Columns, read_prompts

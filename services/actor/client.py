@@ -15,8 +15,8 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
-from rolefleet.common.roles import GrpcTrainerClient, call
-from rolefleet.common.streams import iterate_in_thread
+from rolefleet.rpc.roles import GrpcTrainerClient, call
+from rolefleet.rpc.streams import iterate_in_thread
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.actor.core import ActorCore

@@ -22,14 +22,15 @@ from rolefleet.actor.types import (
     with_ids,
 )
 from rolefleet.actor.worker import ROLE, ActorWorker
-from rolefleet.common import checkpoint, metrics
+from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import require_temperature
 from rolefleet.common.role_types import CheckpointInfo
-from rolefleet.common.workers import WorkerGroup
+from rolefleet.training import checkpoint
 from rolefleet.training.role import TrainerRole
+from rolefleet.training.workers import WorkerGroup
 
 MAX_GROUPS = 2**63 // SAMPLES_PER_GROUP_LIMIT  # group ids below it give int64 sample ids
 

@@ -11,8 +11,8 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
-from rolefleet.common.server import TrainerServicer, rpc, rpc_stream
-from rolefleet.common.streams import iterate_in_thread
+from rolefleet.rpc.server import TrainerServicer, rpc, rpc_stream
+from rolefleet.rpc.streams import iterate_in_thread
 
 
 class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):

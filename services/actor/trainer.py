@@ -23,7 +23,7 @@ from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compile_decoder_layers, decoder_layers, lm_logprobs
-from rolefleet.common.ranks import Ranks
+from rolefleet.training.ranks import Ranks
 from rolefleet.training.sharding import shard
 from rolefleet.training.trainer import Trainer
 

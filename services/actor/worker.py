@@ -24,12 +24,12 @@ from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParam
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection, RoleFleetConfig
 from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, pick_device, release_memory
-from rolefleet.common.profiling import profiled
-from rolefleet.common.ranks import Ranks, global_rank, global_world, new_subgroups
-from rolefleet.common.steps import PartialUpdate
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
-from rolefleet.common.workers import collective
+from rolefleet.training.profiling import profiled
+from rolefleet.training.ranks import Ranks, global_rank, global_world, new_subgroups
+from rolefleet.training.steps import PartialUpdate
 from rolefleet.training.worker import TrainingWorker
+from rolefleet.training.workers import collective
 
 log = logging.getLogger(__name__)
 ROLE = "actor"

@@ -1,1 +1,2 @@
-"""Pieces every role shares: tensor codec, config schema, server bootstrap, metrics, stubs."""
+"""What every layer shares: the wire format (codec, ragged batches, generated stubs), result and
+error types, the config schema, metrics and model-loading helpers. Imports no other layer."""

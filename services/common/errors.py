@@ -1,6 +1,6 @@
 """Domain errors and the one mapping from exceptions to gRPC status codes.
 
-Cores raise these; the gRPC shell (rolefleet.common.server.rpc) turns them into statuses, so a bad
+Cores raise these; the gRPC shell (rolefleet.rpc.server.rpc) turns them into statuses, so a bad
 request never kills a server. Anything else becomes INTERNAL with the exception's message.
 """
 

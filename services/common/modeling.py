@@ -32,9 +32,9 @@ def pick_device() -> torch.device:
 
 
 def check_model_path(path: str) -> str:
-    """The same rule as the config check (`preflight.model_problem`): a local model directory, or
+    """The same rule as the config check (`model_paths.model_problem`): a local model directory, or
     a hub id that can be loaded; anything else fails here with a plain message."""
-    from rolefleet.common.preflight import model_problem
+    from rolefleet.common.model_paths import model_problem
 
     if (problem := model_problem(path)) is not None:
         raise FileNotFoundError(problem)

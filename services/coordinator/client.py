@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
-from rolefleet.common.roles import call, open_channel
+from rolefleet.rpc.roles import call, open_channel
 
 
 async def run_status(address: str, timeout_s: float = 5.0) -> coordinator_pb2.RunStatus:

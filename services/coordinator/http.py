@@ -19,12 +19,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from rolefleet.common.auth import AUTH_REFUSED, HEADER, token_matches
 from rolefleet.common.config import TlsSection
 from rolefleet.common.errors import RoleFleetError
-from rolefleet.common.roles import check_health, fetch_status
 from rolefleet.coordinator.scaling import RewardScaling
 from rolefleet.coordinator.state import ControlError, RunState, RunStatus
+from rolefleet.rpc.auth import AUTH_REFUSED, HEADER, token_matches
+from rolefleet.rpc.roles import check_health, fetch_status
 
 STATES = tuple(s.name for s in RunState)
 ROLE_TIMEOUT_S = 2.0

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rolefleet.common.checkpoint import write_atomic
 from rolefleet.coordinator.trackers import TensorBoardTracker, Tracker, numeric
+from rolefleet.training.checkpoint import write_atomic
 
 log = logging.getLogger(__name__)
 

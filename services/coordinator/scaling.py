@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 
 from rolefleet.common.errors import RoleFleetError
-from rolefleet.common.roles import fetch_status
 from rolefleet.coordinator.state import ControlError
 from rolefleet.reward.client import GrpcRewardClient
 from rolefleet.reward.replicas import ReplicatedRewardClient
+from rolefleet.rpc.roles import fetch_status
 
 ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 CHECK_TIMEOUT_S = 5.0

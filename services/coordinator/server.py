@@ -11,19 +11,6 @@ from rolefleet.actor.client import GrpcActorClient
 from rolefleet.common.config import RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError, Unavailable
 from rolefleet.common.pb import coordinator_pb2, coordinator_pb2_grpc
-from rolefleet.common.roles import fetch_status, wait_healthy
-from rolefleet.common.run_files import write_endpoints
-from rolefleet.common.security import OPEN, Security
-from rolefleet.common.server import (
-    RoleServicer,
-    StartupError,
-    busy_port_error,
-    rpc,
-    serve_until_stopped,
-    start_server,
-    warn_if_exposed,
-    write_ready_file,
-)
 from rolefleet.coordinator.http import HttpControlPlane, make_app, role_of
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
@@ -34,6 +21,19 @@ from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
 from rolefleet.reward.replicas import ReplicatedRewardClient
+from rolefleet.rpc.roles import fetch_status, wait_healthy
+from rolefleet.rpc.run_files import write_endpoints
+from rolefleet.rpc.security import OPEN, Security
+from rolefleet.rpc.server import (
+    RoleServicer,
+    StartupError,
+    busy_port_error,
+    rpc,
+    serve_until_stopped,
+    start_server,
+    warn_if_exposed,
+    write_ready_file,
+)
 
 
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):

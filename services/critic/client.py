@@ -11,8 +11,8 @@ from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import critic_pb2, critic_pb2_grpc
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus, UpdateResult
-from rolefleet.common.roles import GrpcTrainerClient, call
 from rolefleet.critic.types import CriticValues
+from rolefleet.rpc.roles import GrpcTrainerClient, call
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.critic.core import CriticCore

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from rolefleet.common import checkpoint, metrics
+from rolefleet.common import metrics
 from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.role_types import UpdateResult
-from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.worker import ROLE, CriticWorker
+from rolefleet.training import checkpoint
 from rolefleet.training.role import TrainerRole
+from rolefleet.training.workers import WorkerGroup
 
 
 class CriticCore(TrainerRole):

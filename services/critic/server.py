@@ -9,8 +9,8 @@ import grpc
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
-from rolefleet.common.server import TrainerServicer, rpc
 from rolefleet.critic.core import CriticCore
+from rolefleet.rpc.server import TrainerServicer, rpc
 
 
 class CriticServicer(TrainerServicer, critic_pb2_grpc.CriticServiceServicer):

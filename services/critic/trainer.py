@@ -12,8 +12,8 @@ import torch
 from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import CriticSection
-from rolefleet.common.ranks import Ranks
 from rolefleet.critic.model import ValueModel
+from rolefleet.training.ranks import Ranks
 from rolefleet.training.trainer import Trainer
 
 

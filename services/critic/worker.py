@@ -7,11 +7,11 @@ import torch
 
 from rolefleet.common.config import CriticSection, RoleFleetConfig
 from rolefleet.common.modeling import pick_device
-from rolefleet.common.ranks import Ranks, global_world
-from rolefleet.common.workers import collective
 from rolefleet.critic.model import ValueModel
 from rolefleet.critic.trainer import ValueTrainer
+from rolefleet.training.ranks import Ranks, global_world
 from rolefleet.training.worker import TrainingWorker
+from rolefleet.training.workers import collective
 
 ROLE = "critic"
 

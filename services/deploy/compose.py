@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 
 from rolefleet import __version__
+from rolefleet.app.preflight import GPU_ROLES, MODEL_KEYS
 from rolefleet.common.config import RoleFleetConfig, split_device
-from rolefleet.common.preflight import GPU_ROLES, MODEL_KEYS
 
 IMAGE = f"rolefleet:{__version__}"
 DOCKERFILE = "deploy/Dockerfile"

@@ -11,8 +11,8 @@ from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
 from rolefleet.common.role_types import RoleStatus
-from rolefleet.common.roles import GrpcRoleClient, call
 from rolefleet.reward.types import ScoreItem, ScoreResult
+from rolefleet.rpc.roles import GrpcRoleClient, call
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.reward.core import RewardCore

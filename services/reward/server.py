@@ -11,9 +11,9 @@ import grpc
 from rolefleet.common import codec
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
-from rolefleet.common.server import RoleServicer, rpc
 from rolefleet.reward.core import RewardCore
 from rolefleet.reward.types import ScoreItem, ScoreResult
+from rolefleet.rpc.server import RoleServicer, rpc
 
 
 class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):

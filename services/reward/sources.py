@@ -162,7 +162,7 @@ def check_sources(cfg: Any) -> list[str]:
     """Problems with the reward sources of `cfg` (a RoleFleetConfig or its RewardSection), found
     without running any of them: a user file that is missing, not Python, or defines no such
     function at its top level; a reward model that does not exist. One line each, naming the key."""
-    from rolefleet.common.preflight import model_problem
+    from rolefleet.common.model_paths import model_problem
 
     reward: RewardSection = getattr(cfg, "reward", cfg)
     problems = []

@@ -9,12 +9,12 @@ status and the weight digest are the same for both roles; a role adds its reques
 
 from __future__ import annotations
 
-from rolefleet.common import checkpoint
 from rolefleet.common.modeling import release_memory
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
-from rolefleet.common.steps import StepLedger, TrainerState
-from rolefleet.common.workers import WorkerGroup, Workers
+from rolefleet.training import checkpoint
+from rolefleet.training.steps import StepLedger, TrainerState
 from rolefleet.training.worker import TrainingWorker
+from rolefleet.training.workers import WorkerGroup, Workers
 
 
 class TrainerRole:
@@ -36,7 +36,7 @@ class TrainerRole:
     def group(self) -> WorkerGroup | None:
         return self.workers.group
 
-    # --- checkpoints (common/checkpoint.py) ------------------------------------------------------
+    # --- checkpoints (training/checkpoint.py) ------------------------------------------------------
 
     def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
         """The trainer's state as of `step` (its last applied one) into `path`; a repeat answers

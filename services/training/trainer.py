@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.common import checkpoint
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.modeling import (
     autocast,
@@ -35,8 +34,9 @@ from rolefleet.common.modeling import (
     enable_activation_checkpointing,
     weights_digest,
 )
-from rolefleet.common.ranks import Ranks
+from rolefleet.training import checkpoint
 from rolefleet.training.optim import StepFn, apply_gradients, make_optimizer, run_epochs
+from rolefleet.training.ranks import Ranks
 from rolefleet.training.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 
 # The loss of one micro-batch (its rows of the mini-batch; `real` False for a throw-away pass) and

@@ -5,9 +5,9 @@ import pytest
 from rolefleet.actor.rollout import choose_backend
 from rolefleet.actor.rollout_vllm import truncation_refused
 from rolefleet.actor.types import SamplingParams
+from rolefleet.app.preflight import check_rollout_backend
 from rolefleet.common.config import ConfigError, parse_config
 from rolefleet.common.errors import InvalidArgument
-from rolefleet.common.preflight import check_rollout_backend
 from tests.actor.test_trainer import make_core
 
 

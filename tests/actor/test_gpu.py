@@ -8,8 +8,8 @@ from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs, load_causal_lm
-from rolefleet.common.profiling import NewGraphs
 from rolefleet.critic.core import CriticCore
+from rolefleet.training.profiling import NewGraphs
 from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
-from rolefleet.common.roles import open_channel
+from rolefleet.rpc.roles import open_channel
 from tests.helpers import expect_invalid, serving
 
 

@@ -9,10 +9,10 @@ import torch
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.types import PolicyTargets, SamplingParams
+from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
-from rolefleet.common.tiny_model import make_tiny_model
 
 ONE_STEP = ["actor.ppo_epochs=1", "actor.num_mini_batches=1"]
 
@@ -201,7 +201,7 @@ def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_
     assert core.update(1, 0, batch, targets, 1.0).stats["compiled_graphs"] == 0  # eager
     before = counted()
     core.worker.new_graphs.seen -= 2  # as if a new shape had compiled two graphs since
-    with caplog.at_level("INFO", logger="rolefleet.common.profiling"):
+    with caplog.at_level("INFO", logger="rolefleet.training.profiling"):
         assert core.update(2, 1, batch, targets, 1.0).stats["compiled_graphs"] == 2
     assert counted() == before + 2
     assert "made 2 graph(s) since the last update" in caplog.text

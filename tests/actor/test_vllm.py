@@ -111,7 +111,7 @@ def test_a_grpo_run_with_the_vllm_backend_learns(tmp_path):
     import subprocess
     import sys
 
-    from rolefleet.common.tiny_model import make_tiny_model
+    from rolefleet.app.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", task="addition", warm_start_steps=150)
     out = tmp_path / "run"

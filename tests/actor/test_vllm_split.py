@@ -21,7 +21,7 @@ def test_a_grpo_run_generating_with_vllm_apart_from_training_learns(tmp_path):
     """The demo's GRPO task: the reward rises, so the engine samples from the trained weights; and
     its recorded logprobs stay those of the trainer's current weights, step after step (an engine
     left on older weights drifts away from them as the policy moves)."""
-    from rolefleet.common.tiny_model import make_tiny_model
+    from rolefleet.app.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", task="addition", warm_start_steps=150)
     out = tmp_path / "run"

@@ -7,10 +7,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rolefleet.common.auth import AUTH_REFUSED, TokenError, client_interceptors, load_token, write_run_token
 from rolefleet.common.config import SecuritySection
-from rolefleet.common.guard import GuardInterceptor
-from rolefleet.common.security import Security, Unauthenticated, is_loopback, refuse_if_open
+from rolefleet.rpc.auth import AUTH_REFUSED, TokenError, client_interceptors, load_token, write_run_token
+from rolefleet.rpc.guard import GuardInterceptor
+from rolefleet.rpc.security import Security, Unauthenticated, is_loopback, refuse_if_open
 
 TOKEN = "s3cret-token-of-the-run-0123456789"
 

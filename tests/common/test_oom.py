@@ -16,7 +16,7 @@ from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
-from rolefleet.common.roles import open_channel
+from rolefleet.rpc.roles import open_channel
 from tests.helpers import serving
 
 LIMIT = 40  # tokens one forward may hold under the fake allocator
@@ -89,7 +89,7 @@ def test_a_real_oversized_update_on_the_gpu_answers_resource_exhausted_and_a_sma
     """0.5B dimensions on one GPU: an Update of 64 sequences of 8k tokens in one micro-batch needs
     the logits alone at 150 GB. The allocator's own failure must come back as RESOURCE_EXHAUSTED
     with the phase and the settings, the memory must be given back, and the next Update fit."""
-    from rolefleet.common.tiny_model import make_tiny_model
+    from rolefleet.app.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", shape="qwen2-0.5b")
     core = ActorCore(parse_config({"model": {"model_name_or_path": str(model)}},

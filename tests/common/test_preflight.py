@@ -12,9 +12,9 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from rolefleet.common import preflight as pf
+from rolefleet.app import preflight as pf
+from rolefleet.app.preflight import preflight
 from rolefleet.common.config import ConfigError, parse_config
-from rolefleet.common.preflight import preflight
 
 
 def problems(cfg, roles=None, command="up") -> str:
@@ -150,7 +150,7 @@ def test_positions_from_the_config_file_as_transformers_reads_them(tmp_path, con
 def test_up_reads_the_positions_without_importing_transformers(tiny_model_dir):
     """The check runs in `rolefleet up` before any role starts: transformers' import would cost
     seconds every time."""
-    code = ("import sys; from rolefleet.common.preflight import max_positions; "
+    code = ("import sys; from rolefleet.app.preflight import max_positions; "
             f"print(max_positions({tiny_model_dir!r}), 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["128", "False"]

@@ -9,10 +9,10 @@ import pytest
 
 from rolefleet.common.config import Endpoint, RewardSection
 from rolefleet.common.role_types import INSTANCE_ID
-from rolefleet.common.roles import fetch_status
-from rolefleet.common.server import StartupError, check_ports_free, start_server
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
+from rolefleet.rpc.roles import fetch_status
+from rolefleet.rpc.server import StartupError, check_ports_free, start_server
 
 
 def add_reward(server):
@@ -84,7 +84,7 @@ def test_a_role_that_refuses_updates_reports_not_serving():
     """compose and Kubernetes restart on health: a broken role must not stay SERVING."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from rolefleet.common.roles import open_channel
+    from rolefleet.rpc.roles import open_channel
 
     async def scenario():
         handle = await start_server("reward", Endpoint(port=0), add_reward)
@@ -113,7 +113,7 @@ def test_clients_retry_a_call_answered_unavailable():
     """A server that is restarting answers UNAVAILABLE: the project's channels retry with backoff."""
     import grpc
 
-    from rolefleet.common.roles import open_channel
+    from rolefleet.rpc.roles import open_channel
 
     calls = []
 

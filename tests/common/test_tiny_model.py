@@ -2,8 +2,8 @@ import dataclasses
 
 from transformers import AutoConfig, AutoTokenizer
 
-from rolefleet.common import tiny_model
-from rolefleet.common.shapes import SHAPES
+from rolefleet.app import tiny_model
+from rolefleet.app.shapes import SHAPES
 
 
 def test_a_real_shape_is_built_with_its_vocabulary_and_dimensions(tmp_path, monkeypatch):

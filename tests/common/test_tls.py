@@ -1,4 +1,4 @@
-"""TLS and mutual TLS of a role server (common/tls.py, common/guard.py) with certificates from
+"""TLS and mutual TLS of a role server (rpc/tls.py, rpc/guard.py) with certificates from
 `rolefleet certs`: calls over TLS succeed; plaintext, a missing client certificate and another CA's
 are refused and counted; renewed files are picked up without a restart; unusable files are refused
 at start naming the key; the per-client call limit and the decode guard answer clear statuses."""
@@ -12,13 +12,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolefleet.certs import make_certs
-from rolefleet.common import tls as tls_module
 from rolefleet.common.config import ConfigError, Endpoint, SecuritySection, TlsSection, parse_config
-from rolefleet.common.guard import CALLS_REFUSED
-from rolefleet.common.roles import open_channel, use_security
-from rolefleet.common.security import Security
-from rolefleet.common.server import start_server
-from rolefleet.common.tls import TlsError
+from rolefleet.rpc import tls as tls_module
+from rolefleet.rpc.guard import CALLS_REFUSED
+from rolefleet.rpc.roles import open_channel, use_security
+from rolefleet.rpc.security import Security
+from rolefleet.rpc.server import start_server
+from rolefleet.rpc.tls import TlsError
 
 TOKEN = "tls-test-token-0123456789"
 
@@ -160,7 +160,7 @@ def test_unusable_tls_files_are_refused_at_start_naming_the_key(certs, tmp_path)
 
 def test_binding_every_interface_without_tls_warns(caplog):
     async def scenario():
-        with caplog.at_level(logging.WARNING, logger="rolefleet.common.server"):
+        with caplog.at_level(logging.WARNING, logger="rolefleet.rpc.server"):
             handle = await start_server("exposed", Endpoint(host="0.0.0.0", port=0, metrics_port=0), add_echo)
             await handle.stop()
 

@@ -11,10 +11,10 @@ from rolefleet.actor.worker import ActorWorker
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
-from rolefleet.common.profiling import compiled_graphs
-from rolefleet.common.workers import WorkerGroup
 from rolefleet.critic.core import CriticCore
 from rolefleet.critic.worker import CriticWorker
+from rolefleet.training.profiling import compiled_graphs
+from rolefleet.training.workers import WorkerGroup
 from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.procs]
@@ -100,7 +100,7 @@ def test_two_critic_workers_give_the_values_and_update_of_one(tiny_model_dir, sh
 
 
 def test_workers_must_match_the_gpus_of_the_group(tiny_model_dir):
-    from rolefleet.common.preflight import check_workers
+    from rolefleet.app.preflight import check_workers
 
     cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
                        ["actor.workers=3", "devices.actor=[0, 1]", "critic.workers=2"])
@@ -144,7 +144,7 @@ def test_tensor_parallel_engines_over_the_rollout_gpus(tiny_model_dir):
     """Engines of k GPUs: the rollout ranks in runs of k, the first of each driving it; the
     communicator's ranks follow (trainer 0, then one per rollout GPU)."""
     from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
-    from rolefleet.common.preflight import check_rollout_backend
+    from rolefleet.app.preflight import check_rollout_backend
 
     p = ActorPlacement(6, (2, 3, 4, 5), engine_size=2)
     assert p.engine_ranks == [2, 4] and p.engine_members(4) == [4, 5] and p.train_ranks == [0, 1]

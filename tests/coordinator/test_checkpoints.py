@@ -10,7 +10,6 @@ import pytest
 
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
-from rolefleet.common.checkpoint import MANIFEST, complete_checkpoints
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
@@ -19,6 +18,7 @@ from rolefleet.critic.client import InProcessCriticClient
 from rolefleet.critic.core import CriticCore
 from rolefleet.reward.client import InProcessRewardClient
 from rolefleet.reward.core import RewardCore
+from rolefleet.training.checkpoint import MANIFEST, complete_checkpoints
 
 pytestmark = pytest.mark.timeout(240)
 

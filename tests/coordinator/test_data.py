@@ -12,9 +12,9 @@ import pytest
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
+from rolefleet.app.preflight import check_data
+from rolefleet.app.tiny_model import build_tokenizer
 from rolefleet.common.config import ConfigError, DataSection, parse_config
-from rolefleet.common.preflight import check_data
-from rolefleet.common.tiny_model import build_tokenizer
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.tasks import DataError
 

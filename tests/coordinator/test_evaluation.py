@@ -120,7 +120,7 @@ def test_bad_eval_settings_are_config_errors_naming_the_key(make_config, tmp_pat
 
 
 def test_preflight_refuses_an_evaluation_larger_than_one_request(make_config):
-    from rolefleet.common.preflight import check_request_limits
+    from rolefleet.app.preflight import check_request_limits
 
     cfg = grpo(make_config, "eval.max_prompts=50", "eval.samples_per_prompt=4", "eval.temperature=1",
                "reward.max_items_per_request=100")
@@ -129,7 +129,7 @@ def test_preflight_refuses_an_evaluation_larger_than_one_request(make_config):
 
 
 def test_preflight_reports_unreadable_eval_data(make_config, tmp_path):
-    from rolefleet.common.preflight import check_data
+    from rolefleet.app.preflight import check_data
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text("[1, 2]\n")

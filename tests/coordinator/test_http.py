@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from rolefleet.common.auth import AUTH_REFUSED
 from rolefleet.common.config import TlsSection
 from rolefleet.coordinator.http import HTTP_ROLE, HttpControlPlane, make_app
 from rolefleet.coordinator.state import RunState, RunStatus
+from rolefleet.rpc.auth import AUTH_REFUSED
 from tests.deploy.tools import tool
 
 pytestmark = pytest.mark.timeout(180)

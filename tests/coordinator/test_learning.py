@@ -11,8 +11,8 @@ import pytest
 
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
+from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.common.config import load_config
-from rolefleet.common.tiny_model import make_tiny_model
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.state import RunStatus

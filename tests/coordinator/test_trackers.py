@@ -4,8 +4,8 @@ is not installed is a config error naming the key."""
 
 import pytest
 
+from rolefleet.app.preflight import check_tracking
 from rolefleet.common.config import ConfigError, parse_config
-from rolefleet.common.preflight import check_tracking
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.trackers import missing_backends, open_trackers
 

@@ -8,10 +8,10 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.pb import common_pb2, critic_pb2, critic_pb2_grpc
-from rolefleet.common.roles import open_channel
 from rolefleet.critic import server as critic_server
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.critic.core import CriticCore
+from rolefleet.rpc.roles import open_channel
 from tests.helpers import expect_invalid, serving
 
 BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])],

@@ -23,13 +23,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
+from rolefleet.app.preflight import MODEL_KEYS
 from rolefleet.certs import make_certs
 from rolefleet.common.config import Endpoint, RewardSection, load_config
-from rolefleet.common.preflight import MODEL_KEYS
-from rolefleet.common.server import start_server
 from rolefleet.deploy.compose import SECRETS_DIR, TOKEN_MISSING, render_compose
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
+from rolefleet.rpc.server import start_server
 from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
 from tests.e2e.procs import rolefleet, terminate, wait_ready
 

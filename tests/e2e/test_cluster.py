@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 
 from rolefleet.actor.client import GrpcActorClient
-from rolefleet.common.roles import fetch_status
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
+from rolefleet.rpc.roles import fetch_status
 from tests.e2e.procs import (
     processes_mentioning,
     read_metrics,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from rolefleet.common.tiny_model import TINY_CHAT_TEMPLATE
+from rolefleet.app.tiny_model import TINY_CHAT_TEMPLATE
 from tests.e2e.procs import read_metrics, rolefleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -95,7 +95,7 @@ def test_malformed_and_oversized_requests_are_still_refused():
 
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory) -> str:
-    from rolefleet.common.tiny_model import make_tiny_reward_model
+    from rolefleet.app.tiny_model import make_tiny_reward_model
 
     return str(make_tiny_reward_model(tmp_path_factory.mktemp("rm")))
 

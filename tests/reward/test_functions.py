@@ -101,7 +101,7 @@ def test_length_penalty_in_characters_and_tokens(tmp_path):
     assert call("length_penalty", "x" * 5, target=10) == 0.0
     assert call("length_penalty", "x" * 15, target=10) == -0.5
     assert call("length_penalty", "x" * 30, target=10) == -2.0
-    from rolefleet.common.tiny_model import build_tokenizer
+    from rolefleet.app.tiny_model import build_tokenizer
 
     build_tokenizer().save_pretrained(tmp_path)  # one token per character
     assert call("length_penalty", "ab" * 10, target=10, tokenizer=str(tmp_path)) == -1.0

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from rolefleet.app.tiny_model import TINY_CHAT_TEMPLATE, make_tiny_reward_model
 from rolefleet.common.errors import InvalidArgument
-from rolefleet.common.tiny_model import TINY_CHAT_TEMPLATE, make_tiny_reward_model
 from rolefleet.reward.model import RewardModelScorer
 from rolefleet.reward.types import ScoreItem
 

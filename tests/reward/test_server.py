@@ -13,11 +13,11 @@ from rolefleet.common import codec
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
-from rolefleet.common.roles import open_channel
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.client import GrpcRewardClient, InProcessRewardClient, from_proto
 from rolefleet.reward.core import RewardCore
 from rolefleet.reward.types import ScoreItem, ScoreResult
+from rolefleet.rpc.roles import open_channel
 from tests.e2e.procs import children_of, rolefleet, terminate, wait_ready
 from tests.helpers import expect_code, expect_invalid, serving
 

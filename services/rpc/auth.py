@@ -1,7 +1,7 @@
 """Token authentication of the gRPC role servers (issue 14; DESIGN "Security").
 
 Every role of a run shares one secret token. A server with a token refuses any call whose
-`authorization` metadata is not `Bearer <token>` with UNAUTHENTICATED (common/guard.py), except the
+`authorization` metadata is not `Bearer <token>` with UNAUTHENTICATED (rpc/guard.py), except the
 standard health service: compose health checks and Kubernetes probes carry no secret. Tokens are
 compared in constant time, never logged, and each refusal is counted (`rolefleet_auth_refused_total`,
 by role and reason). A client attaches the token to every call through the interceptors below.

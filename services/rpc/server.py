@@ -28,13 +28,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from rolefleet.common import metrics, oom
-from rolefleet.common.channels import message_options
 from rolefleet.common.config import Endpoint
 from rolefleet.common.errors import status_for
-from rolefleet.common.guard import GuardInterceptor
 from rolefleet.common.role_types import INSTANCE_ID
-from rolefleet.common.security import OPEN, Security
-from rolefleet.common.tls import ServerTls
+from rolefleet.rpc.channels import message_options
+from rolefleet.rpc.guard import GuardInterceptor
+from rolefleet.rpc.security import OPEN, Security
+from rolefleet.rpc.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ async def start_server(
     security: Security = OPEN,
 ) -> RoleServer:
     """Start a role's server; `add_servicers` registers its services and returns their full names.
-    `security` says what callers must present (token, TLS; common/guard.py). A port that cannot be
+    `security` says what callers must present (token, TLS; rpc/guard.py). A port that cannot be
     bound raises StartupError and leaves nothing running."""
     tls = ServerTls(role, security.tls) if security.tls else None
     guard = GuardInterceptor(role, security.token, security.max_calls_per_client, tls)

@@ -19,7 +19,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from rolefleet.common.shapes import SHAPES, ModelShape
+from rolefleet.app.shapes import SHAPES, ModelShape
 from rolefleet.tasks import make_task
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-RUN_TOKEN_FILE = "token"               # written by `rolefleet up` (common/auth.py write_run_token)
+RUN_TOKEN_FILE = "token"               # written by `rolefleet up` (rpc/auth.py write_run_token)
 ENDPOINTS_FILE = "coordinator.json"    # written by the coordinator once it serves
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
+from rolefleet.common.model_paths import cached_config, is_repo_id, model_problem
 
 COMMANDS = ("up", "serve", "train")
 MODEL_KEYS = {"actor": ("actor.model_name_or_path", "actor.ref_model_name_or_path"),
@@ -120,71 +121,6 @@ def _models_of(cfg: RoleFleetConfig, roles: list[str]) -> dict[str, list[str]]:
     return models
 
 
-def model_problem(path: str) -> Optional[str]:
-    """Why `path` is neither a local model directory nor a hub id that can be loaded, or None."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return _model_dir_problem(path, local)
-    if local.exists():
-        if local.suffix.lower() == ".gguf":
-            return (f"{path} is a GGUF file, not a model directory: write one from it with "
-                    f"`rolefleet import-gguf {path} DIR` and give DIR")
-        return f"{path} is a file, not a model directory"
-    if _meant_as_local(path) or not _is_repo_id(path):
-        return f"model directory {path} does not exist"
-    if hub_offline() and not _in_hub_cache(path):
-        return (f"{path} is not a local directory, and as a hub id it is not in the local hub "
-                "cache while HF_HUB_OFFLINE is set")
-    return None
-
-
-def _model_dir_problem(path: str, directory: Path) -> Optional[str]:
-    config = directory / "config.json"
-    if not config.is_file():
-        return f"model directory {path} has no config.json"
-    try:
-        json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return f"{config} cannot be read as JSON: {e}"
-    return None
-
-
-def _meant_as_local(path: str) -> bool:
-    """A path that does not exist but was clearly typed as one: `./x`, `/x`, `~/x`, or `runs/x`
-    when `runs` is a local directory (a typo, not a hub organisation)."""
-    if path.startswith((".", "/", "~")):
-        return True
-    first = path.split("/", 1)[0]
-    return "/" in path and Path(first).is_dir()
-
-
-def _is_repo_id(path: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return False
-    return True
-
-
-def hub_offline() -> bool:
-    # Read at call time (huggingface_hub reads it once at import), with the hub's own spelling rules.
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    return _cached_config(repo_id) is not None
-
-
-def _cached_config(repo_id: str) -> Optional[Path]:
-    """The config.json of `repo_id` in the local hub cache, or None."""
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(repo_id, "config.json")
-    return Path(cached) if isinstance(cached, str) else None
-
-
 def positions_problem(max_new_tokens: int, path: str, limit: Optional[int]) -> Optional[str]:
     """A response of max_new_tokens after a prompt of at least one token must fit the positions
     (`limit`: `max_positions(path)`)."""
@@ -220,7 +156,7 @@ def _config_json(path: str) -> Optional[dict]:
     if local.is_dir():
         file = local / "config.json"
     else:
-        file = _cached_config(path) if _is_repo_id(path) else None
+        file = cached_config(path) if is_repo_id(path) else None
     if file is None:
         return None
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.common.ranks import Ranks
+from rolefleet.training.ranks import Ranks
 
 log = logging.getLogger(__name__)
 TABLE_ROWS = 40

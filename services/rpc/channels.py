@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rolefleet.common.security import Security
+from rolefleet.rpc.security import Security
 
 # Calls answered UNAVAILABLE (a server restarting, a connection reset) are retried by gRPC itself,
 # with backoff, before the caller sees the error: every RPC of the project is safe to repeat

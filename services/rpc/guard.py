@@ -1,7 +1,7 @@
 """What every call to a role server passes before its handler runs (issue 14; docs/security.md).
 
 In order: the connection is noted (under TLS, a connection's first call proves its handshake; see
-common/tls.py); the run's token is checked (UNAUTHENTICATED); a request that does not decode as its
+rpc/tls.py); the run's token is checked (UNAUTHENTICATED); a request that does not decode as its
 message is refused (INVALID_ARGUMENT, where gRPC itself would answer INTERNAL); a client host with
 `security.max_calls_per_client` calls already in flight is refused (RESOURCE_EXHAUSTED). The standard
 health service is exempt from the token and the limit: probes carry no secret and must answer while
@@ -20,8 +20,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 
-from rolefleet.common.auth import AUTH_REFUSED, token_matches
-from rolefleet.common.tls import ServerTls
+from rolefleet.rpc.auth import AUTH_REFUSED, token_matches
+from rolefleet.rpc.tls import ServerTls
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 CALLS_REFUSED = Counter("rolefleet_calls_refused", "Calls refused before their handler ran: a request that "

@@ -7,9 +7,9 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Optional
 
-from rolefleet.common.auth import load_token
 from rolefleet.common.config import SecuritySection
-from rolefleet.common.tls import TlsFiles
+from rolefleet.rpc.auth import load_token
+from rolefleet.rpc.tls import TlsFiles
 
 MIB = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 512 * MIB  # a step's batch of token tensors must fit in one message

@@ -10,12 +10,12 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rolefleet.common.auth import client_interceptors
-from rolefleet.common.channels import client_options
 from rolefleet.common.errors import Unavailable, error_from_rpc
 from rolefleet.common.pb import common_pb2
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
-from rolefleet.common.security import OPEN, Security
+from rolefleet.rpc.auth import client_interceptors
+from rolefleet.rpc.channels import client_options
+from rolefleet.rpc.security import OPEN, Security
 
 T = TypeVar("T")
 

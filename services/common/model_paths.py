@@ -1,0 +1,74 @@
+"""Whether a model path can be loaded: a local model directory, or a hub id that can be (the same
+rule for the config check before anything starts and for the roles' loaders)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def model_problem(path: str) -> Optional[str]:
+    """Why `path` is neither a local model directory nor a hub id that can be loaded, or None."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return _model_dir_problem(path, local)
+    if local.exists():
+        if local.suffix.lower() == ".gguf":
+            return (f"{path} is a GGUF file, not a model directory: write one from it with "
+                    f"`rolefleet import-gguf {path} DIR` and give DIR")
+        return f"{path} is a file, not a model directory"
+    if _meant_as_local(path) or not is_repo_id(path):
+        return f"model directory {path} does not exist"
+    if hub_offline() and not _in_hub_cache(path):
+        return (f"{path} is not a local directory, and as a hub id it is not in the local hub "
+                "cache while HF_HUB_OFFLINE is set")
+    return None
+
+
+def _model_dir_problem(path: str, directory: Path) -> Optional[str]:
+    config = directory / "config.json"
+    if not config.is_file():
+        return f"model directory {path} has no config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{config} cannot be read as JSON: {e}"
+    return None
+
+
+def _meant_as_local(path: str) -> bool:
+    """A path that does not exist but was clearly typed as one: `./x`, `/x`, `~/x`, or `runs/x`
+    when `runs` is a local directory (a typo, not a hub organisation)."""
+    if path.startswith((".", "/", "~")):
+        return True
+    first = path.split("/", 1)[0]
+    return "/" in path and Path(first).is_dir()
+
+
+def is_repo_id(path: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_offline() -> bool:
+    # Read at call time (huggingface_hub reads it once at import), with the hub's own spelling rules.
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    return cached_config(repo_id) is not None
+
+
+def cached_config(repo_id: str) -> Optional[Path]:
+    """The config.json of `repo_id` in the local hub cache, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
