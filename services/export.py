@@ -1,7 +1,7 @@
 """`rolefleet export`: the actor's part of a checkpoint as a Hugging Face model directory.
 
 The trainer saves its weights through torch.distributed.checkpoint (one file per training rank,
-FSDP shards staying shards, see training/checkpoint.py) beside `hf/`, the model's config and
+FSDP shards staying shards, see trainer/checkpoint.py) beside `hf/`, the model's config and
 tokenizer. Export rebuilds the model from `hf/` without its weights, has DCP read every shard into
 it in this one process (DCP reshards; no process group is needed), and writes config, safetensors
 and tokenizer with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it like
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.training.checkpoint import MANIFEST, begin, commit, latest_checkpoint
+from rolefleet.trainer.checkpoint import MANIFEST, begin, commit, latest_checkpoint
 
 log = logging.getLogger(__name__)
 

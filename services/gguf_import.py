@@ -24,7 +24,7 @@ import torch
 
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, end_of_turn_id
 from rolefleet.export import DTYPES, ExportError, check_out
-from rolefleet.training.checkpoint import begin, commit
+from rolefleet.trainer.checkpoint import begin, commit
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from rolefleet.rpc.server import (
     start_server,
     write_ready_file,
 )
-from rolefleet.training.threads import set_threads
+from rolefleet.trainer.threads import set_threads
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ GROUP_ROLES = ("actor", "critic")  # roles that can run over several worker proc
 
 
 def worker_factory(role: str):
-    """What each other rank of `role`'s group builds: its worker (`training/workers.py`)."""
+    """What each other rank of `role`'s group builds: its worker (`trainer/workers.py`)."""
     if role == "actor":
         from rolefleet.actor.worker import ActorWorker
 
@@ -123,7 +123,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     world = worker_count(role, cfg)
     group = None
     if world > 1:
-        from rolefleet.training.workers import WorkerGroup
+        from rolefleet.trainer.workers import WorkerGroup
 
         group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"), worker_factory(role))
     core, add_servicers = ROLE_BUILDERS[role](cfg, group)

@@ -49,7 +49,7 @@ def save_after_one_update_over_two_workers(cfg, path: str):
     from rolefleet.actor.types import PolicyTargets, SamplingParams
     from rolefleet.actor.worker import ActorWorker
     from rolefleet.common.batch import SequenceBatch
-    from rolefleet.training.workers import WorkerGroup
+    from rolefleet.trainer.workers import WorkerGroup
 
     group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:

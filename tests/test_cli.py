@@ -305,7 +305,7 @@ def test_a_role_that_drives_a_gpu_runs_torch_on_one_thread_unless_told(monkeypat
     glue), torch's default (untouched) where the role computes on the CPU."""
     import torch
 
-    from rolefleet.training.threads import set_threads
+    from rolefleet.trainer.threads import set_threads
 
     seen = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)

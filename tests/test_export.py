@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rolefleet import cli
 from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.export import DTYPE_CHOICES, ExportError, export_checkpoint
-from rolefleet.training.checkpoint import MANIFEST, save_hf_files, save_trainer, step_dir, write_json
+from rolefleet.trainer.checkpoint import MANIFEST, save_hf_files, save_trainer, step_dir, write_json
 from tests.e2e.procs import rolefleet
 
 STEP = 12

@@ -119,17 +119,17 @@ APPS = ("rolefleet.actor", "rolefleet.critic", "rolefleet.reward", "rolefleet.co
 def test_common_imports_no_other_layer():
     """common/ is the bottom: wire format, result and error types, config, model loading."""
     assert offenders(lambda m: under("rolefleet.common")(m) and m != "rolefleet.common.config.app_checks",
-                     under("rolefleet.rpc", "rolefleet.training", *APPS)) == {}
+                     under("rolefleet.rpc", "rolefleet.trainer", *APPS)) == {}
 
 
 def test_the_training_engine_knows_no_rpc_and_no_role():
-    """training/ (workers, ranks, the trainer, the controller base) is below the roles and beside
+    """trainer/ (workers, ranks, the trainer, the controller base) is below the roles and beside
     RPC: a role's server wraps it, it never calls out."""
-    assert offenders(under("rolefleet.training"), under("rolefleet.rpc", "grpc", *APPS)) == {}
+    assert offenders(under("rolefleet.trainer"), under("rolefleet.rpc", "grpc", *APPS)) == {}
 
 
 def test_rpc_knows_no_training_engine_and_no_role():
-    assert offenders(under("rolefleet.rpc"), under("rolefleet.training", *APPS)) == {}
+    assert offenders(under("rolefleet.rpc"), under("rolefleet.trainer", *APPS)) == {}
 
 
 def test_workers_are_driven_by_reference_never_by_name():

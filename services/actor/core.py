@@ -28,9 +28,9 @@ from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import require_temperature
 from rolefleet.common.role_types import CheckpointInfo
-from rolefleet.training import checkpoint
-from rolefleet.training.role import TrainerRole
-from rolefleet.training.workers import WorkerGroup
+from rolefleet.trainer import checkpoint
+from rolefleet.trainer.role import TrainerRole
+from rolefleet.trainer.workers import WorkerGroup
 
 MAX_GROUPS = 2**63 // SAMPLES_PER_GROUP_LIMIT  # group ids below it give int64 sample ids
 
@@ -204,7 +204,7 @@ class ActorCore(TrainerRole):
             if getattr(targets, name) is not None:
                 batch.check_per_token(getattr(targets, name), name, "logprob")
 
-    # --- checkpoints (training/role.py) -----------------------------------------------------------
+    # --- checkpoints (trainer/role.py) -----------------------------------------------------------
 
     def write_hf_files(self, work) -> None:
         checkpoint.save_hf_files(work, self.worker.model_config, self.tokenizer)

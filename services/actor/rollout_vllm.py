@@ -40,7 +40,7 @@ from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.stop_tokens import merged
-from rolefleet.training.sharding import full_named_parameters
+from rolefleet.trainer.sharding import full_named_parameters
 
 log = logging.getLogger(__name__)
 

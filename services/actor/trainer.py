@@ -23,9 +23,9 @@ from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compile_decoder_layers, decoder_layers, lm_logprobs
-from rolefleet.training.ranks import Ranks
-from rolefleet.training.sharding import shard
-from rolefleet.training.trainer import Trainer
+from rolefleet.trainer.base import Trainer
+from rolefleet.trainer.ranks import Ranks
+from rolefleet.trainer.sharding import shard
 
 
 class LogprobModule(torch.nn.Module):

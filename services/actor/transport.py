@@ -27,8 +27,8 @@ import torch.distributed as dist
 from rolefleet.actor import vllm_sync, weight_sync
 from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine
-from rolefleet.training.sharding import full_named_parameters
-from rolefleet.training.workers import free_port
+from rolefleet.trainer.sharding import full_named_parameters
+from rolefleet.trainer.workers import free_port
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 

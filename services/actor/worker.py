@@ -25,11 +25,11 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection, RoleFleetConfig
 from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, pick_device, release_memory
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
-from rolefleet.training.profiling import profiled
-from rolefleet.training.ranks import Ranks, global_rank, global_world, new_subgroups
-from rolefleet.training.steps import PartialUpdate
-from rolefleet.training.worker import TrainingWorker
-from rolefleet.training.workers import collective
+from rolefleet.trainer.profiling import profiled
+from rolefleet.trainer.ranks import Ranks, global_rank, global_world, new_subgroups
+from rolefleet.trainer.steps import PartialUpdate
+from rolefleet.trainer.worker import TrainingWorker
+from rolefleet.trainer.workers import collective
 
 log = logging.getLogger(__name__)
 ROLE = "actor"

@@ -1,4 +1,4 @@
-"""The coordinator's side of checkpoints (docs/checkpoints.md; the layout: training/checkpoint.py).
+"""The coordinator's side of checkpoints (docs/checkpoints.md; the layout: trainer/checkpoint.py).
 
 Saving step k: the actor and the critic write their parts at once (SaveCheckpoint), then the
 coordinator writes its own state, then the manifest, the mark of a complete checkpoint; older ones
@@ -19,7 +19,7 @@ from typing import Any
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.journal import Journal
-from rolefleet.training.checkpoint import MANIFEST, latest_checkpoint, prune, step_dir, write_json
+from rolefleet.trainer.checkpoint import MANIFEST, latest_checkpoint, prune, step_dir, write_json
 
 log = logging.getLogger(__name__)
 STATE_FILE = "coordinator.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rolefleet.coordinator.trackers import TensorBoardTracker, Tracker, numeric
-from rolefleet.training.checkpoint import write_atomic
+from rolefleet.trainer.checkpoint import write_atomic
 
 log = logging.getLogger(__name__)
 

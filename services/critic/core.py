@@ -10,9 +10,9 @@ from rolefleet.common.batch import BatchLimits, SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.common.role_types import UpdateResult
 from rolefleet.critic.worker import ROLE, CriticWorker
-from rolefleet.training import checkpoint
-from rolefleet.training.role import TrainerRole
-from rolefleet.training.workers import WorkerGroup
+from rolefleet.trainer import checkpoint
+from rolefleet.trainer.role import TrainerRole
+from rolefleet.trainer.workers import WorkerGroup
 
 
 class CriticCore(TrainerRole):

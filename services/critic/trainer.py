@@ -1,4 +1,4 @@
-"""Value trainer: value predictions and clipped value-loss updates (`training/trainer.py` does the
+"""Value trainer: value predictions and clipped value-loss updates (`trainer/base.py` does the
 optimizer steps).
 
 The value loss is a mean over the mini-batch's response tokens, so each micro-batch weighs by its
@@ -13,8 +13,8 @@ from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import CriticSection
 from rolefleet.critic.model import ValueModel
-from rolefleet.training.ranks import Ranks
-from rolefleet.training.trainer import Trainer
+from rolefleet.trainer.base import Trainer
+from rolefleet.trainer.ranks import Ranks
 
 
 class ValueTrainer(Trainer):

@@ -9,9 +9,9 @@ from rolefleet.common.config import CriticSection, RoleFleetConfig
 from rolefleet.common.modeling import pick_device
 from rolefleet.critic.model import ValueModel
 from rolefleet.critic.trainer import ValueTrainer
-from rolefleet.training.ranks import Ranks, global_world
-from rolefleet.training.worker import TrainingWorker
-from rolefleet.training.workers import collective
+from rolefleet.trainer.ranks import Ranks, global_world
+from rolefleet.trainer.worker import TrainingWorker
+from rolefleet.trainer.workers import collective
 
 ROLE = "critic"
 

@@ -125,7 +125,7 @@ def test_a_failed_weight_sync_blocks_the_role_instead_of_reapplying_the_step(tin
     ("cosine", [0.5, 1.0, 1.0, 0.55, 0.1]),
 ])
 def test_lr_schedule(schedule, expected):
-    from rolefleet.training.optim import lr_factor
+    from rolefleet.trainer.optim import lr_factor
 
     got = [lr_factor(step, warmup=2, decay_steps=4, schedule=schedule, min_ratio=0.1) for step in range(5)]
     assert got == pytest.approx(expected)

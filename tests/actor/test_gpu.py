@@ -9,7 +9,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs, load_causal_lm
 from rolefleet.critic.core import CriticCore
-from rolefleet.training.profiling import NewGraphs
+from rolefleet.trainer.profiling import NewGraphs
 from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = pytest.mark.gpu

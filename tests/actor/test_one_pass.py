@@ -12,7 +12,7 @@ from rolefleet.actor.worker import ActorWorker
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import InvalidArgument
-from rolefleet.training.workers import WorkerGroup
+from rolefleet.trainer.workers import WorkerGroup
 
 pytestmark = pytest.mark.timeout(240)
 # Micro-batches of a few rows each, a KL term and a truncating IS correction: every part of the loss.

@@ -201,7 +201,7 @@ def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_
     assert core.update(1, 0, batch, targets, 1.0).stats["compiled_graphs"] == 0  # eager
     before = counted()
     core.worker.new_graphs.seen -= 2  # as if a new shape had compiled two graphs since
-    with caplog.at_level("INFO", logger="rolefleet.training.profiling"):
+    with caplog.at_level("INFO", logger="rolefleet.trainer.profiling"):
         assert core.update(2, 1, batch, targets, 1.0).stats["compiled_graphs"] == 2
     assert counted() == before + 2
     assert "made 2 graph(s) since the last update" in caplog.text

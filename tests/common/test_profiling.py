@@ -46,7 +46,7 @@ def test_the_chosen_updates_are_profiled_per_role(tiny_model_dir, tmp_path):
 
 @pytest.mark.procs
 def test_new_graphs_counts_what_torch_compile_made_between_takes():
-    from rolefleet.training.profiling import NewGraphs
+    from rolefleet.trainer.profiling import NewGraphs
 
     fn = torch.compile(lambda x: torch.sin(x) * 2)
     graphs = NewGraphs("actor")

@@ -1,7 +1,7 @@
 import pytest
 
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-from rolefleet.training.steps import PartialUpdate, StepLedger
+from rolefleet.trainer.steps import PartialUpdate, StepLedger
 
 
 def apply(ledger: StepLedger, step: int, result: str) -> str:
@@ -46,7 +46,7 @@ def test_a_partial_update_blocks_every_later_step_but_replays_still_answer():
 
 
 def test_the_trainer_flow_fences_versions_replays_and_moves_the_version_last():
-    from rolefleet.training.steps import TrainerState
+    from rolefleet.trainer.steps import TrainerState
 
     state = TrainerState("actor")
     seen = []

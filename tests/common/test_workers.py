@@ -13,8 +13,8 @@ from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.critic.core import CriticCore
 from rolefleet.critic.worker import CriticWorker
-from rolefleet.training.profiling import compiled_graphs
-from rolefleet.training.workers import WorkerGroup
+from rolefleet.trainer.profiling import compiled_graphs
+from rolefleet.trainer.workers import WorkerGroup
 from tests.helpers import save_after_one_update_over_two_workers
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.procs]

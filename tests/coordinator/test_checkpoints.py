@@ -18,7 +18,7 @@ from rolefleet.critic.client import InProcessCriticClient
 from rolefleet.critic.core import CriticCore
 from rolefleet.reward.client import InProcessRewardClient
 from rolefleet.reward.core import RewardCore
-from rolefleet.training.checkpoint import MANIFEST, complete_checkpoints
+from rolefleet.trainer.checkpoint import MANIFEST, complete_checkpoints
 
 pytestmark = pytest.mark.timeout(240)
 

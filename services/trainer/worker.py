@@ -1,7 +1,7 @@
 """What every trainer role's worker (one per rank: `actor/worker.py`, `critic/worker.py`) does alike
 around its trainer: profile and count the compiles of its updates, save and load the trainer's
 state, digest its weights. The methods are collective over the worker's training ranks
-(`training/workers.py`); a worker whose rank does not train (an actor's rollout worker) has no
+(`trainer/workers.py`); a worker whose rank does not train (an actor's rollout worker) has no
 trainer and is never asked."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from rolefleet.training.profiling import NewGraphs, profiled
-from rolefleet.training.ranks import Ranks
-from rolefleet.training.trainer import Trainer
-from rolefleet.training.workers import collective
+from rolefleet.trainer.base import Trainer
+from rolefleet.trainer.profiling import NewGraphs, profiled
+from rolefleet.trainer.ranks import Ranks
+from rolefleet.trainer.workers import collective
 
 T = TypeVar("T")
 

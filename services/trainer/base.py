@@ -34,10 +34,10 @@ from rolefleet.common.modeling import (
     enable_activation_checkpointing,
     weights_digest,
 )
-from rolefleet.training import checkpoint
-from rolefleet.training.optim import StepFn, apply_gradients, make_optimizer, run_epochs
-from rolefleet.training.ranks import Ranks
-from rolefleet.training.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
+from rolefleet.trainer import checkpoint
+from rolefleet.trainer.optim import StepFn, apply_gradients, make_optimizer, run_epochs
+from rolefleet.trainer.ranks import Ranks
+from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 
 # The loss of one micro-batch (its rows of the mini-batch; `real` False for a throw-away pass) and
 # its statistics as device tensors, which the step weighs by the micro-batch's share.

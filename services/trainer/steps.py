@@ -115,7 +115,7 @@ class TrainerState:
         metrics.TRAIN_STEPS.labels(self.role).inc()
         return result
 
-    # --- checkpoints (training/checkpoint.py) ------------------------------------------------------
+    # --- checkpoints (trainer/checkpoint.py) ------------------------------------------------------
 
     def to_json(self, keep: int = 16) -> dict:
         """Version, last step and the newest recorded results: a retried update after a restart is

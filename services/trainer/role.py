@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from rolefleet.common.modeling import release_memory
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
-from rolefleet.training import checkpoint
-from rolefleet.training.steps import StepLedger, TrainerState
-from rolefleet.training.worker import TrainingWorker
-from rolefleet.training.workers import WorkerGroup, Workers
+from rolefleet.trainer import checkpoint
+from rolefleet.trainer.steps import StepLedger, TrainerState
+from rolefleet.trainer.worker import TrainingWorker
+from rolefleet.trainer.workers import WorkerGroup, Workers
 
 
 class TrainerRole:
@@ -36,7 +36,7 @@ class TrainerRole:
     def group(self) -> WorkerGroup | None:
         return self.workers.group
 
-    # --- checkpoints (training/checkpoint.py) ------------------------------------------------------
+    # --- checkpoints (trainer/checkpoint.py) ------------------------------------------------------
 
     def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
         """The trainer's state as of `step` (its last applied one) into `path`; a repeat answers

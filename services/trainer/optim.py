@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from rolefleet.common.batch import SequenceBatch, mini_batches
 from rolefleet.common.errors import FailedPrecondition
-from rolefleet.training.steps import PartialUpdate
+from rolefleet.trainer.steps import PartialUpdate
 
 StepFn = Callable[[SequenceBatch, torch.Tensor], dict[str, float]]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from rolefleet.training.ranks import Ranks
+from rolefleet.trainer.ranks import Ranks
 
 
 def sharding_wanted(setting: str, ranks: Ranks) -> bool:

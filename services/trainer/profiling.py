@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.training.ranks import Ranks
+from rolefleet.trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
 TABLE_ROWS = 40

@@ -6,7 +6,7 @@ ledger, locks), which drives the workers through `Workers.run(WorkerClass.method
 method is named by reference, never by a string: it is marked `@collective(part)`, the part of the
 group it runs on (a part's ranks come from the worker's `parts`), and every rank of that part runs
 it at once: an SPMD method that splits its work by rank and meets the other ranks in collectives
-(`torch.distributed`: NCCL on CUDA, gloo on the CPU) of its own process group (`training/ranks.py`).
+(`torch.distributed`: NCCL on CUDA, gloo on the CPU) of its own process group (`trainer/ranks.py`).
 
 Commands travel on per-rank pipes, not in a collective, so that two parts can be driven at once
 from two threads of rank 0 (the caller's locks keep any one rank's pipe to one thread at a time);
@@ -205,7 +205,7 @@ def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, world
     (error, result): a role error raised here (alike on the part's every rank), and the result if
     this rank was asked for it."""
     from rolefleet.common.config import parse_config
-    from rolefleet.training.threads import set_threads
+    from rolefleet.trainer.threads import set_threads
 
     # Rank 0 killed (SIGKILL, the OOM killer): a rank inside a collective with it would otherwise
     # wait for COLLECTIVE_TIMEOUT, holding its GPU (and spinning it, on NCCL).

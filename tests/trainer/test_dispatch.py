@@ -3,7 +3,7 @@ on the ranks of their part; alone, on this process's worker."""
 
 import pytest
 
-from rolefleet.training.workers import Workers, collective
+from rolefleet.trainer.workers import Workers, collective
 
 
 class Worker:
