@@ -297,6 +297,8 @@ def _run_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Long by nature: every command and its flags, declared in one place so `--help` and this read
+    # the same; each command's work is in a function of its own.
     parser = argparse.ArgumentParser(prog="rolefleet", description="RL post-training on role servers.")
     parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
                         help="python logging level (default: warning)")

@@ -15,7 +15,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
-from rolefleet.rpc.roles import GrpcTrainerClient, call
+from rolefleet.rpc.roles import GrpcTrainerClient, InProcessTrainerClient, call
 from rolefleet.rpc.streams import iterate_in_thread
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
@@ -39,9 +39,8 @@ class ActorClient(Protocol):
     async def close(self) -> None: ...
 
 
-class InProcessActorClient:
-    def __init__(self, core: ActorCore):
-        self.core = core
+class InProcessActorClient(InProcessTrainerClient):
+    core: ActorCore
 
     async def generate(self, prompts, sampling, first_group_id=0):
         return await asyncio.to_thread(self.core.generate, prompts, sampling, first_group_id)
@@ -57,17 +56,6 @@ class InProcessActorClient:
     async def update(self, step, policy_version, batch, targets, temperature):
         return await asyncio.to_thread(self.core.update, step, policy_version, batch, targets, temperature)
 
-    async def status(self, include_digest=False):
-        return await asyncio.to_thread(self.core.status, include_digest)
-
-    async def save_checkpoint(self, step, path):
-        return await asyncio.to_thread(self.core.save_checkpoint, step, path)
-
-    async def load_checkpoint(self, path):
-        return await asyncio.to_thread(self.core.load_checkpoint, path)
-
-    async def close(self):
-        pass
 
 
 class GrpcActorClient(GrpcTrainerClient):

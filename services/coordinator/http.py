@@ -88,6 +88,8 @@ HTTP_ROLE = "coordinator-http"  # the role label of the control plane's refusals
 def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScaling | None = None,
              token: str | None = None) -> FastAPI:
     """The control plane; with `token`, every route but /healthz needs `Authorization: Bearer <token>`."""
+    # Long by nature: one short handler per route, closed over the run's status, so the API reads as
+    # the table it is (docs/http-api.md) and FastAPI builds its OpenAPI schema from these signatures.
     app = FastAPI(title="RoleFleet coordinator", version="1", responses=INVALID,
                   description="Control plane of one RoleFleet run (docs/http-api.md).")
     api = APIRouter(dependencies=[Depends(bearer_check(token))] if token else [],

@@ -12,7 +12,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import critic_pb2, critic_pb2_grpc
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus, UpdateResult
 from rolefleet.critic.types import CriticValues
-from rolefleet.rpc.roles import GrpcTrainerClient, call
+from rolefleet.rpc.roles import GrpcTrainerClient, InProcessTrainerClient, call
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
     from rolefleet.critic.core import CriticCore
@@ -28,9 +28,8 @@ class CriticClient(Protocol):
     async def close(self) -> None: ...
 
 
-class InProcessCriticClient:
-    def __init__(self, core: CriticCore):
-        self.core = core
+class InProcessCriticClient(InProcessTrainerClient):
+    core: CriticCore
 
     async def compute_values(self, batch):
         return CriticValues(*await asyncio.to_thread(self.core.versioned_values, batch))
@@ -38,17 +37,6 @@ class InProcessCriticClient:
     async def update(self, step, batch, returns, old_values, values_version=None):
         return await asyncio.to_thread(self.core.update, step, batch, returns, old_values, values_version)
 
-    async def status(self, include_digest=False):
-        return await asyncio.to_thread(self.core.status, include_digest)
-
-    async def save_checkpoint(self, step, path):
-        return await asyncio.to_thread(self.core.save_checkpoint, step, path)
-
-    async def load_checkpoint(self, path):
-        return await asyncio.to_thread(self.core.load_checkpoint, path)
-
-    async def close(self):
-        pass
 
 
 class GrpcCriticClient(GrpcTrainerClient):

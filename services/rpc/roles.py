@@ -68,6 +68,26 @@ class GrpcTrainerClient(GrpcRoleClient):
         return CheckpointInfo.from_proto(await call(self.stub.LoadCheckpoint(request, timeout=self.timeout_s)))
 
 
+class InProcessTrainerClient:
+    """A trainer role's core called in this process (tests, benchmarks), on a worker thread as the
+    server would: its status and checkpoint calls; each role adds its own."""
+
+    def __init__(self, core):
+        self.core = core
+
+    async def status(self, include_digest: bool = False) -> RoleStatus:
+        return await asyncio.to_thread(self.core.status, include_digest)
+
+    async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
+        return await asyncio.to_thread(self.core.save_checkpoint, step, path)
+
+    async def load_checkpoint(self, path: str) -> CheckpointInfo:
+        return await asyncio.to_thread(self.core.load_checkpoint, path)
+
+    async def close(self) -> None:
+        pass
+
+
 def _status_stubs() -> dict[str, type]:
     from rolefleet.common.pb import actor_pb2_grpc, critic_pb2_grpc, reward_pb2_grpc
 

@@ -45,8 +45,10 @@ class PipelineSection(_Section):
                                              "eager = updates never wait for generation (on a split actor the "
                                              "next batch generates while this one trains), lags vary with "
                                              "timing within the bound")
-    retries: int = Field(2, ge=0, description="async: repeats of a role call that failed transiently "
-                         "(UNAVAILABLE, a deadline), with backoff; every call is safe to repeat")
+    retries: int = Field(2, ge=0, description="repeats of a role call that failed transiently (UNAVAILABLE, "
+                         "a deadline), with backoff, in both modes; every call is safe to repeat. A trainer's "
+                         "call is repeated only while it still holds the run's updates (a restarted one: the "
+                         "run recovers from its checkpoint instead)")
 
     @property
     def lagged(self) -> bool:
