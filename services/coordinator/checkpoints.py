@@ -4,7 +4,8 @@ Saving step k: the actor and the critic write their parts at once (SaveCheckpoin
 coordinator writes its own state, then the manifest, the mark of a complete checkpoint; older ones
 beyond `checkpoint.keep` go after it. Resuming: the newest complete checkpoint is loaded into the
 roles (LoadCheckpoint), which report the version and step they hold, and its coordinator state
-comes back to the loop: the next step, the data position, the KL coefficient.
+(`CoordinatorState`) comes back to the run: the next step, the data position, the KL coefficient,
+the pipeline's counts. Both modes save and resume it the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,59 @@ STATE_VERSION = 1
 
 async def _nothing() -> None:
     return None
+
+
+@dataclass
+class PipelineCounts:
+    """Run totals, the `pipeline/*` counts of the step records (docs/metrics.md). A sync run keeps
+    them too (retries; the others stay 0), so its checkpoints resume in either mode."""
+
+    stale_samples: int = 0
+    dropped_batches: int = 0  # also what moves the data position past the steps (`batches_used`)
+    regenerated_batches: int = 0
+    retries: int = 0
+
+
+@dataclass
+class CoordinatorState:
+    """The coordinator's part of a checkpoint (`coordinator.json`), the same in both modes: after
+    step `step`, the KL coefficient the next step uses, the data position, the pipeline's counts."""
+
+    step: int
+    kl_coef: float
+    data: dict[str, Any] | None = None  # PromptDataset.state_dict(); None in the checkpoint of step 0
+    counts: PipelineCounts = field(default_factory=PipelineCounts)
+
+    @property
+    def batches_used(self) -> int:
+        """Rollout batches of the data the run has consumed: its steps' and the dropped ones."""
+        return self.step + self.counts.dropped_batches
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"step": self.step, "kl_coef": self.kl_coef}
+        if self.data is not None:
+            out["data"] = self.data
+        out["counts"] = asdict(self.counts)
+        return out
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> CoordinatorState:
+        """Also what earlier versions wrote: the sync loop's {step, kl_coef, data} (no counts), the
+        async pipeline's with its counts, the checkpoint of step 0 without data. ValueError naming
+        the key for anything else."""
+        step, kl_coef, data, counts = (state.get(k) for k in ("step", "kl_coef", "data", "counts"))
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step: {step!r} is not a step number")
+        if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool):
+            raise ValueError(f"kl_coef: {kl_coef!r} is not a number")
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"data: {data!r} is not a data position")
+        counts = counts or {}
+        known = {f.name for f in fields(PipelineCounts)}
+        if not isinstance(counts, dict) or set(counts) - known or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
+            raise ValueError(f"counts: {counts!r} are not the counts {sorted(known)}")
+        return cls(step, float(kl_coef), data, PipelineCounts(**counts))
 
 
 class Checkpointer:
@@ -55,16 +110,16 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.cfg.checkpoint.due(step, self.cfg.train.total_steps, (time.monotonic() - self.last_saved) / 60)
 
-    async def save(self, roles, step: int, actor_step: int, state: dict[str, Any]) -> Path:
-        """Checkpoint `step` (`actor_step`: the actor's own step id, behind during critic warm-up);
-        `state`: the coordinator's part (JSON values)."""
-        start = time.perf_counter()
+    async def save(self, roles, state: CoordinatorState, actor_step: int) -> Path:
+        """Checkpoint `state.step` (`actor_step`: the actor's own step id, behind during critic
+        warm-up); `state`: the coordinator's part."""
+        start, step = time.perf_counter(), state.step
         path = step_dir(self.root, step)
         path.mkdir(parents=True, exist_ok=True)
         actor, critic = await asyncio.gather(
             roles.actor.save_checkpoint(actor_step, str(path / "actor")),
             roles.critic.save_checkpoint(step, str(path / "critic")) if roles.critic else _nothing())
-        write_json(path / STATE_FILE, {"version": STATE_VERSION, "step": step, **state})
+        write_json(path / STATE_FILE, {"version": STATE_VERSION, **state.to_dict()})
         roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
         if critic is not None:
             roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
@@ -79,7 +134,7 @@ class Checkpointer:
         log.info("checkpoint of step %d written to %s in %.1f s", step, path, time.perf_counter() - start)
         return path
 
-    async def restore(self, roles) -> dict[str, Any] | None:
+    async def restore(self, roles) -> CoordinatorState | None:
         """Load the newest complete checkpoint into the roles; its coordinator state (None: there
         is none yet, the run starts at step 1)."""
         path = latest_checkpoint(self.root)
@@ -91,10 +146,14 @@ class Checkpointer:
             raise FailedPrecondition(f"run.resume: the checkpoint {path} was taken "
                                      f"{'with' if 'critic' in manifest['roles'] else 'without'} a critic; "
                                      f"algorithm {self.cfg.algorithm} runs {'with' if roles.critic else 'without'} one")
-        state = json.loads((path / STATE_FILE).read_text())
-        if state.get("version") != STATE_VERSION:
-            raise FailedPrecondition(f"run.resume: {path / STATE_FILE} is of state version {state.get('version')}, "
+        saved = json.loads((path / STATE_FILE).read_text())
+        if saved.get("version") != STATE_VERSION:
+            raise FailedPrecondition(f"run.resume: {path / STATE_FILE} is of state version {saved.get('version')}, "
                                      f"this coordinator reads {STATE_VERSION}")
+        try:
+            state = CoordinatorState.from_dict(saved)
+        except ValueError as exc:  # before any role loads anything
+            raise FailedPrecondition(f"run.resume: {path / STATE_FILE}: {exc}") from None
         actor, critic = await asyncio.gather(
             roles.actor.load_checkpoint(str(path / "actor")),
             roles.critic.load_checkpoint(str(path / "critic")) if roles.critic else _nothing())
@@ -104,6 +163,6 @@ class Checkpointer:
                 raise FailedPrecondition(f"run.resume: the {name} loaded step {loaded.step} version "
                                          f"{loaded.model_version}, the manifest of {path} says step "
                                          f"{expected['step']} version {expected['model_version']}")
-        log.warning("run.resume: continuing after step %d from %s (policy version %d)", state["step"], path,
+        log.warning("run.resume: continuing after step %d from %s (policy version %d)", state.step, path,
                     actor.model_version)
         return state

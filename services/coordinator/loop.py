@@ -1,11 +1,12 @@
-"""The run (`train`): the synchronous loop below (DESIGN "One step"), one numbered call per role per
-phase, or with `pipeline.mode: async` the same phases as overlapping stages (`pipeline.py`).
+"""The run (`train`): the steps of `pipeline.mode` sync (below) or async (`pipeline.py`) around the
+journal, the checkpoint they resume from, and the recovery from a lost role.
+
+Sync mode, each step one numbered call per role per phase (DESIGN "One step"):
 
 1. actor.Generate                                    -> n samples per prompt
-2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently; all of it finite
-3. advantages and returns (the algorithm's estimator), KL-coefficient update
-4. actor.Update | critic.Update, concurrently
-5. evaluate on held-out prompts when due (actor.Generate + reward.Score: `evaluation.py`), log the step
+2-6. the step body on them (`step.py`): reward.Score | critic.ComputeValues | actor.ComputeLogProbs;
+   advantages and the KL coefficient; actor.Update | critic.Update; the step's record (with an
+   evaluation when due); a checkpoint when due
 
 Before step 1 (with `eval.*` on) the starting policy is evaluated into a record of step 0.
 Algorithms without a critic (GRPO, RLOO, REINFORCE++) skip the critic calls; nothing else changes.
@@ -15,115 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Optional, TypeVar
-
-import torch
 
 from rolefleet.actor.client import ActorClient
-from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
-from rolefleet.algos import KL_CONTROLLERS
 from rolefleet.common import metrics
-from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, Unavailable
-from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
-from rolefleet.coordinator.checkpoints import Checkpointer
-from rolefleet.coordinator.checks import require_finite
+from rolefleet.coordinator.calls import Roles
+from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.evaluation import Evaluator
 from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.pipeline import Pipeline
+from rolefleet.coordinator.rollout import Rollout, first_group_id, policy_version_of, sampling_for, spent, to_batch
 from rolefleet.coordinator.state import RunState, RunStatus
-from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import Targets, after_one_pass, step_targets
-from rolefleet.critic.client import CriticClient
-from rolefleet.reward.client import RewardClient
-from rolefleet.reward.types import ScoreItem
-from rolefleet.tasks import PromptRecord
+from rolefleet.coordinator.step import Schedule, StepBody
 
-T = TypeVar("T")
-
-
-@dataclass
-class Roles:
-    actor: ActorClient
-    reward: RewardClient
-    critic: Optional[CriticClient]
-
-
-class Timer:
-    """Wall time per phase, also exported as the coordinator's stage busy-time counter."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    async def __call__(self, phase: str, awaitable: Awaitable[T]) -> T:
-        start = time.perf_counter()
-        try:
-            return await awaitable
-        finally:
-            elapsed = time.perf_counter() - start
-            self.seconds[phase] = elapsed
-            metrics.STAGE_SECONDS.labels("coordinator", phase).inc(elapsed)
-
-
-async def _unchanged(step: int, version: int) -> UpdateResult:
-    return UpdateResult(step=step, model_version=version, stats={})
-
-
-async def _nothing() -> None:
-    return None
-
-
-def to_batch(samples: list[Sample]) -> SequenceBatch:
-    return SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-
-
-def score_items(records: list[PromptRecord], samples: list[Sample]) -> list[ScoreItem]:
-    return [ScoreItem(records[s.prompt_index].prompt, s.response_text, records[s.prompt_index].ground_truth,
-                      records[s.prompt_index].extra) for s in samples]
-
-
-def policy_version_of(samples: list[Sample]) -> int:
-    versions = {s.policy_version for s in samples}
-    if len(versions) != 1:
-        # Sync mode generates a step with one policy; mixed versions mean the actor changed mid-step.
-        raise FailedPrecondition(f"one step's samples came from several policy versions: {sorted(versions)}")
-    return versions.pop()
-
-
-def group_ids(samples: list[Sample]) -> torch.Tensor:
-    return torch.tensor([smp.group_id for smp in samples])
-
-
-def first_group_id(cfg: RoleFleetConfig, batch_index: int) -> int:
-    """Group ids run on across the run's rollout batches (1-based), one per prompt."""
-    return (batch_index - 1) * cfg.train.prompts_per_step
-
-
-def sampling_for(cfg: RoleFleetConfig, step: int) -> SamplingParams:
-    s = cfg.sampling
-    # A per-step seed: a rerun of the same config samples the same rollouts.
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                          n=cfg.train.samples_per_prompt, seed=cfg.run.seed * 100_003 + step,
-                          stop_token_ids=tuple(s.stop_token_ids))
-
-
-def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProbs,
-                       samples: list[Sample]) -> PolicyTargets:
-    """What the actor's update needs; reference and rollout logprobs travel only when its loss uses them."""
-    a = cfg.actor
-    return PolicyTargets(
-        advantages=targets.advantages,
-        old_logprobs=logprobs.logprobs,
-        ref_logprobs=logprobs.ref_logprobs if a.kl_loss_coef > 0 else None,
-        rollout_logprobs=torch.cat([smp.logprobs for smp in samples]) if a.is_correction != "none" else None,
-    )
+__all__ = ["Roles", "train", "train_sync"]
 
 
 async def require_fresh(roles: Roles) -> None:
@@ -153,7 +64,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
             checkpointer.start_fresh()
             journal.rewind(-1)  # an earlier run's steps and checkpoints (step 0's too) are history now
             if cfg.run.max_restarts and cfg.checkpoint.periodic:  # what a lost trainer is recovered to at first
-                await checkpointer.save(roles, 0, 0, {"kl_coef": cfg.train.kl_coef})
+                await checkpointer.save(roles, CoordinatorState(step=0, kl_coef=cfg.train.kl_coef), actor_step=0)
             elif cfg.run.max_restarts:
                 print("rolefleet: checkpoints are off during the run (checkpoint.every=0, checkpoint.every_minutes=0): "
                       "a lost actor or critic will end the run; a lost reward costs nothing", flush=True)
@@ -167,7 +78,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
             failures, failed_at = 0, -1
             while True:
                 # What comes after the checkpoint is trained (again) now; the records of it go.
-                start = resumed["step"] if resumed else 0
+                start = resumed.step if resumed else 0
                 journal.rewind(start)
                 status.rewind(logger.rewind(start))
                 try:
@@ -188,17 +99,15 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
 
 
 async def _steps(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus, clock: BusyClock,
-                 checkpointer: Checkpointer, resumed: dict | None) -> None:
+                 checkpointer: Checkpointer, resumed: CoordinatorState | None) -> None:
     if cfg.pipeline.mode == "async":
-        from rolefleet.coordinator.pipeline import Pipeline
-
         await Pipeline(cfg, roles, logger, status, clock, checkpointer, resumed).run()
     else:
         await train_sync(cfg, roles, logger, status, clock, checkpointer, resumed)
 
 
 async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointer, lost: Unavailable,
-                   attempt: int) -> dict:
+                   attempt: int) -> CoordinatorState:
     """A role went away mid-run (its process died; `rolefleet up`, compose or Kubernetes start it
     again): once every role answers, the newest checkpoint goes back into the trainer roles (a
     restarted one starts from its initial weights, the others moved on since) and the run goes on
@@ -223,87 +132,38 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
 
 
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
-                     clock: BusyClock, checkpointer: Checkpointer, resumed: dict | None = None) -> None:
-    dataset = PromptDataset.for_run(cfg)
-    s, t = cfg.sampling, cfg.train
-    kl_coef, kl_controller = t.kl_coef, KL_CONTROLLERS.get(t.kl_controller)
-    done = 0  # the last step applied (and saved, when resumed from it)
-    if resumed is not None:
-        done, kl_coef = resumed["step"], resumed["kl_coef"]
-        if "data" in resumed:  # not in the checkpoint of step 0
-            dataset.load_state_dict(resumed["data"])  # refuses prompts that changed since
-    saved = done
-    evaluator = Evaluator.for_run(cfg, dataset)
-    if evaluator is not None and done == 0:  # 0. The starting policy on the held-out prompts.
-        await evaluator.before_training(logger, status, roles.actor.generate, roles.reward.score)
-    for step in range(done + 1, t.total_steps + 1):
+                     clock: BusyClock, checkpointer: Checkpointer, resumed: CoordinatorState | None = None) -> None:
+    body = StepBody(cfg, roles, logger, status, clock, checkpointer, resumed)
+    await body.evaluate_start()
+    for step in range(body.state.step + 1, cfg.train.total_steps + 1):
         await status.wait_resumed()
         if status.stop_requested:
             break
-        timer, start = Timer(), time.perf_counter()
-        records = dataset.batch(step, t.prompts_per_step)
-
+        start = time.perf_counter()
         # 1. Rollouts from the current policy.
-        samples = await timer("generate", roles.actor.generate([r.prompt for r in records], sampling_for(cfg, step),
-                                                               first_group_id(cfg, step)))
-        batch, version = to_batch(samples), policy_version_of(samples)
+        rollout = await generate_rollout(cfg, body.roles.actor, body.dataset, step)
+        # 2-6. Score, advantages, update, record, checkpoint.
+        await body.run(step, rollout, since=start, schedule=_PHASES)
+    await body.save_if_stopped()
 
-        # 2. Score, value and recompute logprobs at once: the three roles do not wait on each other.
-        # A one-pass update takes the policy's from its own forward (during the critic's warm-up
-        # the actor makes none: its logprobs come from here then).
-        warming = step <= t.critic_warmup_steps
-        one_pass = cfg.one_pass_update and not warming
-        reward, critic_values, logprobs = await timer("score", asyncio.gather(
-            roles.reward.score(score_items(records, samples)),
-            roles.critic.compute_values(batch) if roles.critic else _nothing(),
-            # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
-            roles.actor.compute_logprobs(batch, s.temperature, include_reference=True, reference_only=one_pass),
-        ))
-        values = critic_values.values if critic_values else torch.zeros(batch.num_response_tokens)
-        scores = reward.total
-        require_finite(samples, scores, values, logprobs, cfg.reward.function)
 
-        # 3. Advantages and returns; the KL controller sees this step's KL.
-        targets = step_targets(cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
-                               logprobs.ref_logprobs, group_ids(samples), kl_coef, t)
-        step_kl_coef = kl_coef
-        kl_coef = kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon, len(samples))
+async def generate_rollout(cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset, step: int) -> Rollout:
+    """The rollout batch of `step`, from the policy the actor holds (one policy: the step is on-policy)."""
+    records = dataset.batch(step, cfg.train.prompts_per_step)
+    start = time.perf_counter()
+    samples = await actor.generate([r.prompt for r in records], sampling_for(cfg, step), first_group_id(cfg, step))
+    generate_s = spent("generate", start)
+    policy_version_of(samples)  # refuses a batch of several policies
+    return Rollout(step, records, samples, to_batch(samples), generate_s)
 
-        # 4. Policy and value updates at once; during the critic's warm-up the policy waits (the
-        # actor numbers its own steps from the first one it applies).
-        actor_result, critic_result = await timer("update", asyncio.gather(
-            _unchanged(step, version) if warming else roles.actor.update(
-                step - t.critic_warmup_steps, version, batch, policy_targets_for(cfg, targets, logprobs, samples),
-                s.temperature),
-            roles.critic.update(step, batch, targets.returns, values, critic_values.model_version)
-            if roles.critic else _nothing(),
-        ))
-        if one_pass:
-            logprobs, targets = after_one_pass(t, logprobs, targets, actor_result)
 
-        # 5. Evaluate when due (after the step's time: it is no part of a training step), and log.
-        timer.seconds["step"] = time.perf_counter() - start
-        record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs,
-                             targets, timer.seconds)
-        if evaluator is not None and evaluator.due(step):
-            record.update(await evaluator.run(step, roles.actor.generate, roles.reward.score))
-        if step == 1:
-            record.update(dataset.stats)  # what the load kept, filtered and truncated
-        record["kl_coef"] = step_kl_coef
-        if warming:
-            record["critic_warmup"] = 1.0
-        record.update(clock.fractions())
-        checkpointer.trained(step, samples, actor_result.model_version)
-        logger.log(record)
-        status.record_step(record, actor_result.model_version)
-        done = step
-        dataset.position = step * t.prompts_per_step  # the prompts of steps 1..step are used
+class _Phases(Schedule):
+    """Sync mode's phases are what the coordinator's busy-time counter counts (async mode: its stages)."""
 
-        # 6. Checkpoint, when due.
-        if checkpointer.due(step):
-            await checkpointer.save(roles, step, max(0, step - t.critic_warmup_steps),
-                                    {"kl_coef": kl_coef, "data": dataset.state_dict()})
-            saved = step
-    if status.stop_requested and done > saved and cfg.checkpoint.at_end:  # a stopped run can resume
-        await checkpointer.save(roles, done, max(0, done - t.critic_warmup_steps),
-                                {"kl_coef": kl_coef, "data": dataset.state_dict()})
+    async def updated(self, rollout, actor, now, seconds):
+        for phase in ("score", "update"):
+            metrics.STAGE_SECONDS.labels("coordinator", phase).inc(seconds[phase])
+        return {}
+
+
+_PHASES = _Phases()

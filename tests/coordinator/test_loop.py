@@ -115,6 +115,23 @@ def test_stop_before_the_first_step_runs_nothing(make_config):
     assert status.state == RunState.STOPPED
 
 
+def test_a_transient_failure_is_repeated_in_sync_mode_too_without_a_rollback(make_config):
+    """`pipeline.retries` in both modes: the reward's second Score fails once and is sent again; no
+    recovery (no step trained twice), and the checkpoint's counts hold the repeat."""
+    from rolefleet.coordinator.journal import Journal
+    from tests.coordinator.test_pipeline import SlowReward
+
+    cfg = make_config("algorithm=grpo", "train.total_steps=2", "train.samples_per_prompt=2")
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor)), SlowReward(RewardCore(cfg.reward), fail=frozenset({2})),
+                  None)
+    status, records = run(cfg, roles)
+    assert status.state == RunState.FINISHED and [r["step"] for r in records] == [1, 2]
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        assert not journal.rewound() and len(journal.trained_sample_ids()) == 2 * 8 * 2
+    saved = json.loads((cfg.run.out / "checkpoints" / "step-00000002" / "coordinator.json").read_text())
+    assert saved["counts"]["retries"] == 1 and saved["step"] == 2
+
+
 @pytest.mark.parametrize("planted", [float("nan"), float("inf")])
 def test_a_step_with_a_non_finite_reward_is_refused_before_any_update(make_config, planted):
     from rolefleet.coordinator.checks import StepRefused

@@ -1,0 +1,207 @@
+"""The step body both modes run on a generated rollout batch (DESIGN "One step", after step 1):
+
+2. reward.Score | critic.ComputeValues | actor.ComputeLogProbs, concurrently, for what the batch
+   lacks of them; all of it finite
+3. advantages and returns (the algorithm's estimator), KL-coefficient update
+4. actor.Update | critic.Update, concurrently
+5. the step's record, with an evaluation on held-out prompts when due (`evaluation.py`)
+6. a checkpoint, when due
+
+Generation is the only phase the modes do differently. Sync mode (`loop.py`) generates a batch and
+runs this on it, one step after another. Async mode (`pipeline.py`) generates ahead, streaming each
+chunk of samples to the reward and the critic as it comes, and runs this in its train stage; what
+it adds around the updates (the exact order's wait, the policy version the generate stage watches,
+its `pipeline/*` record entries) comes through a `Schedule`. Role calls are repeated on a transient
+failure in both modes (`calls.Retries`), and the coordinator's state (`CoordinatorState`) is saved
+and resumed the same way.
+
+Timing (the record's `timing/*_s`, docs/metrics.md): `generate` from the request to the batch's last
+sample; `score` the wait for the batch's scores, values and logprobs after its last sample (in
+async mode the score stage's wait for the chunks still in flight, plus the train stage's logprobs
+pass); `update` the updates' calls; `step` up to the updates' end from the step's start (sync) or
+from the previous step's updates' end (async: what the run's throughput is made of).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from rolefleet.actor.types import LogProbs, PolicyTargets, Sample
+from rolefleet.algos import KL_CONTROLLERS
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.role_types import UpdateResult
+from rolefleet.coordinator.busy import BusyClock
+from rolefleet.coordinator.calls import Retries, Roles
+from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
+from rolefleet.coordinator.checks import require_finite
+from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.evaluation import Evaluator
+from rolefleet.coordinator.logger import RunLogger
+from rolefleet.coordinator.rollout import Rollout, score_items
+from rolefleet.coordinator.state import RunStatus
+from rolefleet.coordinator.step_metrics import step_record
+from rolefleet.coordinator.targets import Targets, after_one_pass, step_targets
+from rolefleet.critic.types import CriticValues
+from rolefleet.reward.types import ScoreResult
+
+
+class Schedule:
+    """What a mode adds around a step's updates; the base adds nothing."""
+
+    async def before_update(self, step: int) -> None:
+        """What the updates of `step` wait for."""
+
+    async def updated(self, rollout: Rollout, actor: UpdateResult, now: float,
+                      seconds: dict[str, float]) -> dict[str, float]:
+        """Right after the updates on `rollout` (`now`: their end; `seconds`: the step's timing):
+        the record's entries the mode adds."""
+        return {}
+
+
+NOTHING_ADDED = Schedule()
+
+
+class StepBody:
+    """The run's dataset, evaluator, coordinator state and role clients (their calls repeated on
+    a transient failure: use `roles`, not the clients given), and the step on them (`run`)."""
+
+    def __init__(self, cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus, clock: BusyClock,
+                 checkpointer: Checkpointer, resumed: CoordinatorState | None = None):
+        self.cfg, self.logger, self.status, self.clock, self.checkpointer = cfg, logger, status, clock, checkpointer
+        # Resumed after checkpoint k: step k's updates were the last; the run goes on with step k + 1.
+        self.state = resumed or CoordinatorState(step=0, kl_coef=cfg.train.kl_coef)
+        self.saved = self.state.step  # the newest step a checkpoint holds
+        self.dataset = PromptDataset.for_run(cfg)
+        if self.state.data is not None:  # not in the checkpoint of step 0
+            self.dataset.load_state_dict(self.state.data)  # refuses prompts that changed since
+        self.evaluator = Evaluator.for_run(cfg, self.dataset)
+        self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps)
+        self.roles = self.retries.wrap(roles)
+        self.kl_controller = KL_CONTROLLERS.get(cfg.train.kl_controller)
+
+    async def evaluate_start(self) -> None:
+        """0. The starting policy on the held-out prompts, as the record of step 0 (not resumed)."""
+        if self.evaluator is not None and self.state.step == 0:
+            await self.evaluator.before_training(self.logger, self.status, self.roles.actor.generate,
+                                                 self.roles.reward.score)
+
+    async def run(self, step: int, rollout: Rollout, since: float, schedule: Schedule = NOTHING_ADDED) -> dict:
+        """Steps 2-6 of `step` on `rollout`; `since`: when the step's time (`timing/step_s`) began.
+        The step's record."""
+        t, samples, batch = self.cfg.train, rollout.samples, rollout.batch
+        warming = step <= t.critic_warmup_steps  # the critic's warm-up: the actor makes no update
+        one_pass = self.cfg.one_pass_update and not warming
+
+        # 2. Scores, values and logprobs at once: the three roles do not wait on each other.
+        start = time.perf_counter()
+        reward, critic_values, logprobs = await self._scored(rollout, one_pass)
+        score_s = rollout.score_s + time.perf_counter() - start
+        values = critic_values.values if critic_values else torch.zeros(batch.num_response_tokens)
+
+        # 3. Advantages and returns; the KL controller sees this step's KL.
+        with self.clock.span("train computes targets"):
+            require_finite(samples, reward.total, values, logprobs, self.cfg.reward.function)
+            targets = step_targets(self.cfg.preset.estimator, batch, reward.total, values, logprobs.logprobs,
+                                   logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t)
+            policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
+        kl_coef = self.state.kl_coef
+        self.state.kl_coef = self.kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon,
+                                                len(samples))
+
+        # 4. Policy and value updates at once.
+        await schedule.before_update(step)
+        start = time.perf_counter()
+        actor_result, critic_result = await self._updates(step, rollout, policy_targets, targets, critic_values, warming)
+        update_s = time.perf_counter() - start
+        if one_pass:
+            logprobs, targets = after_one_pass(t, logprobs, targets, actor_result)
+        self.checkpointer.trained(step, samples, actor_result.model_version)
+        self.state.step = step
+        now = time.perf_counter()
+        seconds = {"generate": rollout.generate_s, "score": score_s, "update": update_s, "step": now - since}
+        added = await schedule.updated(rollout, actor_result, now, seconds)
+
+        # 5. The record, with an evaluation when due (after the step's time: no part of a training step).
+        record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
+                             seconds)
+        record["kl_coef"] = kl_coef
+        if warming:
+            record["critic_warmup"] = 1.0
+        if step == 1:
+            record.update(self.dataset.stats)  # what the load kept, filtered and truncated
+        record.update(added)
+        if self.evaluator is not None and self.evaluator.due(step):
+            # Async mode: in the train stage, so the next update waits for it, while generation goes
+            # on within the bound and takes the rollout engine in turns with it (evaluation.py).
+            record.update(await self.evaluator.run(step, self.roles.actor.generate, self.roles.reward.score))
+        record.update(self.clock.fractions())
+        self.logger.log(record)
+        self.status.record_step(record, actor_result.model_version)
+
+        # 6. Checkpoint, when due.
+        if self.checkpointer.due(step):
+            await self.save()
+        return record
+
+    async def _scored(self, rollout: Rollout, one_pass: bool) -> tuple[ScoreResult, CriticValues | None, LogProbs]:
+        """The rollout's scores, values and logprobs: those it came with, the others asked for now.
+        A one-pass update takes the policy's logprobs from its own forward, so only the reference's
+        are asked for then (during the critic's warm-up the actor makes no forward: its come from here)."""
+        r, roles = rollout, self.roles
+        return await asyncio.gather(
+            roles.reward.score(score_items(r.records, r.samples)) if r.reward is None else _given(r.reward),
+            roles.critic.compute_values(r.batch) if roles.critic and r.values is None else _given(r.values),
+            # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
+            roles.actor.compute_logprobs(r.batch, self.cfg.sampling.temperature, include_reference=True,
+                                         reference_only=one_pass) if r.logprobs is None else _given(r.logprobs),
+        )
+
+    async def _updates(self, step: int, rollout: Rollout, policy: PolicyTargets, targets: Targets,
+                       values: CriticValues | None, warming: bool) -> tuple[UpdateResult, UpdateResult | None]:
+        """actor.Update | critic.Update. During the critic's warm-up the policy waits, and the actor
+        numbers its own steps from the first one it applies. `Update` carries the version of the
+        batch's oldest sample (sync mode: its only one), which the actor checks against its bound;
+        the critic's, the version that computed the values (its fence)."""
+        warmup, r = self.cfg.train.critic_warmup_steps, rollout
+        return await asyncio.gather(
+            _given(UpdateResult(step=step, model_version=r.oldest_version, stats={})) if warming else
+            self.roles.actor.update(step - warmup, r.oldest_version, r.batch, policy, self.cfg.sampling.temperature),
+            self.roles.critic.update(step, r.batch, targets.returns, values.values, values.model_version)
+            if self.roles.critic else _given(None),
+        )
+
+    async def save(self) -> None:
+        """A checkpoint after the last step: the data of its batches (and of dropped ones) is used."""
+        s = self.state
+        self.dataset.position = s.batches_used * self.cfg.train.prompts_per_step
+        s.data = self.dataset.state_dict()
+        await self.checkpointer.save(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
+        self.saved = s.step
+
+    async def save_if_stopped(self) -> None:
+        """After the last step of a stopped run, a checkpoint of it (`checkpoint.at_end`): it can resume."""
+        if self.status.stop_requested and self.state.step > self.saved and self.cfg.checkpoint.at_end:
+            await self.save()
+
+
+def group_ids(samples: list[Sample]) -> torch.Tensor:
+    return torch.tensor([smp.group_id for smp in samples])
+
+
+def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProbs,
+                       samples: list[Sample]) -> PolicyTargets:
+    """What the actor's update needs; reference and rollout logprobs travel only when its loss uses them."""
+    a = cfg.actor
+    return PolicyTargets(
+        advantages=targets.advantages,
+        old_logprobs=logprobs.logprobs,
+        ref_logprobs=logprobs.ref_logprobs if a.kl_loss_coef > 0 else None,
+        rollout_logprobs=torch.cat([smp.logprobs for smp in samples]) if a.is_correction != "none" else None,
+    )
+
+
+async def _given(value):
+    return value

@@ -1,0 +1,96 @@
+"""Role calls repeated on a transient failure (`pipeline.retries`, both modes): counted in the
+coordinator's state, never sent to a trainer that came back without the run's updates; and that
+state as checkpoints hold it, from this version and from the earlier sync and async ones."""
+
+import asyncio
+
+import pytest
+
+from rolefleet.common.errors import InvalidArgument, Unavailable
+from rolefleet.common.role_types import RoleStatus
+from rolefleet.coordinator.calls import Retries, Roles
+from rolefleet.coordinator.checkpoints import CoordinatorState, PipelineCounts
+
+
+class Flaky:
+    """A role client whose first `down` calls fail with `error`; its status reports `last_step`
+    (None: the status call fails too)."""
+
+    def __init__(self, down: int, last_step: int | None = 0, error: Exception | None = None):
+        self.down, self.last_step, self.error, self.calls = down, last_step, error or Unavailable("refused"), 0
+
+    async def update(self, step):
+        self.calls += 1
+        if self.calls <= self.down:
+            raise self.error
+        return f"update {step}"
+
+    async def status(self, include_digest=False):
+        if self.last_step is None:
+            raise Unavailable("status refused")
+        return RoleStatus(role="x", model_version=self.last_step, last_step=self.last_step)
+
+    async def generate_stream(self, prompts):
+        yield prompts
+
+
+def wrapped(state, actor=None, reward=None, critic=None, retries=2, warmup=0):
+    return Retries(retries, state, warmup).wrap(Roles(actor or Flaky(0), reward or Flaky(0), critic))
+
+
+def test_a_transient_failure_is_repeated_and_counted():
+    state = CoordinatorState(step=3, kl_coef=0.0)
+    roles = wrapped(state, actor=Flaky(2, last_step=3), reward=Flaky(1))
+    assert asyncio.run(roles.actor.update(4)) == "update 4" and asyncio.run(roles.reward.update(1)) == "update 1"
+    assert state.counts.retries == 3
+
+
+def test_past_the_retries_the_call_fails_with_its_error():
+    state = CoordinatorState(step=0, kl_coef=0.0)
+    reward = Flaky(5)
+    with pytest.raises(Unavailable, match="refused"):
+        asyncio.run(wrapped(state, reward=reward, retries=2).reward.update(1))
+    assert reward.calls == 3 and state.counts.retries == 2
+
+
+@pytest.mark.parametrize("last_step", [0, None])
+def test_a_trainer_that_lost_the_runs_updates_or_does_not_answer_is_not_asked_again(last_step):
+    """A restarted process (its last step behind the run's) would take the call without the run's
+    updates: the call fails, and the run recovers from its checkpoint instead."""
+    state = CoordinatorState(step=3, kl_coef=0.0)
+    critic = Flaky(1, last_step=last_step)
+    with pytest.raises(Unavailable, match="refused"):
+        asyncio.run(wrapped(state, critic=critic).critic.update(4))
+    assert critic.calls == 1 and state.counts.retries == 0
+
+
+def test_during_the_critic_warmup_the_actor_is_expected_behind_by_it():
+    state = CoordinatorState(step=3, kl_coef=0.0)
+    actor = Flaky(1, last_step=1)  # 3 steps, 2 of them the critic's warm-up
+    assert asyncio.run(wrapped(state, actor=actor, warmup=2).actor.update(2)) == "update 2"
+
+
+def test_other_errors_and_streams_are_not_repeated():
+    state = CoordinatorState(step=0, kl_coef=0.0)
+    reward, actor = Flaky(1, error=InvalidArgument("items", "bad")), Flaky(0)
+    roles = wrapped(state, actor=actor, reward=reward)
+    with pytest.raises(InvalidArgument):
+        asyncio.run(roles.reward.update(1))
+    assert reward.calls == 1 and roles.actor.generate_stream.__func__ is Flaky.generate_stream
+
+
+def test_the_coordinator_state_round_trips_and_reads_earlier_checkpoints():
+    state = CoordinatorState(step=4, kl_coef=0.05, data={"position": 32}, counts=PipelineCounts(retries=2))
+    assert CoordinatorState.from_dict(state.to_dict()) == state
+    sync = {"version": 1, "step": 3, "kl_coef": 0.04, "data": {"position": 24}}  # the sync loop's
+    assert CoordinatorState.from_dict(sync) == CoordinatorState(3, 0.04, {"position": 24})
+    counts = {"stale_samples": 1, "dropped_batches": 2, "regenerated_batches": 0, "retries": 3}
+    asynchronous = {**sync, "counts": counts}  # the async pipeline's
+    assert CoordinatorState.from_dict(asynchronous).counts == PipelineCounts(**counts)
+    assert CoordinatorState.from_dict(asynchronous).batches_used == 5  # its steps' and the dropped batches
+    assert CoordinatorState.from_dict({"version": 1, "step": 0, "kl_coef": 0}) == CoordinatorState(0, 0.0)  # step 0
+    for bad, key in (({"kl_coef": 0.0}, "step"), ({"step": -1, "kl_coef": 0.0}, "step"),
+                     ({"step": 1, "kl_coef": "high"}, "kl_coef"), ({"step": 1, "kl_coef": 0.0, "data": [1]}, "data"),
+                     ({"step": 1, "kl_coef": 0.0, "counts": {"lost": 1}}, "counts")):
+        with pytest.raises(ValueError, match=f"^{key}:"):
+            CoordinatorState.from_dict(bad)
