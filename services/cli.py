@@ -214,6 +214,19 @@ def cmd_deploy(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Every GPU of the config's device map with what its roles will need; 1 if one will not fit."""
+    from rolefleet.app.memory import GIB, describe, gpu_capacity, plan
+
+    cfg = load_config(args.config, args.overrides)
+    capacity = args.gpu_gib * GIB if args.gpu_gib else gpu_capacity()
+    plans = plan(cfg, capacity)
+    print(describe(cfg, plans))
+    if capacity is None and plans:
+        print("(no GPU here to compare with: give --gpu-gib)")
+    return 1 if any(g.verdict == "over" for g in plans) else 0
+
+
 def cmd_tiny_model(args) -> int:
     from rolefleet.app.tiny_model import make_tiny_model
 
@@ -342,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compose: docker-compose.yml for one node; helm-values: the chart's placement values")
     p.add_argument("config")
     p.set_defaults(fn=cmd_deploy)
+
+    p = sub.add_parser("plan", help="the GPU memory each role of a config will need, and whether it fits")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("--gpu-gib", type=float, default=None, help="memory of one GPU in GiB (default: this machine's)")
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")
     p.add_argument("out")

@@ -29,7 +29,7 @@ from rolefleet.trainer.profiling import profiled
 from rolefleet.trainer.ranks import Ranks, global_rank, global_world, new_subgroups
 from rolefleet.trainer.steps import PartialUpdate
 from rolefleet.trainer.worker import TrainingWorker
-from rolefleet.trainer.workers import collective
+from rolefleet.trainer.workers import collective, join_alone
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
@@ -45,6 +45,8 @@ class ActorWorker(TrainingWorker):
         super().__init__()
         self.device = pick_device()
         torch.manual_seed(seed)
+        if cfg.offload == "params":
+            join_alone()  # FSDP2's CPU offload shards over a process group, even of one
         world, self.rank = global_world(), global_rank()
         placement = ActorPlacement(world, tuple(rollout_ranks))
         self.backend = choose_backend(cfg.rollout.backend, self.device.type == "cuda", vllm_installed(), world,

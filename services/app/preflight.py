@@ -11,6 +11,7 @@ Nothing here loads a model or reaches the network.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Optional
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
 from rolefleet.common.model_paths import cached_config, is_repo_id, model_problem
 
+log = logging.getLogger(__name__)
 COMMANDS = ("up", "serve", "train")
 MODEL_KEYS = {"actor": ("actor.model_name_or_path", "actor.ref_model_name_or_path"),
               "critic": ("critic.model_name_or_path",)}
@@ -43,12 +45,24 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
                             "for `rolefleet train` / `serve coordinator` against running servers (compose, Helm)")
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
     problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
+    problems += check_memory(cfg, roles)
     if "reward" in roles:
         from rolefleet.reward.sources import check_sources
 
         problems += check_sources(cfg)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
+
+
+def check_memory(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """The roles' estimated GPU memory (`app/memory.py`) against this machine's GPUs: over is a
+    problem, near a warning; nothing to check without a GPU."""
+    from rolefleet.app.memory import gpu_capacity, memory_problems
+
+    problems, warnings = memory_problems(cfg, roles, gpu_capacity())
+    for warning in warnings:
+        log.warning("%s", warning)
+    return problems
 
 
 # --- tracking -----------------------------------------------------------------------------------

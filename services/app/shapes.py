@@ -18,6 +18,7 @@ class ModelShape:
     vocab: int | None = None
     positions: int = 128
     attention_bias: bool = False
+    tied: bool = True  # the LM head is the input embedding (Qwen2 to 3B); False: a head of its own
 
 
 # Real model dimensions with random weights, for benchmarks and for trying a deployment without a
@@ -28,4 +29,7 @@ SHAPES: dict[str, ModelShape] = {
                              positions=32768, attention_bias=True),
     "qwen2-1.5b": ModelShape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
                              positions=32768, attention_bias=True),
+    # 7.6B parameters: fp32 master weights, gradients and AdamW state alone are 122 GB.
+    "qwen2.5-7b": ModelShape(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
+                             positions=32768, attention_bias=True, tied=False),
 }

@@ -53,7 +53,7 @@ def _llama_config(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, **extra
         num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.positions,
         attention_bias=shape.attention_bias,
-        tie_word_embeddings=True,
+        tie_word_embeddings=shape.tied,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

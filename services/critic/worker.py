@@ -11,7 +11,7 @@ from rolefleet.critic.model import ValueModel
 from rolefleet.critic.trainer import ValueTrainer
 from rolefleet.trainer.ranks import Ranks, global_world
 from rolefleet.trainer.worker import TrainingWorker
-from rolefleet.trainer.workers import collective
+from rolefleet.trainer.workers import collective, join_alone
 
 ROLE = "critic"
 
@@ -24,6 +24,8 @@ class CriticWorker(TrainingWorker):
         super().__init__()
         self.device = pick_device()
         torch.manual_seed(seed)
+        if cfg.offload == "params":
+            join_alone()  # FSDP2's CPU offload shards over a process group, even of one
         self.ranks = Ranks.of(None)  # every rank trains
         self.rank = self.ranks.rank
         self.parts = dict.fromkeys(("all", "trainers"), list(range(global_world())))

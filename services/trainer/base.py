@@ -20,6 +20,7 @@ loss: the micro-batches' shares (how its loss aggregates over tokens) and the lo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.trainer import checkpoint
-from rolefleet.trainer.optim import StepFn, apply_gradients, make_optimizer, run_epochs
+from rolefleet.trainer.optim import HostOptimizerState, StepFn, apply_gradients, make_optimizer, run_epochs
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
 
@@ -59,12 +60,15 @@ class Trainer:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(backbone)
         # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
-        self.sharded = sharding_wanted(cfg.sharding, ranks)
+        # Parameters in host memory are FSDP's CPU offload, over however many workers (one included).
+        self.sharded = sharding_wanted(cfg.sharding, ranks) or cfg.offload == "params"
         if self.sharded:
-            shard(root, decoder_layers(backbone), device, self.dtype, ranks, full_precision=full_precision)
+            shard(root, decoder_layers(backbone), device, self.dtype, ranks, offload=cfg.offload == "params",
+                  full_precision=full_precision)
         if cfg.compile_layers:
             compile_decoder_layers(backbone, hooks_outside=self.sharded)
         self.optimizer, self.scheduler = make_optimizer(root, cfg)  # over the shards, if sharded
+        self.state_offload = HostOptimizerState(self.optimizer) if cfg.offload == "optimizer" else None
         self.generator = torch.Generator().manual_seed(seed)
 
     # --- passes over a batch ------------------------------------------------------------------
@@ -112,8 +116,11 @@ class Trainer:
         totals = self.ranks.sum_stats(stats)
         p = self.stat_prefix
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
-        grad_norm = apply_gradients(self.root, self.optimizer, self.cfg.max_grad_norm, totals[f"{p}loss"],
-                                    self.scheduler)
+        with self.state_offload or contextlib.nullcontext():
+            grad_norm = apply_gradients(self.root, self.optimizer, self.cfg.max_grad_norm, totals[f"{p}loss"],
+                                        self.scheduler)
+        # Applied: the gradients are of no more use, and generation and the next forwards want the memory.
+        self.optimizer.zero_grad(set_to_none=True)
         return {**totals, f"{p}lr": lr, f"{p}grad_norm": grad_norm}
 
     # --- state ----------------------------------------------------------------------------------
@@ -126,6 +133,8 @@ class Trainer:
     def load_state(self, path: Path) -> None:
         """The inverse of `save_state`, resharded to this part."""
         checkpoint.load_trainer(path, self.model, self.optimizer, self.scheduler, self.generator, self.ranks.group)
+        if self.state_offload is not None:
+            self.state_offload.to_host()  # loading put the state beside the parameters
 
     def digest(self) -> str:
         """Collective when sharded: the weights are gathered on every rank."""

@@ -92,3 +92,38 @@ def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
     if scheduler is not None:
         scheduler.step()
     return grad_norm.item()
+
+
+class HostOptimizerState:
+    """`<role>.offload: optimizer`: the optimizer's state lives in host memory except during its
+    step (`with` this around it), so the forwards, backwards and generation between steps have that
+    memory (AdamW: 8 bytes a parameter). Pinned host buffers, copied asynchronously both ways: the
+    cost is two transfers of the state per optimizer step over PCIe (docs/memory.md)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned buffers, by (parameter id, state key)
+        self._moved: dict[tuple[int, str], torch.device] = {}  # what `to_host` moved, and from where
+
+    def __enter__(self) -> None:
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if (id(param), key) in self._moved:  # not a step count the optimizer keeps on the CPU
+                    state[key] = value.to(self._moved[(id(param), key)], non_blocking=True)
+
+    def __exit__(self, *exc) -> None:
+        self.to_host()
+
+    def to_host(self) -> None:
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device.type != "cpu":
+                    slot = (id(param), key)
+                    host = self._host.get(slot)
+                    if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                        host = self._host[slot] = torch.empty(value.shape, dtype=value.dtype,
+                                                             pin_memory=torch.cuda.is_available())
+                    self._moved[slot] = value.device
+                    state[key] = host.copy_(value, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device copies may be freed only once they are read

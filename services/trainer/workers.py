@@ -105,6 +105,14 @@ def _init(rank: int, world: int, port: int) -> None:
                             timeout=COLLECTIVE_TIMEOUT)
 
 
+def join_alone() -> None:
+    """A process group of this process alone (a role of one worker) where there is none: FSDP2, whose
+    CPU offload `<role>.offload=params` is, shards over a process group, and over one rank its
+    collectives cost nothing."""
+    if not dist.is_initialized():
+        _init(0, 1, free_port())
+
+
 class WorkerGroup:
     """Rank 0's handle on its workers."""
 

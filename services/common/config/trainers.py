@@ -67,6 +67,12 @@ class _TrainerSection(Endpoint):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decayed learning rate, as a fraction of lr")
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the "
                                          "backward: less memory, about a third more compute")
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none", description="host memory for the trainer's state on a GPU: optimizer = AdamW's state in host "
+        "memory between optimizer steps and the gradients freed after each (the GPU holds them only during the "
+        "step); params = weights, gradients and AdamW state in host memory and the optimizer step on the CPU "
+        "(FSDP2's CPU offload: each layer's weights visit the GPU for its forward and backward). Slower steps "
+        "(docs/memory.md); `rolefleet plan` shows what each saves")
     sequence_packing: bool = Field(False, description="micro-batches as one row of sequences without "
                                    "padding (attention kept inside each sequence by a block mask) instead "
                                    "of right-padded rows")
@@ -88,6 +94,13 @@ class _TrainerSection(Endpoint):
                                        "per rank go to profile_dir")
     profile_dir: str = Field("profiles", description="where profile_updates writes <role>-update<N>-rank<R>.json "
                              "and .txt")
+
+    @model_validator(mode="after")
+    def _params_offload_is_fsdps(self) -> _TrainerSection:
+        if self.offload == "params" and self.sharding != "fsdp":
+            raise ValueError("offload=params is FSDP2's CPU offload: it needs sharding=fsdp (replicate keeps a "
+                             "full copy on each GPU); or offload=optimizer")
+        return self
 
 
 class VllmSection(_Section):

@@ -1,0 +1,311 @@
+"""How much GPU memory each role of a run will need, from the model's config.json alone (no weights
+are loaded): what `rolefleet plan` prints and what preflight checks before `up` and `serve` start.
+
+Per GPU, a role's estimate is what it holds all the time plus the largest of its phases:
+
+- held: the trainer's fp32 master weights (none with `<role>.offload=params`), its AdamW state (8
+  bytes a trainable parameter; in host memory with `<role>.offload`), the reference (unless `actor.ref_offload`), the hf engine's bf16
+  copy of the policy and the decode state it keeps (`actor.rollout.keep_decode_state_mb`); all of a
+  trainer's parts divided over its workers when sharded (`<role>.sharding: fsdp`);
+- generate: the KV cache of one engine call (`actor.rollout.batch_size` rows of prompt + response);
+  vLLM instead takes `actor.rollout.vllm.gpu_memory_utilization` of the GPU while it generates;
+- update: the gradients (4 bytes a trainable parameter), the activations one micro-batch of
+  `max_tokens_per_micro_batch` tokens keeps for its backward (every layer's, or with
+  `gradient_checkpointing` each layer's input and one layer's), and the LM head's logits of one
+  chunk (`actor.logprob_chunk_tokens`) with their gradient.
+
+Roles that share a GPU (`devices.colocate`) add up. The activation bytes per token and layer are
+counted from the tensors a decoder layer saves under bf16 autocast (see `activation_bytes`); the
+allocator's own slack is `ALLOCATOR_SLACK`. docs/memory.md has the formulas and how the estimate
+compares with measured peaks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
+from rolefleet.common.model_paths import cached_config, is_repo_id
+
+GIB = 2**30
+ALLOCATOR_SLACK = 1.10  # the caching allocator's fragmentation over the live tensors' bytes
+CUDA_CONTEXT = 0.6 * GIB  # per process on a GPU: the CUDA context, cuBLAS/cuDNN workspaces
+NEAR = 0.9  # an estimate above this share of the GPU is a warning; above the whole GPU, an error
+ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    attention_bias: bool = False  # q, k, v biases
+    output_bias: bool = False  # an o_proj bias too (Llama's attention_bias; Qwen2 has none)
+
+    @classmethod
+    def of_config(cls, config: dict, where: str = "config.json") -> ModelDims:
+        """The dimensions of a transformers decoder config (Llama, Qwen2, Mistral and alike)."""
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if not isinstance(config.get(k), int)]
+        if missing:
+            raise ConfigError(f"{where}: cannot estimate memory without {', '.join(missing)}")
+        heads = config["num_attention_heads"]
+        return cls(hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+                   tied=bool(config.get("tie_word_embeddings", False)),
+                   attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+                   output_bias=bool(config.get("attention_bias")) and config.get("model_type") != "qwen2")
+
+    @classmethod
+    def read(cls, path: str) -> ModelDims:
+        """From a model directory's config.json, or a hub id's cached one."""
+        local = Path(path).expanduser()
+        file = local / "config.json" if local.is_dir() else (cached_config(path) if is_repo_id(path) else None)
+        if file is None or not file.is_file():
+            raise ConfigError(f"{path}: no config.json to estimate its memory from")
+        return cls.of_config(json.loads(file.read_text(encoding="utf-8")), str(file))
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def params(self) -> int:
+        """Parameters of the model: embeddings, the head unless tied, and per layer attention
+        (q, k, v, o; q/k/v biases where the config has them), the gated MLP and two norms."""
+        h, kv = self.hidden, self.kv_dim
+        q = self.heads * self.head_dim
+        attention = (h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+                     + (h if self.output_bias else 0))
+        layer = attention + 3 * h * self.intermediate + 2 * h
+        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+
+    def activation_bytes(self) -> int:
+        """Bytes one token keeps for the backward in one decoder layer under bf16 autocast over fp32
+        weights: the fp32 residual stream's two RMSNorms (input and normalised, 8 bytes a channel
+        each), the bf16 casts of their outputs into q/k/v and gate/up (5 casts), q/k/v after RoPE and
+        the attention output with its inputs (SDPA keeps q, k, v and its output), and the MLP's gate,
+        up, activation and product (2 bytes each)."""
+        h, kv, i, q = self.hidden, self.kv_dim, self.intermediate, self.heads * self.head_dim
+        norms = 2 * 8 * h
+        casts = 5 * 2 * h
+        attention = 2 * (2 * q + 2 * 2 * kv) + 2 * q  # q, k, v before and after RoPE; the output
+        mlp = 4 * 2 * i
+        return norms + casts + attention + mlp
+
+    def layer_input_bytes(self) -> int:
+        """What activation checkpointing keeps per token and layer: the layer's fp32 input."""
+        return 4 * self.hidden
+
+
+@dataclass
+class Part:
+    what: str
+    bytes: float
+
+
+@dataclass
+class Estimate:
+    """One role's need on one of its GPUs."""
+    role: str
+    gpu: str
+    held: list[Part] = field(default_factory=list)
+    phases: dict[str, list[Part]] = field(default_factory=dict)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(x.bytes for x in self.phases[p])) if self.phases else ""
+
+    @property
+    def total(self) -> float:
+        held = sum(p.bytes for p in self.held)
+        peak = max((sum(p.bytes for p in parts) for parts in self.phases.values()), default=0.0)
+        return (held + peak) * ALLOCATOR_SLACK + CUDA_CONTEXT
+
+
+def _trainer_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix: str) -> tuple[list, list]:
+    """(held, update phase) of a trainer on one of its GPUs."""
+    share = workers if sharded else 1
+    p, offload = dims.params, section.offload
+    held = [] if offload == "params" else [Part(f"{prefix} weights (fp32)", 4 * p / share)]
+    if offload == "none":
+        held.append(Part(f"{prefix} AdamW state (fp32)", 8 * p / share))
+    tokens = section.max_tokens_per_micro_batch
+    if section.gradient_checkpointing:
+        activations = tokens * (dims.layers * dims.layer_input_bytes() + dims.activation_bytes())
+    else:
+        activations = tokens * dims.layers * dims.activation_bytes()
+    update = [Part(f"{prefix} activations of one micro-batch ({tokens} tokens)", activations)]
+    if offload == "params":  # a layer's gathered bf16 weights and their gradient, two layers at a time
+        layer = (dims.params - dims.vocab * dims.hidden * (1 if dims.tied else 2)) / dims.layers
+        update.append(Part(f"{prefix} weights and gradients of the layers in flight", 2 * 2 * 2 * layer))
+    else:
+        update.append(Part(f"{prefix} gradients (fp32)", 4 * p / share))
+    if offload == "optimizer":  # back on the GPU for the step (the activations are gone by then)
+        update = max(update, [Part(f"{prefix} gradients and AdamW state during the step", 12 * p / share)],
+                     key=lambda parts: sum(x.bytes for x in parts))
+    return held, update
+
+
+def _head_chunk(dims: ModelDims, chunk: int) -> Part:
+    # fp32 logits of one chunk, their log-softmax and its gradient.
+    return Part(f"LM head logits of {chunk} tokens with their gradient", 3 * 4 * chunk * dims.vocab)
+
+
+def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
+    a, s = cfg.actor, cfg.sampling
+    workers = max(1, len(cfg.devices.actor))
+    sharded = a.sharding == "fsdp" and workers > 1
+    share = workers if sharded else 1
+    est = Estimate("actor", gpu)
+    held, update = _trainer_parts(dims, a, workers, sharded, "policy")
+    est.held += held
+    if not a.ref_offload:
+        est.held.append(Part("reference weights (fp32)", 4 * dims.params / share))
+    update.append(_head_chunk(dims, a.logprob_chunk_tokens))
+    rows = min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt)
+    width = (cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS) + s.max_new_tokens
+    if a.rollout.backend == "vllm":
+        est.phases["generate"] = [Part("vLLM (gpu_memory_utilization of the GPU)", 0.0)]  # filled by the caller
+    else:
+        est.held.append(Part("rollout engine weights (bf16)", 2 * dims.params))
+        kv = 2 * 2 * dims.layers * dims.kv_dim * rows * width
+        kept = min(kv, a.rollout.keep_decode_state_mb * 2**20)
+        est.held.append(Part("kept decode state", kept))
+        est.phases["generate"] = [Part(f"KV cache of {rows} rows x {width} tokens (bf16)", kv - kept),
+                                  Part("logits of one decode step", 4 * rows * dims.vocab)]
+    est.phases["update"] = update
+    if a.ref_offload:
+        est.phases["logprobs"] = [Part("reference visiting the GPU (fp32)", 4 * dims.params / share),
+                                  _head_chunk(dims, a.logprob_chunk_tokens)]
+    return est
+
+
+def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
+    workers = max(1, len(cfg.devices.critic))
+    sharded = cfg.critic.sharding == "fsdp" and workers > 1
+    held, update = _trainer_parts(dims, cfg.critic, workers, sharded, "value model")
+    return Estimate("critic", gpu, held=held, phases={"update": update})
+
+
+@dataclass
+class GpuPlan:
+    gpu: str
+    capacity: Optional[float]
+    estimates: list[Estimate]
+
+    @property
+    def total(self) -> float:
+        return sum(e.total for e in self.estimates)
+
+    @property
+    def verdict(self) -> str:
+        if self.capacity is None:
+            return "unknown"
+        if self.total > self.capacity:
+            return "over"
+        return "near" if self.total > NEAR * self.capacity else "fits"
+
+
+def plan(cfg: RoleFleetConfig, capacity: Optional[float] = None) -> list[GpuPlan]:
+    """Every GPU of the run's device map with what its roles will need (`capacity`: the bytes of one
+    GPU; None: not known here)."""
+    by_gpu: dict[str, list[Estimate]] = {}
+    models = {"actor": cfg.actor.model_name_or_path, "critic": cfg.critic.model_name_or_path}
+    builders = {"actor": actor_estimate, "critic": critic_estimate}
+    roles = ["actor", *(["critic"] if cfg.preset.uses_critic else [])]
+    for role in roles:
+        devices = getattr(cfg.devices, role)
+        if not devices:
+            continue  # on the CPU: nothing to plan
+        dims = ModelDims.read(models[role])
+        for device in devices:
+            node, index = split_device(device)
+            gpu = f"{node}:{index}" if node else str(index)
+            est = builders[role](cfg, dims, gpu)
+            if role == "actor" and cfg.actor.rollout.backend == "vllm" and capacity is not None:
+                est.phases["generate"][0].bytes = cfg.actor.rollout.vllm.gpu_memory_utilization * capacity
+            by_gpu.setdefault(gpu, []).append(est)
+    return [GpuPlan(gpu, capacity, estimates) for gpu, estimates in by_gpu.items()]
+
+
+def gpu_capacity() -> Optional[float]:
+    """Bytes of the smallest GPU this process sees (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
+
+
+def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[float]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of `roles` on GPUs of `capacity` bytes: an estimate over a GPU is a
+    problem naming the role, the estimate and the settings that lower it; near one, a warning."""
+    if capacity is None:
+        return [], []
+    try:
+        plans = plan(cfg, capacity)
+    except ConfigError:
+        return [], []  # a model without a readable config.json: check_models says what is wrong with it
+    problems, warnings = [], []
+    for g in plans:
+        mine = [e for e in g.estimates if e.role in roles]
+        if not mine or g.verdict in ("fits", "unknown"):
+            continue
+        for est in mine:
+            line = (f"{est.role} on GPU {g.gpu}: an estimated {est.total / GIB:.1f} GiB (GPU total "
+                    f"{g.total / GIB:.1f} of {capacity / GIB:.1f} GiB; `rolefleet plan` itemizes it)")
+            if g.verdict == "over":
+                problems.append(f"{line} will not fit; would help: {'; '.join(settings_that_help(cfg, est))}")
+            else:
+                warnings.append(f"{line} is near the GPU's memory")
+    return problems, warnings
+
+
+def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
+    """Config changes that lower this role's estimate, biggest saving first."""
+    role = est.role
+    section = getattr(cfg, role)
+    out = []
+    if not section.gradient_checkpointing:
+        out.append(f"{role}.gradient_checkpointing=true (keeps each layer's input, not its activations)")
+    if section.max_tokens_per_micro_batch > 4096:
+        out.append(f"{role}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch // 4} "
+                   "(activations scale with it)")
+    if section.offload == "none":
+        out.append(f"{role}.offload=optimizer (AdamW state in host memory between steps)")
+    if section.offload != "params":
+        out.append(f"{role}.offload=params (weights, gradients and AdamW state in host memory; CPU optimizer step)")
+    if role == "actor" and not cfg.actor.ref_offload:
+        out.append("actor.ref_offload=true (the reference in host memory between uses)")
+    if len(getattr(cfg.devices, role)) == 1:
+        out.append(f"more GPUs in devices.{role} (sharded over them with {role}.sharding=fsdp)")
+    return out
+
+
+def describe(cfg: RoleFleetConfig, plans: list[GpuPlan]) -> str:
+    """The plan as `rolefleet plan` prints it."""
+    lines = []
+    for g in plans:
+        cap = f" of {g.capacity / GIB:.1f} GiB" if g.capacity else ""
+        lines.append(f"GPU {g.gpu}: {g.total / GIB:.1f} GiB{cap} ({g.verdict})")
+        for est in g.estimates:
+            lines.append(f"  {est.role}: {est.total / GIB:.1f} GiB, peak in {est.peak_phase or 'none'}")
+            for part in est.held:
+                lines.append(f"    held      {part.bytes / GIB:8.2f} GiB  {part.what}")
+            for phase, parts in est.phases.items():
+                for part in parts:
+                    lines.append(f"    {phase:9} {part.bytes / GIB:8.2f} GiB  {part.what}")
+            if g.verdict in ("over", "near"):
+                lines += [f"    would help: {s}" for s in settings_that_help(cfg, est)]
+    return "\n".join(lines) if lines else "no role has a GPU (devices.* are empty): nothing to plan"
