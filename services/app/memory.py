@@ -34,6 +34,10 @@ GIB = 2**30
 ALLOCATOR_SLACK = 1.10  # the caching allocator's fragmentation over the live tensors' bytes
 CUDA_CONTEXT = 0.6 * GIB  # per process on a GPU: the CUDA context, cuBLAS/cuDNN workspaces
 NEAR = 0.9  # an estimate above this share of the GPU is a warning; above the whole GPU, an error
+# With `compile_layers` Inductor fuses the norms, RoPE and the MLP's activation and recomputes the
+# cheap ones in the backward: a layer keeps this share of what the eager count says. Measured on
+# one H200 at Qwen2-1.5B dimensions (gpu_1x, 32768-token micro-batches; docs/memory.md).
+COMPILED_ACTIVATION_SHARE = 0.65
 ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
 
 
@@ -121,6 +125,11 @@ class Estimate:
     gpu: str
     held: list[Part] = field(default_factory=list)
     phases: dict[str, list[Part]] = field(default_factory=dict)
+    host: list[Part] = field(default_factory=list)  # what offloading puts in the node's memory instead
+
+    @property
+    def host_total(self) -> float:
+        return sum(p.bytes for p in self.host)
 
     @property
     def peak_phase(self) -> str:
@@ -133,18 +142,19 @@ class Estimate:
         return (held + peak) * ALLOCATOR_SLACK + CUDA_CONTEXT
 
 
-def _trainer_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix: str) -> tuple[list, list]:
-    """(held, update phase) of a trainer on one of its GPUs."""
+def _trainer_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix: str) -> tuple[list, list, list]:
+    """(held, update phase, host memory) of a trainer on one of its GPUs."""
     share = workers if sharded else 1
     p, offload = dims.params, section.offload
     held = [] if offload == "params" else [Part(f"{prefix} weights (fp32)", 4 * p / share)]
     if offload == "none":
         held.append(Part(f"{prefix} AdamW state (fp32)", 8 * p / share))
     tokens = section.max_tokens_per_micro_batch
+    layer = dims.activation_bytes() * (COMPILED_ACTIVATION_SHARE if section.compile_layers else 1.0)
     if section.gradient_checkpointing:
-        activations = tokens * (dims.layers * dims.layer_input_bytes() + dims.activation_bytes())
+        activations = tokens * (dims.layers * dims.layer_input_bytes() + layer)
     else:
-        activations = tokens * dims.layers * dims.activation_bytes()
+        activations = tokens * dims.layers * layer
     update = [Part(f"{prefix} activations of one micro-batch ({tokens} tokens)", activations)]
     if offload == "params":  # a layer's gathered bf16 weights and their gradient, two layers at a time
         layer = (dims.params - dims.vocab * dims.hidden * (1 if dims.tied else 2)) / dims.layers
@@ -154,7 +164,9 @@ def _trainer_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix
     if offload == "optimizer":  # back on the GPU for the step (the activations are gone by then)
         update = max(update, [Part(f"{prefix} gradients and AdamW state during the step", 12 * p / share)],
                      key=lambda parts: sum(x.bytes for x in parts))
-    return held, update
+    host = {"none": [], "optimizer": [Part(f"{prefix} AdamW state (pinned)", 8 * p / share)],
+            "params": [Part(f"{prefix} weights, gradients and AdamW state", 16 * p / share)]}[offload]
+    return held, update, host
 
 
 def _head_chunk(dims: ModelDims, chunk: int) -> Part:
@@ -167,11 +179,16 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
     workers = max(1, len(cfg.devices.actor))
     sharded = a.sharding == "fsdp" and workers > 1
     share = workers if sharded else 1
+    # Sharded (over workers, or over one for offload=params), an offloaded reference is FSDP's CPU
+    # offload too: its layers visit the GPU one at a time; unsharded, it visits whole.
+    ref_layers_only = sharded or a.offload == "params"
     est = Estimate("actor", gpu)
-    held, update = _trainer_parts(dims, a, workers, sharded, "policy")
+    held, update, est.host = _trainer_parts(dims, a, workers, sharded, "policy")
     est.held += held
     if not a.ref_offload:
         est.held.append(Part("reference weights (fp32)", 4 * dims.params / share))
+    else:
+        est.host.append(Part("reference weights (fp32)", 4 * dims.params / share))
     update.append(_head_chunk(dims, a.logprob_chunk_tokens))
     rows = min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt)
     width = (cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS) + s.max_new_tokens
@@ -185,7 +202,7 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
         est.phases["generate"] = [Part(f"KV cache of {rows} rows x {width} tokens (bf16)", kv - kept),
                                   Part("logits of one decode step", 4 * rows * dims.vocab)]
     est.phases["update"] = update
-    if a.ref_offload:
+    if a.ref_offload and not ref_layers_only:
         est.phases["logprobs"] = [Part("reference visiting the GPU (fp32)", 4 * dims.params / share),
                                   _head_chunk(dims, a.logprob_chunk_tokens)]
     return est
@@ -194,8 +211,8 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
 def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
     workers = max(1, len(cfg.devices.critic))
     sharded = cfg.critic.sharding == "fsdp" and workers > 1
-    held, update = _trainer_parts(dims, cfg.critic, workers, sharded, "value model")
-    return Estimate("critic", gpu, held=held, phases={"update": update})
+    held, update, host = _trainer_parts(dims, cfg.critic, workers, sharded, "value model")
+    return Estimate("critic", gpu, held=held, phases={"update": update}, host=host)
 
 
 @dataclass
@@ -306,6 +323,8 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan]) -> str:
             for phase, parts in est.phases.items():
                 for part in parts:
                     lines.append(f"    {phase:9} {part.bytes / GIB:8.2f} GiB  {part.what}")
+            for part in est.host:
+                lines.append(f"    host      {part.bytes / GIB:8.2f} GiB  {part.what} (node memory, not the GPU)")
             if g.verdict in ("over", "near"):
                 lines += [f"    would help: {s}" for s in settings_that_help(cfg, est)]
     return "\n".join(lines) if lines else "no role has a GPU (devices.* are empty): nothing to plan"
