@@ -98,7 +98,9 @@ def free_port() -> int:
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # GPU tensors meet in NCCL; CPU ones (FSDP's offloaded shards, gathered whole for the weight sync
+    # and the digest) in gloo, which NCCL cannot carry.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)  # the group's GPUs are all visible; rank i drives the i-th
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
