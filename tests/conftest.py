@@ -53,7 +53,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny Llama-shaped model with a short warm start on addition: it answers about one prompt in
     six, so a step of 8 prompts nearly always has a reward to learn from, whatever the sampler's
     random stream (tests that check weights moved rely on it)."""
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model"), task="addition", warm_start_steps=120))
+    return built_once(tmp_path_factory, "tiny-model",
+                      lambda out: make_tiny_model(out, task="addition", warm_start_steps=120))
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +63,23 @@ def real_model_dir(tmp_path_factory) -> str:
     `make test` installs) written as a model directory by `rolefleet import-gguf`, once per session."""
     from rolefleet.gguf_import import import_gguf, packaged_gguf
 
-    return str(import_gguf(packaged_gguf(), tmp_path_factory.mktemp("real-model") / "smollm2").out)
+    return built_once(tmp_path_factory, "smollm2", lambda out: import_gguf(packaged_gguf(), out))
+
+
+def built_once(tmp_path_factory, name: str, build) -> str:
+    """A model directory built once for the whole run: the test processes of `make test`
+    (pytest-xdist workers) share their base temp directory's parent and take turns on a lock, so
+    the second finds the first's (the GGUF import alone is half a minute of CPU)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / name
+    with FileLock(f"{out}.lock"):
+        if not (out / "config.json").is_file():
+            build(out)
+    return str(out)
 
 
 @pytest.fixture
