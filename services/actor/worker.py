@@ -23,13 +23,13 @@ from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection, RoleFleetConfig
-from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, pick_device, release_memory
+from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, release_memory
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
 from rolefleet.trainer.profiling import profiled
 from rolefleet.trainer.ranks import Ranks, global_rank, global_world, new_subgroups
 from rolefleet.trainer.steps import PartialUpdate
 from rolefleet.trainer.worker import TrainingWorker
-from rolefleet.trainer.workers import collective, join_alone
+from rolefleet.trainer.workers import collective
 
 log = logging.getLogger(__name__)
 ROLE = "actor"
@@ -41,12 +41,7 @@ class ActorWorker(TrainingWorker):
     def __init__(self, cfg: ActorSection, seed: int = 0, rollout_ranks: tuple[int, ...] = ()):
         """`rollout_ranks`: the ranks that only generate (`placement.rollout_ranks`); empty: every
         rank trains and generates."""
-        self.cfg = cfg
-        super().__init__()
-        self.device = pick_device()
-        torch.manual_seed(seed)
-        if cfg.offload == "params":
-            join_alone()  # FSDP2's CPU offload shards over a process group, even of one
+        super().__init__(cfg, seed)
         world, self.rank = global_world(), global_rank()
         placement = ActorPlacement(world, tuple(rollout_ranks))
         self.backend = choose_backend(cfg.rollout.backend, self.device.type == "cuda", vllm_installed(), world,

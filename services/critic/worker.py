@@ -6,12 +6,11 @@ from __future__ import annotations
 import torch
 
 from rolefleet.common.config import CriticSection, RoleFleetConfig
-from rolefleet.common.modeling import pick_device
 from rolefleet.critic.model import ValueModel
 from rolefleet.critic.trainer import ValueTrainer
 from rolefleet.trainer.ranks import Ranks, global_world
 from rolefleet.trainer.worker import TrainingWorker
-from rolefleet.trainer.workers import collective, join_alone
+from rolefleet.trainer.workers import collective
 
 ROLE = "critic"
 
@@ -20,12 +19,7 @@ class CriticWorker(TrainingWorker):
     role = ROLE
 
     def __init__(self, cfg: CriticSection, seed: int = 0):
-        self.cfg = cfg
-        super().__init__()
-        self.device = pick_device()
-        torch.manual_seed(seed)
-        if cfg.offload == "params":
-            join_alone()  # FSDP2's CPU offload shards over a process group, even of one
+        super().__init__(cfg, seed)
         self.ranks = Ranks.of(None)  # every rank trains
         self.rank = self.ranks.rank
         self.parts = dict.fromkeys(("all", "trainers"), list(range(global_world())))

@@ -10,10 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
+from rolefleet.common.modeling import pick_device
 from rolefleet.trainer.base import Trainer
 from rolefleet.trainer.profiling import NewGraphs, profiled
 from rolefleet.trainer.ranks import Ranks
-from rolefleet.trainer.workers import collective
+from rolefleet.trainer.workers import collective, join_alone
 
 T = TypeVar("T")
 
@@ -26,9 +29,16 @@ class TrainingWorker:
     trainer: Trainer | None
     parts: dict[str, list[int]]
 
-    def __init__(self) -> None:
+    def __init__(self, cfg, seed: int) -> None:
+        """What every rank does first: its device, its seed, and for `<role>.offload=params` a process
+        group (FSDP2's CPU offload shards over one, even of this process alone)."""
+        self.cfg = cfg
         self.updates_run = 0  # by this process: what `<role>.profile_updates` counts
         self.new_graphs = NewGraphs(self.role)
+        self.device = pick_device()
+        torch.manual_seed(seed)
+        if cfg.offload == "params":
+            join_alone()
 
     def profiled_update(self, train: Callable[[], tuple[dict, T]]) -> tuple[dict, T]:
         """`train()` (statistics and anything else) under the profiler when this update is one of

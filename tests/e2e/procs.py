@@ -20,11 +20,17 @@ def write_config(cfg, path: Path) -> Path:
     return path
 
 
+LAUNCH = "ROLEFLEET_TEST_LAUNCH"  # in the environment of a `rolefleet` a test starts, and of its descendants
+
+
 def rolefleet(*args: str, **kwargs) -> subprocess.Popen:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "rolefleet.cli", "--log-level", "info", *args], env=env,
+    """`rolefleet ARGS`; its process tree carries a launch id of its own (`descendants`)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **{LAUNCH: os.urandom(8).hex()})
+    proc = subprocess.Popen([sys.executable, "-m", "rolefleet.cli", "--log-level", "info", *args], env=env,
                             stdout=kwargs.pop("stdout", subprocess.PIPE), stderr=subprocess.STDOUT, text=True,
                             **kwargs)
+    proc.rolefleet_launch = env[LAUNCH]
+    return proc
 
 
 def wait_ready(proc: subprocess.Popen, ready: Path) -> dict:
@@ -61,6 +67,25 @@ def processes_mentioning(text: str) -> list[int]:
         except OSError:
             continue
         if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def descendants(proc: subprocess.Popen) -> list[int]:
+    """Live processes started under `proc` (at any depth, reparented or not): those whose
+    environment carries its launch id. Another test's processes (a second test process of
+    `make test`) never match, as a command-line pattern might."""
+    mark = f"{LAUNCH}={proc.rolefleet_launch}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), proc.pid):
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in environ.split(b"\0") and state != "Z":
             found.append(int(entry.name))
     return found
 

@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from tests.e2e.procs import children_of, processes_mentioning, read_metrics, rolefleet, running_run, write_config
+from tests.e2e.procs import (
+    children_of,
+    descendants,
+    processes_mentioning,
+    read_metrics,
+    rolefleet,
+    running_run,
+    write_config,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +42,10 @@ def test_up_with_a_split_actor_trains_async_and_leaves_no_process(make_config, t
     assert "actor: 2 worker processes joined (gloo)" in log
     assert "actor placement: 1 training workers (ranks [1]), 1 rollout workers (ranks [0])" in log
     assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
-    assert processes_mentioning("spawn_main") == []  # the workers are gone too
+    deadline = time.monotonic() + 10  # the worker processes are gone too (and multiprocessing's tracker,
+    while descendants(proc) and time.monotonic() < deadline:  # which ends once it reads its parent's exit)
+        time.sleep(0.2)
+    assert descendants(proc) == []
 
 
 def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
@@ -59,6 +70,6 @@ def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
     log = (cfg.run.out / "logs" / "actor.log").read_text()
     assert "actor: worker actor-rank1 exited with code -9; the role cannot continue without it" in log
     deadline = time.monotonic() + 30
-    while processes_mentioning(resolved) and time.monotonic() < deadline:
+    while (processes_mentioning(resolved) or descendants(proc)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_mentioning(resolved) == [] and processes_mentioning("spawn_main") == []
+    assert processes_mentioning(resolved) == [] and descendants(proc) == []
