@@ -97,14 +97,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    # GPU tensors meet in NCCL; CPU ones (FSDP's offloaded shards, gathered whole for the weight sync
-    # and the digest) in gloo, which NCCL cannot carry.
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+def _init(rank: int, world: int, port: int, cpu_tensors: bool = False) -> None:
+    """Join the role's process group. `cpu_tensors` (`<role>.offload=params`): collectives of CPU
+    tensors too (FSDP's offloaded shards, gathered whole for the weight sync and the digest) go over
+    gloo beside NCCL, which carries GPU tensors only."""
+    if torch.cuda.is_available():
+        backend = "cpu:gloo,cuda:nccl" if cpu_tensors else "nccl"
+    else:
+        backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)  # the group's GPUs are all visible; rank i drives the i-th
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
+
+
+def offloads_params(role: str, raw_config: dict) -> bool:
+    return (raw_config.get(role) or {}).get("offload") == "params"
 
 
 def join_alone() -> None:
@@ -112,7 +120,7 @@ def join_alone() -> None:
     CPU offload `<role>.offload=params` is, shards over a process group, and over one rank its
     collectives cost nothing."""
     if not dist.is_initialized():
-        _init(0, 1, free_port())
+        _init(0, 1, free_port(), cpu_tensors=True)
 
 
 class WorkerGroup:
@@ -141,7 +149,7 @@ class WorkerGroup:
         for _, theirs in pipes:
             theirs.close()  # only the worker holds its end: a dead worker reads as EOF here
         group = cls(role, processes, [ours for ours, _ in pipes])  # watching first: a worker that
-        _init(0, world, port)                                      # dies before joining ends the wait
+        _init(0, world, port, offloads_params(role, raw_config))   # dies before joining ends the wait
         log.info("%s: %d worker processes joined (%s)", role, world, dist.get_backend())
         return group
 
@@ -223,7 +231,7 @@ def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, world
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[rank {rank}] %(levelname)s %(message)s")
     cfg = parse_config(raw_config, [])
     set_threads(getattr(cfg, role).num_threads)
-    _init(rank, world, port)
+    _init(rank, world, port, offloads_params(role, raw_config))
     worker = factory(cfg)
     while (command := pipe.recv()) is not STOP:
         method, args, answer = command
