@@ -32,10 +32,6 @@ class TrainerRole:
     def ledger(self) -> StepLedger:
         return self.state.ledger
 
-    @property
-    def group(self) -> WorkerGroup | None:
-        return self.workers.group
-
     # --- checkpoints (trainer/checkpoint.py) ------------------------------------------------------
 
     def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
