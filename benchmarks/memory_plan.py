@@ -1,12 +1,17 @@
-"""The memory planner (`rolefleet plan`, `app/memory.py`) against measured peaks on a GPU: the actor
-of `configs/gpu_1x.yaml` (GRPO, every role on GPU 0) in-process, on random weights of real
-dimensions, one generate (prompts_per_step x samples_per_prompt x max_new_tokens), one
-ComputeLogProbs and two updates; each variant in a process of its own, so its peaks are its own.
+"""The memory planner (`rolefleet plan`, `app/memory.py`) against measured peaks on a GPU, and the
+step's phases: the actor of a one-GPU config (GRPO, every role on GPU 0) in-process, on random
+weights of real dimensions: generate (prompts_per_step x samples_per_prompt x max_new_tokens),
+ComputeLogProbs (policy and reference) and an update, twice (the second of each is the warm one);
+each run in a process of its own, so its peaks are its own.
 
     python benchmarks/memory_plan.py --out OUT [--shapes qwen2-0.5b,qwen2-1.5b] [--variants default,eager]
+    python benchmarks/memory_plan.py --out OUT --runs qwen2-1.5b:default,qwen2.5-7b:lora,qwen2.5-7b:full-offload
 
-Per phase: torch's peak allocated and reserved bytes and the planner's estimate of the same phase
-(held + phase, with the allocator slack and CUDA context of `app/memory.py`); OUT/memory_plan.json.
+Per phase: torch's peak allocated and reserved bytes and seconds, and the planner's estimate of the
+same phase (held + phase, with the allocator slack and CUDA context of `app/memory.py`); the warm
+step's time (generate2 + logprobs2 + update2) and the update's model FLOP rate and MFU (6 x params x
+tokens for full-parameter training, 4 x params x tokens with LoRA, whose backward computes no weight
+gradients; an H200's 989 dense bf16 TFLOP/s); OUT/memory_plan.json.
 """
 
 from __future__ import annotations
@@ -19,17 +24,22 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml"
-VARIANTS = {
-    "default": [],  # gpu_1x as shipped: compiled layers, 32768-token micro-batches
-    "eager": ["actor.compile_layers=false", "actor.max_tokens_per_micro_batch=8192"],
-    "checkpointing": ["actor.compile_layers=false", "actor.gradient_checkpointing=true"],
-    "offload-optimizer": ["actor.offload=optimizer"],
-    "offload-params": ["actor.offload=params"],
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PEAK_FLOPS = 989e12  # an H200's dense bf16 rate
+VARIANTS = {  # name: (config, overrides)
+    "default": ("gpu_1x.yaml", []),  # gpu_1x as shipped: compiled layers, 32768-token micro-batches
+    "eager": ("gpu_1x.yaml", ["actor.compile_layers=false", "actor.max_tokens_per_micro_batch=8192"]),
+    "checkpointing": ("gpu_1x.yaml", ["actor.compile_layers=false", "actor.gradient_checkpointing=true"]),
+    "offload-optimizer": ("gpu_1x.yaml", ["actor.offload=optimizer"]),
+    "offload-params": ("gpu_1x.yaml", ["actor.offload=params"]),
+    "lora": ("gpu_7b.yaml", []),  # gpu_7b as shipped: LoRA r=32 on every linear layer
+    # gpu_7b's full-parameter variant (its header): optimizer state and reference in host memory.
+    "full-offload": ("gpu_7b.yaml", ["actor.lora.rank=0", "actor.offload=optimizer", "actor.ref_offload=true",
+                                     "actor.gradient_checkpointing=true", "actor.max_tokens_per_micro_batch=16384"]),
 }
 
 
-def measure(model: str, overrides: list[str]) -> dict:
+def measure(model: str, variant: str, profile_dir: str | None = None) -> dict:
     """In this process: the actor's phases and their peaks, and the planner's estimate."""
     import torch
 
@@ -40,7 +50,10 @@ def measure(model: str, overrides: list[str]) -> dict:
     from rolefleet.common.config import load_config
     from rolefleet.tasks import make_task
 
-    cfg = load_config(CONFIG, [f"model.model_name_or_path={model}", *overrides])
+    config, overrides = VARIANTS[variant]
+    if profile_dir:  # a third update under torch.profiler, after the measured ones
+        overrides = [*overrides, "actor.profile_updates=[3]", f"actor.profile_dir={profile_dir}"]
+    cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={model}", *overrides])
     [gpu] = plan(cfg, gpu_capacity())
     est = next(e for e in gpu.estimates if e.role == "actor")
     held = sum(p.bytes for p in est.held)
@@ -63,15 +76,23 @@ def measure(model: str, overrides: list[str]) -> dict:
                                "seconds": time.perf_counter() - start}
         return result
 
-    samples = phase("generate", lambda: core.generate(prompts, sampling))
-    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-    out["response_tokens"] = batch.num_response_tokens
-    lp = phase("logprobs", lambda: core.compute_logprobs(batch, 1.0, include_reference=True))
-    targets = PolicyTargets(torch.randn(batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
     for step in (1, 2):
+        suffix = "" if step == 1 else "2"
+        samples = phase(f"generate{suffix}", lambda: core.generate(prompts, sampling))
+        batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        lp = phase(f"logprobs{suffix}", lambda: core.compute_logprobs(batch, 1.0, include_reference=True))
+        targets = PolicyTargets(torch.randn(batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
         phase(f"update{step}", lambda step=step: core.update(step, step - 1, batch, targets, 1.0))
-        if step == 1:
-            phase("generate2", lambda: core.generate(prompts, sampling))
+    if profile_dir:
+        core.update(3, 2, batch, targets, 1.0)
+    seconds = {name: p["seconds"] for name, p in out["phases"].items()}
+    tokens = int(batch.prompt_lengths.sum() + batch.response_lengths.sum())
+    flops = (4 if cfg.actor.lora.enabled else 6) * core.worker.trainer.model.num_parameters() * tokens
+    out.update(response_tokens=batch.num_response_tokens, tokens=tokens,
+               step_s=seconds["generate2"] + seconds["logprobs2"] + seconds["update2"],
+               update_tflops=flops / seconds["update2"] / 1e12, update_mfu=flops / seconds["update2"] / PEAK_FLOPS,
+               peak_allocated_gib=max(p["allocated_gib"] for p in out["phases"].values()),
+               peak_reserved_gib=max(p["reserved_gib"] for p in out["phases"].values()))
     return out
 
 
@@ -79,32 +100,43 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="qwen2-0.5b,qwen2-1.5b")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--timeout", type=float, default=150, help="seconds per variant")
+    p.add_argument("--variants", default="default,eager,checkpointing,offload-optimizer,offload-params")
+    p.add_argument("--runs", help="SHAPE:VARIANT,... instead of every shape with every variant")
+    p.add_argument("--timeout", type=float, default=150, help="seconds per run")
+    p.add_argument("--profile", action="store_true", help="a third update of each run under torch.profiler "
+                   "(its op table in OUT/profiles)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)  # a child's run
     args = p.parse_args()
+    out = Path(args.out)
     if args.one:
-        print(json.dumps(measure(args.one[0], VARIANTS[args.one[1]])))
+        print(json.dumps(measure(args.one[0], args.one[1], str(out / "profiles") if args.profile else None)))
         return
+    import torch
+
     from rolefleet.app.tiny_model import make_tiny_model
 
-    out, results = Path(args.out), []
+    runs = ([tuple(run.split(":")) for run in args.runs.split(",")] if args.runs else
+            [(shape, variant) for shape in args.shapes.split(",") for variant in args.variants.split(",")])
+    results, models = [], {}
     out.mkdir(parents=True, exist_ok=True)
-    for shape in args.shapes.split(","):
-        model = make_tiny_model(Path(tempfile.mkdtemp()) / shape, shape=shape)
-        for variant in args.variants.split(","):
-            row = {"shape": shape, "variant": variant}
-            try:
-                done = subprocess.run([sys.executable, __file__, "--out", str(out), "--one", str(model), variant],
-                                      capture_output=True, text=True, timeout=args.timeout)
-                lines = done.stdout.strip().splitlines()
-                row.update(json.loads(lines[-1]) if done.returncode == 0 and lines else
-                           {"error": done.stderr.strip().splitlines()[-3:]})
-            except subprocess.TimeoutExpired:
-                row["error"] = f"over {args.timeout} s"
-            print(json.dumps(row), flush=True)
-            results.append(row)
-            (out / "memory_plan.json").write_text(json.dumps(results, indent=2))
+    for shape, variant in runs:
+        if shape not in models:  # built on the GPU (seconds at 7B, minutes on the CPU), saved in bf16
+            with torch.device("cuda"):
+                models[shape] = make_tiny_model(Path(tempfile.mkdtemp()) / shape, shape=shape, dtype=torch.bfloat16)
+            torch.cuda.empty_cache()
+        row = {"shape": shape, "variant": variant}
+        try:
+            done = subprocess.run([sys.executable, __file__, "--out", str(out), "--one", str(models[shape]), variant,
+                                   *(["--profile"] if args.profile else [])],
+                                  capture_output=True, text=True, timeout=args.timeout)
+            lines = done.stdout.strip().splitlines()
+            row.update(json.loads(lines[-1]) if done.returncode == 0 and lines else
+                       {"error": done.stderr.strip().splitlines()[-3:]})
+        except subprocess.TimeoutExpired:
+            row["error"] = f"over {args.timeout} s"
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        (out / "memory_plan.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -244,7 +244,8 @@ def cmd_export(args) -> int:
     from rolefleet.export import ExportError, export_checkpoint
 
     try:
-        path = export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype)
+        path = export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype, args.base,
+                                 Path(args.adapter_out) if args.adapter_out else None)
     except ExportError as e:
         raise ConfigError(str(e)) from None
     except OSError as e:  # an unreadable checkpoint or an unwritable OUT is the user's argument, not a crash
@@ -379,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the model directory to create (new, or empty)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="dtype of the written weights (default auto: the model config's, else float32)")
+    p.add_argument("--base", help="a LoRA checkpoint's base model, instead of the one its hf/adapter_config.json "
+                   "names (moved, say)")
+    p.add_argument("--adapter-out", help="a LoRA checkpoint: also write peft's adapter directory here (new, or "
+                   "empty)")
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("import-gguf", help="write a GGUF checkpoint as a Hugging Face model directory")

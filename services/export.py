@@ -6,6 +6,11 @@ tokenizer. Export rebuilds the model from `hf/` without its weights, has DCP rea
 it in this one process (DCP reshards; no process group is needed), and writes config, safetensors
 and tokenizer with `save_pretrained`, so `AutoModelForCausalLM.from_pretrained(OUT)` loads it like
 any other model directory.
+
+A LoRA run's checkpoint holds only the adapters, with peft's `adapter_config.json` in `hf/` naming
+the base model they were trained on: export loads that base model (or `base`), puts the adapters
+in, merges them into the weights and writes the merged model; `adapter_out` also writes peft's
+adapter directory (`PeftModel.from_pretrained(base, adapter_out)` loads it).
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from pathlib import Path
 import torch
 
 from rolefleet.trainer.checkpoint import MANIFEST, begin, commit, latest_checkpoint
+from rolefleet.trainer.lora import ADAPTER_CONFIG
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+# What must match between a LoRA checkpoint's hf/config.json and the base model its adapters go into.
+_SAME_ARCHITECTURE = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
 _KEY_PREFIX = "model."  # save_trainer stores {"model": ..., "optim": ...}; export reads only the model
 
 
@@ -31,28 +39,77 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported, or an OUT that must not be written; the message says why."""
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "auto") -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "auto", base: str | None = None,
+                      adapter_out: Path | None = None) -> Path:
     """Write the actor's weights of `checkpoint` (a run checkpoint `.../step-XXXXXXXX/` or an actor
     directory) as a Hugging Face model directory `out` in `dtype` (auto: the config's dtype, else
-    float32). `out` appears whole or not at all; an existing non-empty `out` is refused. Returns `out`."""
+    float32). A LoRA checkpoint's adapters are merged into their base model (`base`: instead of the
+    one the checkpoint names), and `adapter_out` gets peft's adapter directory. Each output appears
+    whole or not at all; an existing non-empty one is refused. Returns `out`."""
     actor = actor_dir(Path(checkpoint))
     out = Path(out)
     check_out(out)
+    lora = (actor / "hf" / ADAPTER_CONFIG).is_file()
+    if adapter_out is not None:
+        if not lora:
+            raise ExportError(f"{actor} holds full weights, not LoRA adapters: there is no adapter directory to write")
+        adapter_out = Path(adapter_out)
+        check_out(adapter_out)
+    elif base is not None and not lora:
+        raise ExportError(f"{actor} holds full weights, not LoRA adapters: --base applies to LoRA checkpoints")
     config, tokenizer = _read_hf(actor / "hf")  # before the weights: a bad hf/ costs no model load
     target = export_dtype(config, dtype)
-    model = _empty_model(config, target)
-    _load_weights(model, actor / "weights")
+    if lora:
+        model = _merged_model(actor, config, target, base, adapter_out)
+    else:
+        model = _empty_model(config, target)
+        _load_weights(model, actor / "weights")
+    _write_atomically(out, lambda work: (model.save_pretrained(work, safe_serialization=True),
+                                         tokenizer.save_pretrained(work)))
+    log.info("exported %s (%s) to %s", actor, str(target).removeprefix("torch."), out)
+    return out
+
+
+def _write_atomically(out: Path, write) -> None:
+    """`write(work)` into `out`'s partial directory, renamed to `out` once done (removed on failure).
+    Safetensors either way: save_pretrained's argument is for transformers 4 (5 writes nothing else)."""
     work = begin(out)
     try:
-        # Safetensors either way: the argument is for transformers 4 (5 writes nothing else).
-        model.save_pretrained(work, safe_serialization=True)
-        tokenizer.save_pretrained(work)
+        write(work)
         commit(out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    log.info("exported %s (%s) to %s", actor, str(target).removeprefix("torch."), out)
-    return out
+
+
+def _merged_model(actor: Path, config, dtype: torch.dtype, base: str | None, adapter_out: Path | None):
+    """The base model with the checkpoint's adapters merged into its weights, in `dtype`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        lora = LoraConfig.from_pretrained(str(actor / "hf"))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ExportError(f"cannot read {actor / 'hf' / ADAPTER_CONFIG}: {exc}") from None
+    base = base or lora.base_model_name_or_path
+    if not base:
+        raise ExportError(f"{actor / 'hf' / ADAPTER_CONFIG} names no base model: give it with --base")
+    try:
+        base_config = AutoConfig.from_pretrained(base)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"the adapters' base model {base} cannot be read ({exc}); give it with --base") from None
+    differ = [f"{key} {getattr(base_config, key, None)} (hf/config.json: {getattr(config, key, None)})"
+              for key in _SAME_ARCHITECTURE if getattr(base_config, key, None) != getattr(config, key, None)]
+    if differ:
+        raise ExportError(f"the base model {base} is not the one the adapters were trained on: {_some(differ)}")
+    with warnings.catch_warnings():  # peft asks transformers about checkpointing by a deprecated name
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), lora)
+    trained = model.get_base_model()
+    _load_weights(trained, actor / "weights", {n for n, p in trained.named_parameters() if p.requires_grad})
+    if adapter_out is not None:
+        _write_atomically(adapter_out, lambda work: model.save_pretrained(work))
+    return model.merge_and_unload().to(dtype)
 
 
 def actor_dir(checkpoint: Path) -> Path:
@@ -131,9 +188,10 @@ def _empty_model(config, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _load_weights(model: torch.nn.Module, weights: Path) -> None:
+def _load_weights(model: torch.nn.Module, weights: Path, names: set[str] | None = None) -> None:
     """The checkpoint's "model" entries into `model`'s tensors, after checking that they are exactly
-    the tensors it has (a missing or surplus key means the checkpoint and hf/ do not match)."""
+    the tensors it has (`names`: those of its tensors the checkpoint holds, a LoRA model's adapters;
+    None: all). A missing or surplus key means the checkpoint and hf/ do not match."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(str(weights))
@@ -142,10 +200,12 @@ def _load_weights(model: torch.nn.Module, weights: Path) -> None:
     if not stored:
         raise ExportError(f"{weights} holds no model weights")
     state = model.state_dict()
+    if names is not None:
+        state = {name: tensor for name, tensor in state.items() if name in names}
     targets, missing = {}, []
-    for names in _tied_groups(model):  # a tied tensor is loaded if any of its names was saved
-        saved = [name for name in names if name in stored]
-        missing += [] if saved else names
+    for tied in _tied_groups(model, state):  # a tied tensor is loaded if any of its names was saved
+        saved = [name for name in tied if name in stored]
+        missing += [] if saved else tied
         targets.update((name, state[name]) for name in saved)
     if missing:
         raise ExportError(f"{weights} lacks {len(missing)} of the weights of the model in hf/config.json: "
@@ -164,11 +224,13 @@ def _load_weights(model: torch.nn.Module, weights: Path) -> None:
         dcp.load({"model": targets}, storage_reader=reader, no_dist=True)
 
 
-def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    """The state dict's names, those of one tensor (tied embeddings) together."""
+def _tied_groups(model: torch.nn.Module, state: dict) -> list[list[str]]:
+    """The names of `state` (a part of the model's state dict), those of one tensor (tied
+    embeddings) together."""
     groups: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
+        if name in state:
+            groups.setdefault(id(tensor), []).append(name)
     return list(groups.values())
 
 

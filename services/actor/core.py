@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -208,6 +209,8 @@ class ActorCore(TrainerRole):
 
     def write_hf_files(self, work) -> None:
         checkpoint.save_hf_files(work, self.worker.model_config, self.tokenizer)
+        if (adapters := self.worker.trainer.adapters) is not None:
+            adapters.save_config(Path(work) / "hf")  # which base model the saved adapters belong to
 
     def after_load(self, info: CheckpointInfo) -> None:
         """The rollout engines take the loaded weights and version."""

@@ -13,6 +13,7 @@ all aggregated the same way.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -22,10 +23,11 @@ from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggreg
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import compile_decoder_layers, decoder_layers, lm_logprobs
+from rolefleet.common.modeling import compile_decoder_layers, compute_dtype, decoder_layers, lm_logprobs
 from rolefleet.trainer.base import Trainer
+from rolefleet.trainer.lora import Adapters, merged_weights
 from rolefleet.trainer.ranks import Ranks
-from rolefleet.trainer.sharding import shard
+from rolefleet.trainer.sharding import full_named_parameters, shard, sharding_wanted
 
 
 class LogprobModule(torch.nn.Module):
@@ -45,22 +47,39 @@ class LogprobModule(torch.nn.Module):
 
 
 class PolicyTrainer(Trainer):
-    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel, device: torch.device,
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, device: torch.device,
                  cfg: ActorSection, seed: int, ranks: Ranks | None = None):
+        """`ref_model`: the reference policy; None with `actor.lora`, whose reference is `model`
+        with its adapters switched off."""
         if cfg.loss_norm_length is None:  # the config fills it in; a default per micro-batch width would be wrong
             raise ValueError("actor.loss_norm_length must be set (the config defaults it to sampling.max_new_tokens)")
         ranks = ranks or Ranks.alone()
+        self.adapters = None
+        if cfg.lora.enabled:  # before the trainer shards and builds its optimizer: only the adapters train
+            sharded = sharding_wanted(cfg.sharding, ranks) or cfg.offload == "params"
+            self.adapters = Adapters(model, cfg.lora, None if sharded else compute_dtype(device, cfg.compute_dtype),
+                                     base_model=cfg.model_name_or_path)
+        elif ref_model is None:
+            raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself")
         policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers)
         super().__init__(model, policy, model, cfg, device, ranks, seed)
         self.policy, self.ref_model = policy, ref_model
-        self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
-        if self.sharded:
-            shard(self.reference, decoder_layers(ref_model), device, self.dtype, ranks, offload=cfg.ref_offload)
-        if cfg.compile_layers:
-            compile_decoder_layers(ref_model, hooks_outside=self.sharded)
+        self.reference = policy
+        if ref_model is not None:
+            self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
+            if self.sharded:
+                shard(self.reference, decoder_layers(ref_model), device, self.dtype, ranks, offload=cfg.ref_offload)
+            if cfg.compile_layers:
+                compile_decoder_layers(ref_model, hooks_outside=self.sharded)
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
+
+    def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a rollout engine holding the plain model loads after an update, as (name, tensor):
+        every weight, or with adapters each adapted layer's merged weight (`lora.merged_weights`).
+        Sharded, a gather every training rank takes part in."""
+        return full_named_parameters(self.model) if self.adapters is None else merged_weights(self.model)
 
     def forward(self, module: LogprobModule, batch: SequenceBatch, temperature: float, with_entropy: bool,
                 entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,9 +105,13 @@ class PolicyTrainer(Trainer):
 
     @contextlib.contextmanager
     def _reference_on_device(self):
-        """With `ref_offload`, the reference model lives in CPU memory and visits the GPU per use
-        (sharded: FSDP's offload policy moves each unit's shards per forward)."""
-        if self.cfg.ref_offload and self.device.type == "cuda" and not self.sharded:
+        """With adapters, the reference is the policy with them switched off. With `ref_offload`, a
+        reference model lives in CPU memory and visits the GPU per use (sharded: FSDP's offload
+        policy moves each unit's shards per forward)."""
+        if self.ref_model is None:
+            with self.adapters.off():
+                yield
+        elif self.cfg.ref_offload and self.device.type == "cuda" and not self.sharded:
             self.ref_model.to(self.device)
             try:
                 yield

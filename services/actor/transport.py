@@ -18,7 +18,7 @@ trainer). A new transport is one class here with its case in `choose`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from rolefleet.actor import vllm_sync, weight_sync
 from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine
-from rolefleet.trainer.sharding import full_named_parameters
 from rolefleet.trainer.workers import free_port
 
 Shapes = list[tuple[str, tuple[int, ...]]]
+Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]  # (name, full tensor), in the order of the shapes
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class WeightTransport(ABC):
     # run during an update, and a sync must wait for it; colocated, one lock covers both.
     apart = True
 
-    def __init__(self, model: torch.nn.Module | None, engine: RolloutEngine | None, route: Route):
-        """`model`: this rank's trainer model (None on a rollout rank); `engine`: its engine (None
-        where the rank does not drive one)."""
-        self.model, self.engine, self.route = model, engine, route
+    def __init__(self, weights: Weights | None, engine: RolloutEngine | None, route: Route):
+        """`weights`: this rank's trainer's weights for the engines (`PolicyTrainer.engine_weights`;
+        None on a rollout rank); `engine`: its engine (None where the rank does not drive one)."""
+        self.weights, self.engine, self.route = weights, engine, route
 
     @abstractmethod
     def sync(self) -> None:
@@ -74,7 +74,7 @@ class InPlace(WeightTransport):
         self.engine.sleep()  # the trainer needs the memory more than the engine's caches
 
     def sync(self) -> None:
-        self.engine.load_weights(full_named_parameters(self.model))
+        self.engine.load_weights(self.weights())
         self.engine.reset_cache()
         self.engine.wake()
 
@@ -84,8 +84,8 @@ class _FromFirstTrainer(WeightTransport):
     gather of sharded weights, each engine rank receives."""
 
     def sync(self) -> None:
-        if self.model is not None:
-            named = full_named_parameters(self.model)  # sharded: a gather every trainer takes part in
+        if self.weights is not None:
+            named = self.weights()  # sharded: a gather every trainer takes part in
             if self.route.rank == self.route.sender:
                 self.send(named)
             else:

@@ -26,6 +26,7 @@ from rolefleet.common.config import ActorSection, RoleFleetConfig
 from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, release_memory
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
 from rolefleet.trainer.profiling import profiled
+from rolefleet.trainer.lora import merged_shapes
 from rolefleet.trainer.ranks import Ranks, global_rank, global_world, new_subgroups
 from rolefleet.trainer.steps import PartialUpdate
 from rolefleet.trainer.worker import TrainingWorker
@@ -68,9 +69,10 @@ class ActorWorker(TrainingWorker):
             self.ref_model = self._load_reference()
             self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed, self.ranks)
         release_memory()
-        self.transport = choice(self.model, self.engine, transport.Route(
-            p, self.rank, self.weight_shapes, self.wire_dtype, self.device, cfg.rollout.sync_bucket_mb << 20,
-            sync_group))
+        # What a sync carries, in order: every weight, or with adapters the adapted layers' (merged).
+        shapes = merged_shapes(self.model_config, cfg.lora) if cfg.lora.enabled else self.weight_shapes
+        self.transport = choice(self.trainer and self.trainer.engine_weights, self.engine, transport.Route(
+            p, self.rank, shapes, self.wire_dtype, self.device, cfg.rollout.sync_bucket_mb << 20, sync_group))
         self.rollout_version = 0  # the policy version whose weights the engines hold
         self.generates_run = 0  # by this process: what `actor.rollout.profile_generates` counts
 
@@ -112,7 +114,10 @@ class ActorWorker(TrainingWorker):
         self.weight_shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
     def _load_reference(self):
+        """The reference model; None with adapters on the same model (the policy with them off is it)."""
         cfg = self.cfg
+        if cfg.lora.enabled and cfg.ref_model_name_or_path == cfg.model_name_or_path:
+            return None
         if cfg.ref_model_name_or_path == cfg.model_name_or_path:
             ref_model = copy.deepcopy(self.model)  # same weights: skip a second read from disk
         else:

@@ -38,7 +38,8 @@ NEAR = 0.9  # an estimate above this share of the GPU is a warning; above the wh
 # cheap ones in the backward: a layer keeps this share of what the eager count says. Measured on
 # one H200 at Qwen2-1.5B dimensions (gpu_1x, 32768-token micro-batches; docs/memory.md).
 COMPILED_ACTIVATION_SHARE = 0.65
-ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
+ASSUMED_PROMPT_TOKENS = 512
+OFFLOAD_CHUNK = 2**30  # the AdamW state `offload: optimizer` brings to the GPU at once (trainer/optim.py)  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,26 @@ class ModelDims:
         mlp = 4 * 2 * i
         return norms + casts + attention + mlp
 
+    def linear_layers(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of a decoder layer, by its transformers name."""
+        h, kv, i, q = self.hidden, self.kv_dim, self.intermediate, self.heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def adapter_params(self, rank: int, targets) -> int:
+        """Parameters of LoRA adapters of `rank` on `targets` (all-linear, or module names; names
+        of no decoder linear layer count nothing): r x (in + out) per adapted layer."""
+        layers = self.linear_layers()
+        names = layers if targets == "all-linear" else [n for n in targets if n in layers]
+        return self.layers * sum(rank * sum(layers[n]) for n in names)
+
+    def adapter_activation_bytes(self, targets) -> int:
+        """What adapters add to `activation_bytes`: each adapter on a layer whose input autocast
+        casts (q, k, v, gate, up: from the fp32 norm) keeps a bf16 cast of its own."""
+        cast_inputs = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        names = cast_inputs if targets == "all-linear" else [n for n in targets if n in cast_inputs]
+        return 2 * self.hidden * len(names)
+
     def layer_input_bytes(self) -> int:
         """What activation checkpointing keeps per token and layer: the layer's fp32 input."""
         return 4 * self.hidden
@@ -144,29 +165,63 @@ class Estimate:
 
 def _trainer_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix: str) -> tuple[list, list, list]:
     """(held, update phase, host memory) of a trainer on one of its GPUs."""
+    lora = getattr(section, "lora", None)
+    if lora is not None and lora.enabled:
+        return _adapter_parts(dims, section, workers, sharded, prefix)
     share = workers if sharded else 1
     p, offload = dims.params, section.offload
     held = [] if offload == "params" else [Part(f"{prefix} weights (fp32)", 4 * p / share)]
     if offload == "none":
         held.append(Part(f"{prefix} AdamW state (fp32)", 8 * p / share))
+    update = [_activations(dims, section, prefix)]
+    if offload == "params":  # a layer's gathered bf16 weights and their gradient, two layers at a time
+        update.append(Part(f"{prefix} weights and gradients of the layers in flight", 2 * 2 * 2 * _layer_params(dims)))
+    else:
+        update.append(Part(f"{prefix} gradients (fp32)", 4 * p / share))
+    if offload == "optimizer":  # the step brings the state back a chunk at a time (the activations are gone)
+        update = max(update, [Part(f"{prefix} gradients and one chunk's AdamW state during the step",
+                                   4 * p / share + OFFLOAD_CHUNK)], key=lambda parts: sum(x.bytes for x in parts))
+    host = {"none": [], "optimizer": [Part(f"{prefix} AdamW state (pinned)", 8 * p / share)],
+            "params": [Part(f"{prefix} weights, gradients and AdamW state", 16 * p / share)]}[offload]
+    return held, update, host
+
+
+def _adapter_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix: str) -> tuple[list, list, list]:
+    """`_trainer_parts` with LoRA adapters: the frozen weights in bf16 on one GPU (fp32 shards when
+    sharded: FSDP gathers them in bf16), and weights, gradients and AdamW state (16 bytes a
+    parameter) for the adapters alone."""
+    lora, offload = section.lora, section.offload
+    sharded = sharded or offload == "params"
+    share = workers if sharded else 1
+    adapters = dims.adapter_params(lora.rank, lora.target_modules) / share
+    frozen = Part(f"{prefix} frozen weights ({'fp32 shards' if sharded else 'bf16'})",
+                  (4 if sharded else 2) * dims.params / share)
+    held, host = ([], [frozen]) if offload == "params" else ([frozen], [])
+    trained = Part(f"{prefix} LoRA adapters (r={lora.rank}): weights and AdamW state", 12 * adapters)
+    (host if offload != "none" else held).append(trained)
+    update = [_activations(dims, section, prefix), Part(f"{prefix} adapters' gradients (fp32)", 4 * adapters)]
+    if offload == "params":  # a layer's gathered bf16 weights, two layers at a time
+        update.append(Part(f"{prefix} weights of the layers in flight", 2 * 2 * _layer_params(dims)))
+    return held, update, host
+
+
+def _layer_params(dims: ModelDims) -> float:
+    return (dims.params - dims.vocab * dims.hidden * (1 if dims.tied else 2)) / dims.layers
+
+
+def _activations(dims: ModelDims, section, prefix: str) -> Part:
+    """What one micro-batch keeps for its backward (activation checkpointing: each layer's input
+    and one layer's activations)."""
     tokens = section.max_tokens_per_micro_batch
-    layer = dims.activation_bytes() * (COMPILED_ACTIVATION_SHARE if section.compile_layers else 1.0)
+    lora = getattr(section, "lora", None)
+    per_token = dims.activation_bytes() + (dims.adapter_activation_bytes(lora.target_modules)
+                                           if lora is not None and lora.enabled else 0)
+    layer = per_token * (COMPILED_ACTIVATION_SHARE if section.compile_layers else 1.0)
     if section.gradient_checkpointing:
         activations = tokens * (dims.layers * dims.layer_input_bytes() + layer)
     else:
         activations = tokens * dims.layers * layer
-    update = [Part(f"{prefix} activations of one micro-batch ({tokens} tokens)", activations)]
-    if offload == "params":  # a layer's gathered bf16 weights and their gradient, two layers at a time
-        layer = (dims.params - dims.vocab * dims.hidden * (1 if dims.tied else 2)) / dims.layers
-        update.append(Part(f"{prefix} weights and gradients of the layers in flight", 2 * 2 * 2 * layer))
-    else:
-        update.append(Part(f"{prefix} gradients (fp32)", 4 * p / share))
-    if offload == "optimizer":  # back on the GPU for the step (the activations are gone by then)
-        update = max(update, [Part(f"{prefix} gradients and AdamW state during the step", 12 * p / share)],
-                     key=lambda parts: sum(x.bytes for x in parts))
-    host = {"none": [], "optimizer": [Part(f"{prefix} AdamW state (pinned)", 8 * p / share)],
-            "params": [Part(f"{prefix} weights, gradients and AdamW state", 16 * p / share)]}[offload]
-    return held, update, host
+    return Part(f"{prefix} activations of one micro-batch ({tokens} tokens)", activations)
 
 
 def _head_chunk(dims: ModelDims, chunk: int) -> Part:
@@ -185,10 +240,10 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
     est = Estimate("actor", gpu)
     held, update, est.host = _trainer_parts(dims, a, workers, sharded, "policy")
     est.held += held
-    if not a.ref_offload:
-        est.held.append(Part("reference weights (fp32)", 4 * dims.params / share))
-    else:
-        est.host.append(Part("reference weights (fp32)", 4 * dims.params / share))
+    # With adapters on the actor's own model, the reference is the policy with them switched off.
+    own_reference = not (a.lora.enabled and a.ref_model_name_or_path == a.model_name_or_path)
+    if own_reference:
+        (est.host if a.ref_offload else est.held).append(Part("reference weights (fp32)", 4 * dims.params / share))
     update.append(_head_chunk(dims, a.logprob_chunk_tokens))
     rows = min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt)
     width = (cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS) + s.max_new_tokens
@@ -202,7 +257,7 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
         est.phases["generate"] = [Part(f"KV cache of {rows} rows x {width} tokens (bf16)", kv - kept),
                                   Part("logits of one decode step", 4 * rows * dims.vocab)]
     est.phases["update"] = update
-    if a.ref_offload and not ref_layers_only:
+    if own_reference and a.ref_offload and not ref_layers_only:
         est.phases["logprobs"] = [Part("reference visiting the GPU (fp32)", 4 * dims.params / share),
                                   _head_chunk(dims, a.logprob_chunk_tokens)]
     return est
@@ -299,11 +354,15 @@ def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
     if section.max_tokens_per_micro_batch > 4096:
         out.append(f"{role}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch // 4} "
                    "(activations scale with it)")
-    if section.offload == "none":
+    adapters = role == "actor" and cfg.actor.lora.enabled  # their AdamW state is too small to matter
+    if section.offload == "none" and not adapters:
         out.append(f"{role}.offload=optimizer (AdamW state in host memory between steps)")
+    if role == "actor" and not cfg.actor.lora.enabled:
+        out.append("actor.lora.rank=16 (LoRA: only adapters train; the frozen weights in bf16, no reference copy)")
     if section.offload != "params":
         out.append(f"{role}.offload=params (weights, gradients and AdamW state in host memory; CPU optimizer step)")
-    if role == "actor" and not cfg.actor.ref_offload:
+    if role == "actor" and not cfg.actor.ref_offload and not (adapters and cfg.actor.ref_model_name_or_path ==
+                                                              cfg.actor.model_name_or_path):
         out.append("actor.ref_offload=true (the reference in host memory between uses)")
     if len(getattr(cfg.devices, role)) == 1:
         out.append(f"more GPUs in devices.{role} (sharded over them with {role}.sharding=fsdp)")

@@ -45,7 +45,7 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
                             "for `rolefleet train` / `serve coordinator` against running servers (compose, Helm)")
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
     problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
-    problems += check_memory(cfg, roles)
+    problems += check_memory(cfg, roles) + check_adapters(cfg, roles)
     if "reward" in roles:
         from rolefleet.reward.sources import check_sources
 
@@ -63,6 +63,25 @@ def check_memory(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
     for warning in warnings:
         log.warning("%s", warning)
     return problems
+
+
+def check_adapters(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """`actor.lora.target_modules` name layers of the actor's model (checked on a skeleton of its
+    config on the meta device: nothing is loaded)."""
+    lora, path = cfg.actor.lora, cfg.actor.model_name_or_path
+    if "actor" not in roles or not lora.enabled or model_problem(path) is not None:
+        return []  # check_models reports a model that is not there
+    from transformers import AutoConfig
+
+    from rolefleet.trainer.lora import merged_shapes
+
+    try:
+        merged_shapes(AutoConfig.from_pretrained(path, local_files_only=True), lora)
+    except ValueError as exc:
+        return [f"actor.lora.target_modules={lora.target_modules!r}: {exc} (model {path})"]
+    except OSError:
+        return []  # an unreadable config: the actor's own load says what is wrong
+    return []
 
 
 # --- tracking -----------------------------------------------------------------------------------

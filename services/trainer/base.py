@@ -20,7 +20,6 @@ loss: the micro-batches' shares (how its loss aggregates over tokens) and the lo
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,9 +115,8 @@ class Trainer:
         totals = self.ranks.sum_stats(stats)
         p = self.stat_prefix
         lr = self.optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler moves it on)
-        with self.state_offload or contextlib.nullcontext():
-            grad_norm = apply_gradients(self.root, self.optimizer, self.cfg.max_grad_norm, totals[f"{p}loss"],
-                                        self.scheduler)
+        grad_norm = apply_gradients(self.root, self.optimizer, self.cfg.max_grad_norm, totals[f"{p}loss"],
+                                    self.scheduler, self.state_offload and self.state_offload.step)
         # Applied: the gradients are of no more use, and generation and the next forwards want the memory.
         self.optimizer.zero_grad(set_to_none=True)
         return {**totals, f"{p}lr": lr, f"{p}grad_norm": grad_norm}

@@ -11,11 +11,14 @@ One checkpoint is a directory `<run>/checkpoints/step-00000012/`:
 A trainer's directory:
 
     weights/          model and optimizer state through torch.distributed.checkpoint: one file per
-                      training rank (FSDP shards stay shards), loadable onto any number of ranks
+                      training rank (FSDP shards stay shards), loadable onto any number of ranks;
+                      the trainable parameters only (with LoRA: the adapters; the frozen base is
+                      the role's model_name_or_path, read again at start)
     trainer.pt        LR scheduler, mini-batch generator and torch RNG states
     role.json         model version, last applied step and the ledger's recorded results
-    hf/               the model's config.json and tokenizer: with weights/, what `rolefleet export`
-                      turns into a Hugging Face directory
+    hf/               the model's config.json and tokenizer (with LoRA, peft's adapter_config.json
+                      naming the base model): with weights/, what `rolefleet export` turns into a
+                      Hugging Face directory
 
 Every file appears atomically: a role writes into `<dir>.partial` and renames it to `<dir>` when all
 its ranks are done; the coordinator writes its file and the manifest through a temporary name. A
@@ -96,12 +99,11 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     (a full disk) is a role error alike on every rank: the save is refused, nothing changed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from rolefleet.common.errors import FailedPrecondition
 
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _trainable_state(model, optimizer)
         with _one_process_is_fine():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(work / "weights"),
                      process_group=group)
@@ -121,16 +123,17 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     be half loaded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from rolefleet.common.errors import FailedPrecondition
 
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _trainable_state(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         with _one_process_is_fine():
             dcp.load(state, checkpoint_id=str(path / "weights"), process_group=group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_trainable_options())
         extra = torch.load(path / "trainer.pt", weights_only=True)  # tensors and plain values: never code
         scheduler.load_state_dict(extra["scheduler"])
         generator.set_state(extra["generator"])
@@ -139,6 +142,25 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             torch.cuda.set_rng_state_all(extra["cuda_rng"][:torch.cuda.device_count()])
     except (Exception, CheckpointException) as exc:
         raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
+
+
+def _trainable_options():
+    """A trainer's state is what it trains: frozen parameters (a LoRA base model) are left out, and
+    loading leaves them as they are (not strict: their keys are absent by design; DCP's load still
+    refuses a checkpoint that lacks any key asked for)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts without frozen parameters, under every name of each
+    (a tied LM head shares the frozen embeddings' tensor under a second name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trainable_options())
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 @contextmanager

@@ -60,21 +60,24 @@ def lr_factor(step: int, warmup: int, decay_steps: int, schedule: str, min_ratio
 
 
 def make_optimizer(model: torch.nn.Module, cfg) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the fp32 master weights and its schedule, from a trainer section of the config."""
+    """AdamW over the trainable fp32 master weights (with adapters: theirs alone) and its schedule,
+    from a trainer section of the config."""
     if cfg.lr_decay_steps is None:  # the config fills it in from the run's length
         raise ValueError("lr_decay_steps must be set (the config defaults it to the run's optimizer steps)")
     # Fused on CUDA: one kernel per step instead of a dozen multi-tensor passes over the fp32 state.
-    fused = next(model.parameters()).is_cuda
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fused = trainable[0].is_cuda
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, cfg.lr_warmup_steps, cfg.lr_decay_steps, cfg.lr_schedule, cfg.min_lr_ratio))
     return optimizer, schedule
 
 
 def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-                    loss: float | torch.Tensor, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> float:
-    """Clip the accumulated gradients and step; returns the pre-clip gradient norm. `loss` (the
-    step's loss value) only names the failure.
+                    loss: float | torch.Tensor, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    step: Callable[[], None] | None = None) -> float:
+    """Clip the accumulated gradients and step (`step`: how, default `optimizer.step`); returns the
+    pre-clip gradient norm. `loss` (the step's loss value) only names the failure.
 
     A non-finite gradient (overflowing ratios, a diverged model) is never applied: the gradients are
     dropped and NonFiniteGradient raised, so the weights and optimizer state stay as they were.
@@ -86,7 +89,7 @@ def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteGradient(f"non-finite gradient (loss {float(loss):.4g}); the optimizer step was skipped")
     try:
-        optimizer.step()
+        (step or optimizer.step)()
     except Exception as exc:  # e.g. out of memory inside Adam: some parameters already moved
         raise PartialUpdate(f"the optimizer step failed midway ({exc})") from exc
     if scheduler is not None:
@@ -96,26 +99,52 @@ def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ma
 
 class HostOptimizerState:
     """`<role>.offload: optimizer`: the optimizer's state lives in host memory except during its
-    step (`with` this around it), so the forwards, backwards and generation between steps have that
-    memory (AdamW: 8 bytes a parameter). Pinned host buffers, copied asynchronously both ways: the
-    cost is two transfers of the state per optimizer step over PCIe (docs/memory.md)."""
+    step, so the forwards, backwards and generation between steps have that memory (AdamW: 8 bytes
+    a parameter). The step (`step`) runs a chunk of parameters at a time: a chunk's state comes to
+    the GPU, the optimizer steps those parameters alone (it skips a parameter without a gradient),
+    the state goes back and the chunk's gradients are freed, so the step needs the GPU memory of
+    one chunk's state, not of all of it. Pinned host buffers, copied asynchronously on the current
+    stream: the cost is two transfers of the state per optimizer step over PCIe (docs/memory.md)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+    def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int = 1 << 30):  # app/memory.py's OFFLOAD_CHUNK
+        self.optimizer, self.chunk_bytes = optimizer, chunk_bytes
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned buffers, by (parameter id, state key)
         self._moved: dict[tuple[int, str], torch.device] = {}  # what `to_host` moved, and from where
 
-    def __enter__(self) -> None:
-        for param, state in self.optimizer.state.items():
+    def step(self) -> None:
+        """The optimizer's step over every parameter with a gradient, chunk by chunk."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = {id(p): p.grad for p in params}
+        for p in params:
+            p.grad = None
+        try:
+            for chunk in _chunks(params, self.chunk_bytes // 8):  # AdamW: two fp32 moments a parameter
+                for p in chunk:
+                    p.grad = grads.pop(id(p))
+                self._to_device(chunk)
+                self.optimizer.step()
+                self._to_host(chunk)
+                for p in chunk:
+                    p.grad = None  # applied: its memory goes to the next chunk's state
+        finally:
+            self.to_host()
+
+    def to_host(self) -> None:
+        """Every state tensor into host memory (after a load, which puts it beside the parameters)."""
+        self._to_host(list(self.optimizer.state))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device copies may be freed only once they are read
+
+    def _to_device(self, params: list[torch.Tensor]) -> None:
+        for param in params:
+            state = self.optimizer.state.get(param, {})
             for key, value in state.items():
                 if (id(param), key) in self._moved:  # not a step count the optimizer keeps on the CPU
                     state[key] = value.to(self._moved[(id(param), key)], non_blocking=True)
 
-    def __exit__(self, *exc) -> None:
-        self.to_host()
-
-    def to_host(self) -> None:
-        for param, state in self.optimizer.state.items():
+    def _to_host(self, params: list[torch.Tensor]) -> None:
+        for param in params:
+            state = self.optimizer.state.get(param, {})
             for key, value in state.items():
                 if torch.is_tensor(value) and value.device.type != "cpu":
                     slot = (id(param), key)
@@ -124,6 +153,18 @@ class HostOptimizerState:
                         host = self._host[slot] = torch.empty(value.shape, dtype=value.dtype,
                                                              pin_memory=torch.cuda.is_available())
                     self._moved[slot] = value.device
+                    # Stream-ordered: the device block is reused only by work queued after this copy.
                     state[key] = host.copy_(value, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the device copies may be freed only once they are read
+
+
+def _chunks(params: list[torch.Tensor], elements: int) -> list[list[torch.Tensor]]:
+    """Consecutive parameters in groups of about `elements` elements (a larger one alone)."""
+    chunks: list[list[torch.Tensor]] = []
+    filled = elements
+    for p in params:
+        if filled + p.numel() > elements:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(p)
+        filled += p.numel()
+    return chunks

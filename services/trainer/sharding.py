@@ -53,7 +53,12 @@ def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.
     """(name, full tensor) of every parameter; on a sharded module each is gathered from every rank
     (a collective: all ranks iterate together)."""
     for name, param in module.named_parameters():
-        yield name, param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, full_tensor(param)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor; of a sharded one a collective over its ranks."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def loss_scale(sharded: bool, ranks: Ranks) -> float:

@@ -5,7 +5,7 @@ and the critic.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -157,6 +157,30 @@ _MOVED_ACTOR_KEYS = {"rollout_batch_size": "actor.rollout.batch_size", "rollout_
                      "rollout_cache": "actor.rollout.decode (the decode loop replaced the static cache)"}
 
 
+class LoraSection(_Section):
+    """LoRA adapters (peft) instead of full-parameter training (docs/memory.md, "LoRA")."""
+
+    rank: int = Field(0, ge=0, description="the adapters' rank r; 0 (the default): no adapters, every "
+                      "parameter trains")
+    alpha: float = Field(32.0, gt=0, description="the adapters' scale: their update is B A x alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training "
+                           "(nonzero makes the first PPO ratio of an update differ from 1)")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="the layers that get adapters: all-linear (every linear layer but the LM "
+        "head) or module names, e.g. [q_proj, k_proj, v_proj, o_proj]")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, v):
+        if isinstance(v, list) and (not v or not all(isinstance(m, str) and m for m in v)):
+            raise ValueError("target_modules must be all-linear or a non-empty list of module names")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
 
 
@@ -167,6 +191,8 @@ class ActorSection(_TrainerSection):
                                   "checked before tokenization")
     ref_offload: bool = Field(False, description="keep the reference model in CPU memory between "
                               "ComputeLogProbs calls (frees its GPU memory for training)")
+    lora: LoraSection = Field(default_factory=lambda: LoraSection(), description="low-rank adapters: only "
+                              "they train; the reference is the model with them switched off")
     logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
                                       "logprobs and entropy (bounds the [tokens, vocab] logits)")
     policy_loss: str = Field("ppo_clip", description=f"the policy loss: {' | '.join(POLICY_LOSSES.names())} "
