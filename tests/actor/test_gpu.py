@@ -182,7 +182,7 @@ def test_lora_on_cuda_keeps_its_frozen_weights_in_bf16_and_syncs_what_it_trains(
     samples = actor.generate(["1+2=", "13+4="] * 8, SamplingParams(max_new_tokens=4, n=2, seed=0))
     batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
     lp = actor.compute_logprobs(batch, 1.0, include_reference=True)
-    assert torch.equal(lp.logprobs, lp.ref_logprobs)
+    assert torch.allclose(lp.logprobs, lp.ref_logprobs, atol=1e-5)  # B starts at zero (other kernels: rounding)
     for step in (1, 2):
         actor.update(step, step - 1, batch, PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens),
                                                           lp.logprobs, lp.ref_logprobs), 1.0)
