@@ -1,7 +1,7 @@
 """The memory planner (`rolefleet plan`, `app/memory.py`) against measured peaks on a GPU, and the
 step's phases: the actor of a one-GPU config (GRPO, every role on GPU 0) in-process, on random
 weights of real dimensions: generate (prompts_per_step x samples_per_prompt x max_new_tokens),
-ComputeLogProbs (policy and reference) and an update, twice (the second of each is the warm one);
+ComputeLogProbs (policy and reference) and an update, `--steps` times (the last is the warm one);
 each run in a process of its own, so its peaks are its own.
 
     python benchmarks/memory_plan.py --out OUT [--shapes qwen2-0.5b,qwen2-1.5b] [--variants default,eager]
@@ -9,7 +9,7 @@ each run in a process of its own, so its peaks are its own.
 
 Per phase: torch's peak allocated and reserved bytes and seconds, and the planner's estimate of the
 same phase (held + phase, with the allocator slack and CUDA context of `app/memory.py`); the warm
-step's time (generate2 + logprobs2 + update2) and the update's model FLOP rate and MFU (6 x params x
+step's time (the last step's generate + logprobs + update) and the update's model FLOP rate and MFU (6 x params x
 tokens for full-parameter training, 4 x params x tokens with LoRA, whose backward computes no weight
 gradients; an H200's 989 dense bf16 TFLOP/s); OUT/memory_plan.json.
 """
@@ -39,7 +39,7 @@ VARIANTS = {  # name: (config, overrides)
 }
 
 
-def measure(model: str, variant: str, profile_dir: str | None = None) -> dict:
+def measure(model: str, variant: str, steps: int = 2, profile_dir: str | None = None) -> dict:
     """In this process: the actor's phases and their peaks, and the planner's estimate."""
     import torch
 
@@ -52,7 +52,7 @@ def measure(model: str, variant: str, profile_dir: str | None = None) -> dict:
 
     config, overrides = VARIANTS[variant]
     if profile_dir:  # a third update under torch.profiler, after the measured ones
-        overrides = [*overrides, "actor.profile_updates=[3]", f"actor.profile_dir={profile_dir}"]
+        overrides = [*overrides, f"actor.profile_updates=[{steps + 1}]", f"actor.profile_dir={profile_dir}"]
     cfg = load_config(CONFIGS / config, [f"model.model_name_or_path={model}", *overrides])
     [gpu] = plan(cfg, gpu_capacity())
     est = next(e for e in gpu.estimates if e.role == "actor")
@@ -76,21 +76,22 @@ def measure(model: str, variant: str, profile_dir: str | None = None) -> dict:
                                "seconds": time.perf_counter() - start}
         return result
 
-    for step in (1, 2):
-        suffix = "" if step == 1 else "2"
+    stats = []
+    for step in range(1, steps + 1):
+        suffix = "" if step == 1 else str(step)
         samples = phase(f"generate{suffix}", lambda: core.generate(prompts, sampling))
         batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
         lp = phase(f"logprobs{suffix}", lambda: core.compute_logprobs(batch, 1.0, include_reference=True))
         targets = PolicyTargets(torch.randn(batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
-        phase(f"update{step}", lambda step=step: core.update(step, step - 1, batch, targets, 1.0))
+        stats.append(phase(f"update{step}", lambda step=step: core.update(step, step - 1, batch, targets, 1.0)).stats)
     if profile_dir:
-        core.update(3, 2, batch, targets, 1.0)
-    seconds = {name: p["seconds"] for name, p in out["phases"].items()}
+        core.update(steps + 1, steps, batch, targets, 1.0)
+    warm = {name: out["phases"][f"{name}{steps}"]["seconds"] for name in ("generate", "logprobs", "update")}
     tokens = int(batch.prompt_lengths.sum() + batch.response_lengths.sum())
     flops = (4 if cfg.actor.lora.enabled else 6) * core.worker.trainer.model.num_parameters() * tokens
-    out.update(response_tokens=batch.num_response_tokens, tokens=tokens,
-               step_s=seconds["generate2"] + seconds["logprobs2"] + seconds["update2"],
-               update_tflops=flops / seconds["update2"] / 1e12, update_mfu=flops / seconds["update2"] / PEAK_FLOPS,
+    out.update(response_tokens=batch.num_response_tokens, tokens=tokens, step_s=sum(warm.values()),
+               update_tflops=flops / warm["update"] / 1e12, update_mfu=flops / warm["update"] / PEAK_FLOPS,
+               compiled_graphs=[s.get("compiled_graphs") for s in stats],
                peak_allocated_gib=max(p["allocated_gib"] for p in out["phases"].values()),
                peak_reserved_gib=max(p["reserved_gib"] for p in out["phases"].values()))
     return out
@@ -103,13 +104,14 @@ def main() -> None:
     p.add_argument("--variants", default="default,eager,checkpointing,offload-optimizer,offload-params")
     p.add_argument("--runs", help="SHAPE:VARIANT,... instead of every shape with every variant")
     p.add_argument("--timeout", type=float, default=150, help="seconds per run")
-    p.add_argument("--profile", action="store_true", help="a third update of each run under torch.profiler "
+    p.add_argument("--steps", type=int, default=2, help="steps of each run; the last is the warm one timed")
+    p.add_argument("--profile", action="store_true", help="one more update of each run under torch.profiler "
                    "(its op table in OUT/profiles)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)  # a child's run
     args = p.parse_args()
     out = Path(args.out)
     if args.one:
-        print(json.dumps(measure(args.one[0], args.one[1], str(out / "profiles") if args.profile else None)))
+        print(json.dumps(measure(args.one[0], args.one[1], args.steps, str(out / "profiles") if args.profile else None)))
         return
     import torch
 
@@ -127,7 +129,7 @@ def main() -> None:
         row = {"shape": shape, "variant": variant}
         try:
             done = subprocess.run([sys.executable, __file__, "--out", str(out), "--one", str(models[shape]), variant,
-                                   *(["--profile"] if args.profile else [])],
+                                   "--steps", str(args.steps), *(["--profile"] if args.profile else [])],
                                   capture_output=True, text=True, timeout=args.timeout)
             lines = done.stdout.strip().splitlines()
             row.update(json.loads(lines[-1]) if done.returncode == 0 and lines else
