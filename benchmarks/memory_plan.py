@@ -81,9 +81,10 @@ def measure(model: str, variant: str, steps: int = 2, profile_dir: str | None = 
         suffix = "" if step == 1 else str(step)
         samples = phase(f"generate{suffix}", lambda: core.generate(prompts, sampling))
         batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
-        lp = phase(f"logprobs{suffix}", lambda: core.compute_logprobs(batch, 1.0, include_reference=True))
+        lp = phase(f"logprobs{suffix}", lambda batch=batch: core.compute_logprobs(batch, 1.0, include_reference=True))
         targets = PolicyTargets(torch.randn(batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
-        stats.append(phase(f"update{step}", lambda step=step: core.update(step, step - 1, batch, targets, 1.0)).stats)
+        stats.append(phase(f"update{step}", lambda step=step, batch=batch, targets=targets:
+                           core.update(step, step - 1, batch, targets, 1.0)).stats)
     if profile_dir:
         core.update(steps + 1, steps, batch, targets, 1.0)
     warm = {name: out["phases"][f"{name}{steps}"]["seconds"] for name in ("generate", "logprobs", "update")}

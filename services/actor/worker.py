@@ -25,8 +25,8 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection, RoleFleetConfig
 from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, release_memory
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
-from rolefleet.trainer.profiling import profiled
 from rolefleet.trainer.lora import merged_shapes
+from rolefleet.trainer.profiling import profiled
 from rolefleet.trainer.ranks import Ranks, global_rank, global_world, new_subgroups
 from rolefleet.trainer.steps import PartialUpdate
 from rolefleet.trainer.worker import TrainingWorker
