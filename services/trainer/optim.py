@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from rolefleet.common.batch import SequenceBatch, mini_batches
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.trainer.host_memory import PinnedSlabs
 from rolefleet.trainer.steps import PartialUpdate
 
 StepFn = Callable[[SequenceBatch, torch.Tensor], dict[str, float]]
@@ -103,11 +104,15 @@ class HostOptimizerState:
     a parameter). The step (`step`) runs a chunk of parameters at a time: a chunk's state comes to
     the GPU, the optimizer steps those parameters alone (it skips a parameter without a gradient),
     the state goes back and the chunk's gradients are freed, so the step needs the GPU memory of
-    one chunk's state, not of all of it. Pinned host buffers, copied asynchronously on the current
-    stream: the cost is two transfers of the state per optimizer step over PCIe (docs/memory.md)."""
+    one chunk's state, not of all of it. Pinned host buffers (`host_memory.PinnedSlabs`), copied
+    asynchronously on the current stream: the cost is two transfers of the state per optimizer step
+    over PCIe (docs/memory.md)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int = 1 << 30):  # app/memory.py's OFFLOAD_CHUNK
         self.optimizer, self.chunk_bytes = optimizer, chunk_bytes
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # AdamW's moments are the shape and dtype of their parameter (a DTensor's: its global size, a bound).
+        self.slabs = PinnedSlabs(max(p.numel() * p.element_size() for p in params), pin=torch.cuda.is_available())
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # pinned buffers, by (parameter id, state key)
         self._moved: dict[tuple[int, str], torch.device] = {}  # what `to_host` moved, and from where
 
@@ -150,8 +155,7 @@ class HostOptimizerState:
                     slot = (id(param), key)
                     host = self._host.get(slot)
                     if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                        host = self._host[slot] = torch.empty(value.shape, dtype=value.dtype,
-                                                             pin_memory=torch.cuda.is_available())
+                        host = self._host[slot] = self.slabs.empty(value.shape, value.dtype)
                     self._moved[slot] = value.device
                     # Stream-ordered: the device block is reused only by work queued after this copy.
                     state[key] = host.copy_(value, non_blocking=True)

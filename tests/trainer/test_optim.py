@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rolefleet.trainer.host_memory import ALIGN, PinnedSlabs
 from rolefleet.trainer.optim import HostOptimizerState, _chunks, apply_gradients
 
 
@@ -50,3 +51,20 @@ def test_a_parameter_without_a_gradient_keeps_its_state():
     offload.step()
     assert model[2].weight not in optimizer.state
     assert all(p.grad is None for p in model.parameters())  # applied gradients are freed as the step goes
+
+
+def test_pinned_slabs_lay_tensors_back_to_back_in_one_power_of_two_size():
+    slabs = PinnedSlabs(largest_bytes=3 << 27, pin=False)  # 384 MiB: slabs of 512 MiB
+    assert slabs.slab_bytes == 1 << 29
+    a = slabs.empty((1 << 26,), torch.float32)  # 256 MiB
+    b = slabs.empty((3, 5), torch.float32)
+    c = slabs.empty((), torch.float32)  # a step count
+    assert slabs.reserved_bytes == 1 << 29  # all three in the first slab (torch's allocator: 3 blocks, 256 MiB + 2 tiny)
+    assert b.data_ptr() - a.data_ptr() == 1 << 28 and (c.data_ptr() - b.data_ptr()) % ALIGN == 0
+    d = slabs.empty((3 << 25,), torch.float32)  # 384 MiB: past the first slab's end
+    assert slabs.reserved_bytes == 2 << 29 and d.shape == (3 << 25,)
+    a.fill_(1.0), b.fill_(2.0), c.fill_(3.0), d.fill_(4.0)  # views of their own bytes: none overwrites another
+    assert a.min() == 1.0 and b.min() == b.max() == 2.0 and c == 3.0 and d.max() == 4.0
+    with pytest.raises(ValueError, match="larger than the slabs"):
+        slabs.empty((1 << 28,), torch.float32)
+
