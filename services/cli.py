@@ -216,12 +216,12 @@ def cmd_deploy(args) -> int:
 
 def cmd_plan(args) -> int:
     """Every GPU of the config's device map with what its roles will need; 1 if one will not fit."""
-    from rolefleet.app.memory import GIB, describe, gpu_capacity, plan
+    from rolefleet.app.memory import GIB, describe, gpu_capacity, host_capacity, plan
 
     cfg = load_config(args.config, args.overrides)
     capacity = args.gpu_gib * GIB if args.gpu_gib else gpu_capacity()
     plans = plan(cfg, capacity)
-    print(describe(cfg, plans))
+    print(describe(cfg, plans, host_capacity()))
     if capacity is None and plans:
         print("(no GPU here to compare with: give --gpu-gib)")
     return 1 if any(g.verdict == "over" for g in plans) else 0

@@ -23,6 +23,7 @@ compares with measured peaks.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -320,10 +321,32 @@ def gpu_capacity() -> Optional[float]:
     return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
 
 
-def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[float]) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of `roles` on GPUs of `capacity` bytes: an estimate over a GPU is a
-    problem naming the role, the estimate and the settings that lower it; near one, a warning."""
-    if capacity is None:
+def host_capacity() -> Optional[float]:
+    """Bytes of this machine's memory."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # a platform without these names
+        return None
+
+
+def node_host_bytes(plans: list[GpuPlan], roles: list[str] | None = None) -> dict[str, float]:
+    """Host memory that offloading puts on each node (its name; "" for this machine's GPUs), of
+    `roles` (None: every role)."""
+    nodes: dict[str, float] = {}
+    for g in plans:
+        node = g.gpu.rpartition(":")[0]
+        for est in g.estimates:
+            if roles is None or est.role in roles:
+                nodes[node] = nodes.get(node, 0.0) + est.host_total
+    return nodes
+
+
+def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[float],
+                    host: Optional[float] = None) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of `roles` on GPUs of `capacity` bytes and, with `host`, on this
+    machine's `host` bytes of memory: an estimate over a GPU (or over the host memory) is a problem
+    naming the role, the estimate and the settings that lower it; near one, a warning."""
+    if capacity is None and host is None:
         return [], []
     try:
         plans = plan(cfg, capacity)
@@ -341,6 +364,16 @@ def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[f
                 problems.append(f"{line} will not fit; would help: {'; '.join(settings_that_help(cfg, est))}")
             else:
                 warnings.append(f"{line} is near the GPU's memory")
+    need = node_host_bytes(plans, roles).get("", 0.0)
+    if host is not None and need > NEAR * host:
+        offloading = sorted({e.role for g in plans for e in g.estimates if e.role in roles and e.host})
+        line = (f"{', '.join(offloading)}: an estimated {need / GIB:.1f} GiB of host memory for offloaded state "
+                f"(of {host / GIB:.1f} GiB here; pinned memory cannot be swapped out)")
+        if need > host:
+            problems.append(f"{line} will not fit; would help: actor.lora.rank=16, fewer offloaded parts, or more "
+                            "GPUs to shard over")
+        else:
+            warnings.append(f"{line} is near the machine's memory")
     return problems, warnings
 
 
@@ -369,8 +402,8 @@ def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
     return out
 
 
-def describe(cfg: RoleFleetConfig, plans: list[GpuPlan]) -> str:
-    """The plan as `rolefleet plan` prints it."""
+def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] = None) -> str:
+    """The plan as `rolefleet plan` prints it (`host`: this machine's memory, for its GPUs' share)."""
     lines = []
     for g in plans:
         cap = f" of {g.capacity / GIB:.1f} GiB" if g.capacity else ""
@@ -386,4 +419,8 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan]) -> str:
                 lines.append(f"    host      {part.bytes / GIB:8.2f} GiB  {part.what} (node memory, not the GPU)")
             if g.verdict in ("over", "near"):
                 lines += [f"    would help: {s}" for s in settings_that_help(cfg, est)]
+    for node, need in node_host_bytes(plans).items():
+        if need:
+            of = f" of {host / GIB:.1f} GiB here" if host and not node else ""
+            lines.append(f"host memory{f' of {node}' if node else ''}: {need / GIB:.1f} GiB{of} for offloaded state")
     return "\n".join(lines) if lines else "no role has a GPU (devices.* are empty): nothing to plan"

@@ -55,11 +55,11 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
 
 
 def check_memory(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
-    """The roles' estimated GPU memory (`app/memory.py`) against this machine's GPUs: over is a
-    problem, near a warning; nothing to check without a GPU."""
-    from rolefleet.app.memory import gpu_capacity, memory_problems
+    """The roles' estimated GPU memory (`app/memory.py`) against this machine's GPUs, and what they
+    offload against its memory: over is a problem, near a warning."""
+    from rolefleet.app.memory import gpu_capacity, host_capacity, memory_problems
 
-    problems, warnings = memory_problems(cfg, roles, gpu_capacity())
+    problems, warnings = memory_problems(cfg, roles, gpu_capacity(), host_capacity())
     for warning in warnings:
         log.warning("%s", warning)
     return problems

@@ -98,6 +98,42 @@ def test_checkpointing_compiling_and_offload_change_what_they_should(tmp_path):
     assert par.host_total == 16 * p + 4 * p and "logprobs" not in par.phases  # the reference's layers visit alone
 
 
+def test_lora_holds_the_frozen_weights_in_bf16_and_trains_adapters_alone(tmp_path):
+    model = small_model(tmp_path)
+    dims = ModelDims.read(model)
+    p = dims.params
+    # r=2 on every linear layer (in + out features): q 8+8, k 8+4, v 8+4, o 8+8, gate, up, down 8+16 each.
+    adapters = 2 * 2 * ((8 + 8) + (8 + 4) + (8 + 4) + (8 + 8) + 3 * (8 + 16))
+    assert dims.adapter_params(2, "all-linear") == adapters == 512
+    assert dims.adapter_params(2, ["q_proj", "v_proj", "not_a_layer"]) == 2 * 2 * (16 + 12)
+    got = parts(actor_estimate(cfg_for(model, "actor.lora.rank=2"), dims, "0"))
+    kv = 2 * 2 * 2 * 4 * 4 * 16
+    assert got == {
+        "policy frozen weights (bf16)": 2 * p, "policy LoRA adapters (r=2): weights and AdamW state": 12 * adapters,
+        "rollout engine weights (bf16)": 2 * p, "kept decode state": kv,  # and no reference: adapters off
+        "generate: KV cache of 4 rows x 16 tokens (bf16)": 0, "generate: logits of one decode step": 4 * 4 * 10,
+        # an adapter's own bf16 cast of each input from the fp32 norms (q, k, v, gate, up): 5 * 2 * 8 bytes
+        "update: policy activations of one micro-batch (100 tokens)": 100 * 2 * (416 + 80),
+        "update: policy adapters' gradients (fp32)": 4 * adapters,
+        "update: LM head logits of 5 tokens with their gradient": 3 * 4 * 5 * 10}
+    other_ref = parts(actor_estimate(cfg_for(model, "actor.lora.rank=2", "actor.ref_model_name_or_path=/elsewhere"),
+                                     dims, "0"))
+    assert other_ref["reference weights (fp32)"] == 4 * p  # a reference of another model is its own copy
+    par = actor_estimate(cfg_for(model, "actor.lora.rank=2", "actor.offload=params"), dims, "0")
+    assert par.host_total == 4 * p + 12 * adapters and "policy frozen weights (fp32 shards)" not in parts(par)
+
+
+def test_what_offloading_puts_in_host_memory_is_checked_against_the_machine(tmp_path):
+    cfg = cfg_for(small_model(tmp_path), "actor.offload=optimizer", "actor.ref_offload=true")
+    need = ModelDims.read(cfg.actor.model_name_or_path).params * (8 + 4)
+    problems, warnings = memory_problems(cfg, ["actor"], None, host=need / 2)
+    [problem] = problems
+    assert problem.startswith(f"actor: an estimated {need / GIB:.1f} GiB of host memory") and "will not fit" in problem
+    assert memory_problems(cfg, ["actor"], None, host=need / 0.95)[1]  # near: a warning
+    assert memory_problems(cfg, ["actor"], None, host=need * 2) == ([], [])
+    assert memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=1.0) == ([], [])  # nothing offloaded
+
+
 def test_two_sharded_workers_hold_half_each(tmp_path):
     model = small_model(tmp_path)
     one = plan(cfg_for(model), 80 * GIB)
