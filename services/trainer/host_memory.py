@@ -1,10 +1,10 @@
 """Pinned host memory for state that waits off the GPU (`<role>.offload: optimizer`).
 
 torch's pinned-memory allocator rounds every allocation up to a power of two, so that freed blocks
-can be reused. For AdamW's state of a 7B model that is ruinous: 57 GiB of moments in tensors of
+can be reused. For AdamW's state of a 7B model that is ruinous: 56.7 GiB of moments in tensors of
 272 MB (the MLP's, rounded up to 512 MB) and 2.2 GB (the embeddings' and the LM head's, to 4 GB)
-took about 110 GiB of host memory, and with the offloaded reference beside it the run was killed
-before its first step (random weights of Qwen2.5-7B's dimensions on one H200 host of 125 GiB,
+take 107.9 GiB, which with the offloaded reference beside them is more than the 125 GiB host
+whose full-parameter run of Qwen2.5-7B's dimensions was killed after loading (one H200,
 2026-12-02). `PinnedSlabs` asks the allocator for slabs of one power-of-two size instead and lays
 the tensors in them back to back: what is lost is the end of each slab.
 """
