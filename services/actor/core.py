@@ -29,7 +29,7 @@ from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import require_temperature
 from rolefleet.common.role_types import CheckpointInfo
-from rolefleet.trainer import checkpoint
+from rolefleet.trainer import checkpoint, lora
 from rolefleet.trainer.role import TrainerRole
 from rolefleet.trainer.workers import WorkerGroup
 
@@ -209,8 +209,8 @@ class ActorCore(TrainerRole):
 
     def write_hf_files(self, work) -> None:
         checkpoint.save_hf_files(work, self.worker.model_config, self.tokenizer)
-        if (adapters := self.worker.trainer.adapters) is not None:
-            adapters.save_config(Path(work) / "hf")  # which base model the saved adapters belong to
+        if self.cfg.lora.enabled:  # which base model the saved adapters belong to
+            lora.save_config(Path(work) / "hf", self.cfg.lora, self.cfg.model_name_or_path)
 
     def after_load(self, info: CheckpointInfo) -> None:
         """The rollout engines take the loaded weights and version."""

@@ -57,8 +57,7 @@ class PolicyTrainer(Trainer):
         self.adapters = None
         if cfg.lora.enabled:  # before the trainer shards and builds its optimizer: only the adapters train
             sharded = sharding_wanted(cfg.sharding, ranks) or cfg.offload == "params"
-            self.adapters = Adapters(model, cfg.lora, None if sharded else compute_dtype(device, cfg.compute_dtype),
-                                     base_model=cfg.model_name_or_path)
+            self.adapters = Adapters(model, cfg.lora, None if sharded else compute_dtype(device, cfg.compute_dtype))
         elif ref_model is None:
             raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself")
         policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers)

@@ -36,26 +36,30 @@ ADAPTER_CONFIG = "adapter_config.json"  # peft's file name, in a checkpoint's hf
 
 
 def lora_config(section, base_model: str | None = None) -> LoraConfig:
-    """peft's config of `actor.lora` (a `LoraSection`)."""
+    """peft's config of `actor.lora` (a `LoraSection`); `base_model`: where the model came from (a
+    local directory is recorded by its absolute path)."""
+    if base_model is not None and Path(base_model).is_dir():
+        base_model = str(Path(base_model).resolve())
     return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
                       target_modules=section.target_modules, bias="none", task_type="CAUSAL_LM",
                       base_model_name_or_path=base_model)
 
 
+def save_config(directory: Path, section, base_model: str) -> None:
+    """`adapter_config.json` (peft's format, naming the base model) into `directory`: beside a
+    checkpoint's adapters, what export needs to merge them."""
+    lora_config(section, base_model).save_pretrained(str(directory))
+
+
 class Adapters:
     """A causal LM with LoRA adapters injected, and what the actor does with them."""
 
-    def __init__(self, model: PreTrainedModel, section, frozen_dtype: torch.dtype | None,
-                 base_model: str | None = None):
-        """`frozen_dtype`: the dtype the frozen weights are kept in (None: as loaded); `base_model`:
-        where the model came from (a local directory is recorded by its absolute path)."""
-        if base_model is not None and Path(base_model).is_dir():
-            base_model = str(Path(base_model).resolve())
-        config = lora_config(section, base_model)
+    def __init__(self, model: PreTrainedModel, section, frozen_dtype: torch.dtype | None):
+        """`frozen_dtype`: the dtype the frozen weights are kept in (None: as loaded)."""
         try:
             with warnings.catch_warnings():  # peft asks transformers about checkpointing by a deprecated name
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                self.peft = get_peft_model(model, config)
+                self.peft = get_peft_model(model, lora_config(section))
         except ValueError as exc:  # target modules that match nothing, or a layer type peft cannot wrap
             raise ValueError(f"actor.lora.target_modules={section.target_modules!r}: {exc}") from None
         self.model = self.peft.get_base_model()  # `model` itself, adapters injected
@@ -63,18 +67,10 @@ class Adapters:
             for param in self.model.parameters():
                 if not param.requires_grad:
                     param.data = param.data.to(frozen_dtype)
-        self.config = config
 
     def off(self) -> contextlib.AbstractContextManager:
         """The base model: forwards inside run without the adapters (the reference policy)."""
         return self.peft.disable_adapter()
-
-    def trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def save_config(self, directory: Path) -> None:
-        """`adapter_config.json` (peft's format, naming the base model) into `directory`."""
-        self.config.save_pretrained(str(directory))
 
 
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -151,3 +151,34 @@ def test_lora_settings_are_checked():
     with pytest.raises(ConfigError, match="rank"):
         parse_config({"actor": {"lora": {"rank": -1}}}, [])
     assert not parse_config({"model": {"model_name_or_path": "m"}}, []).actor.lora.enabled  # full-parameter training unless asked
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_a_split_actor_broadcasts_the_merged_layers_to_its_rollout_worker(tiny_model_dir):
+    """Rank 0 generates, rank 1 trains the adapters: after an update the rollout worker samples from
+    the merged weights (its logprobs are the trainer's of the same tokens), which it received in the
+    order its own skeleton of the model gave."""
+    from rolefleet.actor.placement import rollout_ranks
+    from rolefleet.actor.worker import ActorWorker
+    from rolefleet.trainer.workers import WorkerGroup
+
+    cfg = parse_config({"model": {"model_name_or_path": str(tiny_model_dir)},
+                        "actor": {"compute_dtype": "float32", "lr": 1e-2, "num_threads": 1, "workers": 2,
+                                  "rollout": {"workers": 1}, "lora": {"rank": 4}}}, [])
+    group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
+    try:
+        core = ActorCore(cfg.actor, rollout_ranks=rollout_ranks(cfg), group=group)
+        assert core.worker.trainer is None  # rank 0: the rollout worker
+        batch = rollout(core)
+        lp = core.compute_logprobs(batch, 1.0, include_reference=True)
+        core.update(1, 0, batch, PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs), 1.0)
+        samples = core.generate(PROMPTS, SamplingParams(max_new_tokens=5, n=2, seed=9))
+        assert all(s.policy_version == 1 for s in samples)
+        fresh = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        recomputed = core.compute_logprobs(fresh, 1.0, include_reference=True)
+        sampled = torch.cat([torch.as_tensor(s.logprobs) for s in samples])
+        assert torch.allclose(sampled, recomputed.logprobs, atol=1e-5)
+        assert (sampled - recomputed.ref_logprobs).abs().max() > 1e-2  # and not the base model's
+    finally:
+        group.stop()
