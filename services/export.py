@@ -64,8 +64,12 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "auto", base: st
     else:
         model = _empty_model(config, target)
         _load_weights(model, actor / "weights")
-    _write_atomically(out, lambda work: (model.save_pretrained(work, safe_serialization=True),
-                                         tokenizer.save_pretrained(work)))
+
+    def write(work: Path) -> None:
+        model.save_pretrained(work, safe_serialization=True)
+        tokenizer.save_pretrained(work)
+
+    _write_atomically(out, write)
     log.info("exported %s (%s) to %s", actor, str(target).removeprefix("torch."), out)
     return out
 

@@ -17,7 +17,8 @@ def test_grpo_of_the_real_model_with_its_chat_template_stop_token_and_evaluation
     out = tmp_path / "run"
     proc = rolefleet("up", "configs/smollm2_arithmetic.yaml", f"model.model_name_or_path={real_model_dir}",
                      f"run.output_dir={out}", "train.total_steps=2", "train.prompts_per_step=2",
-                     "train.samples_per_prompt=4", "sampling.max_new_tokens=32", "eval.every=1", "eval.max_prompts=4")
+                     "train.samples_per_prompt=4", "sampling.max_new_tokens=32", "eval.every=1", "eval.max_prompts=4",
+                     "checkpoint.at_end=false")  # checkpoints: tests/e2e/test_chaos.py; here, 2 GB of writing
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
     records = read_metrics(out / "metrics.jsonl")
