@@ -47,6 +47,8 @@ class ActorWorker(TrainingWorker):
         placement = ActorPlacement(world, tuple(rollout_ranks))
         self.backend = choose_backend(cfg.rollout.backend, self.device.type == "cuda", vllm_installed(), world,
                                       placement.split)
+        if problem := cfg.lora_engine_problem(self.backend, placement.split):  # backend auto chose vLLM
+            raise ValueError(problem)
         self.placement = p = replace(placement, engine_size=engine_size(cfg, self.backend, placement))
         self.parts = {"all": list(range(world)), "trainers": p.train_ranks, "engines": p.engine_ranks}
         self.ranks, sync_group = self._join_parts()

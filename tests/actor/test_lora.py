@@ -182,3 +182,14 @@ def test_a_split_actor_broadcasts_the_merged_layers_to_its_rollout_worker(tiny_m
         assert (sampled - recomputed.ref_logprobs).abs().max() > 1e-2  # and not the base model's
     finally:
         group.stop()
+
+
+def test_lora_beside_a_vllm_engine_that_drops_its_weights_is_refused():
+    model = {"model": {"model_name_or_path": "m"}}
+    with pytest.raises(ConfigError, match="actor.rollout.vllm.sleep_level to 1"):
+        parse_config(model, ["actor.lora.rank=8", "actor.rollout.backend=vllm"])  # sleep level 2 by default
+    parse_config(model, ["actor.lora.rank=8", "actor.rollout.backend=vllm", "actor.rollout.vllm.sleep_level=1"])
+    parse_config(model, ["actor.lora.rank=8", "actor.rollout.backend=vllm", "actor.rollout.workers=1"])  # apart
+    cfg = parse_config(model, ["actor.lora.rank=8"]).actor  # auto: the worker asks once it has chosen vLLM
+    assert "sleep_level" in cfg.lora_engine_problem("vllm", split=False)
+    assert cfg.lora_engine_problem("hf", split=False) is None

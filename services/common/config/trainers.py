@@ -246,6 +246,22 @@ class ActorSection(_TrainerSection):
             self.clip_ratio_high = self.clip_ratio
         return self
 
+    def lora_engine_problem(self, backend: str, split: bool) -> Optional[str]:
+        """Why adapters cannot train beside this rollout engine, or None. A weight sync sends the
+        adapted layers alone; vLLM beside the trainer at sleep level 2 drops every weight while the
+        trainer runs, and the rest would be lost."""
+        if self.lora.enabled and backend == "vllm" and not split and self.rollout.vllm.sleep_level == 2:
+            return ("actor.lora sends the adapted layers alone after an update, and vLLM at "
+                    "actor.rollout.vllm.sleep_level 2 drops all its weights while the trainer runs beside it: "
+                    "set actor.rollout.vllm.sleep_level to 1 (weights kept in host memory) or 0")
+        return None
+
+    @model_validator(mode="after")
+    def _lora_beside_vllm(self) -> ActorSection:
+        if (problem := self.lora_engine_problem(self.rollout.backend, split=self.rollout.workers is not None)):
+            raise ValueError(problem)
+        return self
+
     def one_pass_problem(self) -> Optional[str]:
         """Why an update cannot take its old logprobs from its own forward (the policy before its
         optimizer step, that is, the proximal policy), or None."""
