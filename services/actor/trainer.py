@@ -56,8 +56,8 @@ class PolicyTrainer(Trainer):
         ranks = ranks or Ranks.alone()
         self.adapters = None
         if cfg.lora.enabled:  # before the trainer shards and builds its optimizer: only the adapters train
-            sharded = sharding_wanted(cfg.sharding, ranks) or cfg.offload == "params"
-            self.adapters = Adapters(model, cfg.lora, None if sharded else compute_dtype(device, cfg.compute_dtype))
+            frozen_dtype = None if sharding_wanted(cfg, ranks) else compute_dtype(device, cfg.compute_dtype)
+            self.adapters = Adapters(model, cfg.lora, frozen_dtype)
         elif ref_model is None:
             raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself")
         policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers)

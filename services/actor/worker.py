@@ -118,7 +118,7 @@ class ActorWorker(TrainingWorker):
     def _load_reference(self):
         """The reference model; None with adapters on the same model (the policy with them off is it)."""
         cfg = self.cfg
-        if cfg.lora.enabled and cfg.ref_model_name_or_path == cfg.model_name_or_path:
+        if cfg.reference_is_the_policy:
             return None
         if cfg.ref_model_name_or_path == cfg.model_name_or_path:
             ref_model = copy.deepcopy(self.model)  # same weights: skip a second read from disk

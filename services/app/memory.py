@@ -39,8 +39,8 @@ NEAR = 0.9  # an estimate above this share of the GPU is a warning; above the wh
 # cheap ones in the backward: a layer keeps this share of what the eager count says. Measured on
 # one H200 at Qwen2-1.5B dimensions (gpu_1x, 32768-token micro-batches; docs/memory.md).
 COMPILED_ACTIVATION_SHARE = 0.65
-ASSUMED_PROMPT_TOKENS = 512
-OFFLOAD_CHUNK = 2**30  # the AdamW state `offload: optimizer` brings to the GPU at once (trainer/optim.py)  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
+ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
+OFFLOAD_CHUNK = 2**30  # the AdamW state `offload: optimizer` brings to the GPU at once (trainer/optim.py)
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,7 @@ class Estimate:
 
 def _trainer_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix: str) -> tuple[list, list, list]:
     """(held, update phase, host memory) of a trainer on one of its GPUs."""
-    lora = getattr(section, "lora", None)
-    if lora is not None and lora.enabled:
+    if _adapters(section):
         return _adapter_parts(dims, section, workers, sharded, prefix)
     share = workers if sharded else 1
     p, offload = dims.params, section.offload
@@ -206,6 +205,12 @@ def _adapter_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix
     return held, update, host
 
 
+def _adapters(section) -> bool:
+    """Whether this trainer section trains LoRA adapters (the critic's has none)."""
+    lora = getattr(section, "lora", None)
+    return lora is not None and lora.enabled
+
+
 def _layer_params(dims: ModelDims) -> float:
     return (dims.params - dims.vocab * dims.hidden * (1 if dims.tied else 2)) / dims.layers
 
@@ -214,9 +219,8 @@ def _activations(dims: ModelDims, section, prefix: str) -> Part:
     """What one micro-batch keeps for its backward (activation checkpointing: each layer's input
     and one layer's activations)."""
     tokens = section.max_tokens_per_micro_batch
-    lora = getattr(section, "lora", None)
-    per_token = dims.activation_bytes() + (dims.adapter_activation_bytes(lora.target_modules)
-                                           if lora is not None and lora.enabled else 0)
+    per_token = dims.activation_bytes() + (dims.adapter_activation_bytes(section.lora.target_modules)
+                                           if _adapters(section) else 0)
     layer = per_token * (COMPILED_ACTIVATION_SHARE if section.compile_layers else 1.0)
     if section.gradient_checkpointing:
         activations = tokens * (dims.layers * dims.layer_input_bytes() + layer)
@@ -241,8 +245,7 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
     est = Estimate("actor", gpu)
     held, update, est.host = _trainer_parts(dims, a, workers, sharded, "policy")
     est.held += held
-    # With adapters on the actor's own model, the reference is the policy with them switched off.
-    own_reference = not (a.lora.enabled and a.ref_model_name_or_path == a.model_name_or_path)
+    own_reference = not a.reference_is_the_policy
     if own_reference:
         (est.host if a.ref_offload else est.held).append(Part("reference weights (fp32)", 4 * dims.params / share))
     update.append(_head_chunk(dims, a.logprob_chunk_tokens))
@@ -394,8 +397,7 @@ def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
         out.append("actor.lora.rank=16 (LoRA: only adapters train; the frozen weights in bf16, no reference copy)")
     if section.offload != "params":
         out.append(f"{role}.offload=params (weights, gradients and AdamW state in host memory; CPU optimizer step)")
-    if role == "actor" and not cfg.actor.ref_offload and not (adapters and cfg.actor.ref_model_name_or_path ==
-                                                              cfg.actor.model_name_or_path):
+    if role == "actor" and not cfg.actor.ref_offload and not cfg.actor.reference_is_the_policy:
         out.append("actor.ref_offload=true (the reference in host memory between uses)")
     if len(getattr(cfg.devices, role)) == 1:
         out.append(f"more GPUs in devices.{role} (sharded over them with {role}.sharding=fsdp)")

@@ -60,7 +60,7 @@ class Trainer:
             enable_activation_checkpointing(backbone)
         # Several workers: FSDP shards (cfg.sharding) or replicas; every pass in lockstep if sharded.
         # Parameters in host memory are FSDP's CPU offload, over however many workers (one included).
-        self.sharded = sharding_wanted(cfg.sharding, ranks) or cfg.offload == "params"
+        self.sharded = sharding_wanted(cfg, ranks)
         if self.sharded:
             shard(root, decoder_layers(backbone), device, self.dtype, ranks, offload=cfg.offload == "params",
                   full_precision=full_precision)

@@ -26,9 +26,10 @@ from torch.distributed.tensor import DTensor
 from rolefleet.trainer.ranks import Ranks
 
 
-def sharding_wanted(setting: str, ranks: Ranks) -> bool:
-    """Shard when asked for and there is more than one worker to shard over."""
-    return setting == "fsdp" and ranks.world > 1
+def sharding_wanted(cfg, ranks: Ranks) -> bool:
+    """Whether a trainer of this section shards: when asked for and there is more than one worker
+    to shard over, or to keep its parameters in host memory (FSDP's CPU offload, one worker too)."""
+    return (cfg.sharding == "fsdp" and ranks.world > 1) or cfg.offload == "params"
 
 
 def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.device, dtype: torch.dtype | None,

@@ -246,6 +246,12 @@ class ActorSection(_TrainerSection):
             self.clip_ratio_high = self.clip_ratio
         return self
 
+    @property
+    def reference_is_the_policy(self) -> bool:
+        """With adapters on the actor's own model, the reference is that model with them switched
+        off: no copy of its own."""
+        return self.lora.enabled and self.ref_model_name_or_path == self.model_name_or_path
+
     def lora_engine_problem(self, backend: str, split: bool) -> Optional[str]:
         """Why adapters cannot train beside this rollout engine, or None. A weight sync sends the
         adapted layers alone; vLLM beside the trainer at sleep level 2 drops every weight while the
