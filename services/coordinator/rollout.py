@@ -33,6 +33,7 @@ class Rollout:
     values: CriticValues | None = None  # None with no critic, or not asked for yet
     logprobs: LogProbs | None = None  # async one-pass update: the reference's, asked for with the scores
     score_s: float = 0.0  # seconds waited for the scores after the last sample (async: the score stage's)
+    stats: dict[str, float] = field(default_factory=dict)  # the record's entries of how it was made (`dynamic/*`)
 
     @property
     def oldest_version(self) -> int:

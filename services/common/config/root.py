@@ -83,6 +83,20 @@ class RoleFleetConfig(_Section):
         if self.eval.enabled and self.data.path and not (self.eval.path or self.eval.task):
             raise ValueError("eval.path: evaluation of a run on a prompt file (data.path) needs held-out prompts of "
                              "its own: set eval.path (or eval.task), or eval.every=0")
+        overlong = self.train.overlong
+        if overlong.buffer_tokens is None:
+            overlong.buffer_tokens = max(1, self.sampling.max_new_tokens // 4)
+        if overlong.mode == "penalty" and overlong.buffer_tokens > self.sampling.max_new_tokens:
+            raise ValueError(f"train.overlong.buffer_tokens={overlong.buffer_tokens} is more than "
+                             f"sampling.max_new_tokens={self.sampling.max_new_tokens}: the penalty's buffer lies "
+                             "before the cap")
+        if self.train.dynamic_sampling.enabled:
+            if self.train.samples_per_prompt < 2:
+                raise ValueError("train.dynamic_sampling compares the samples of a prompt: set "
+                                 "train.samples_per_prompt >= 2")
+            if self.pipeline.mode == "async":
+                raise ValueError("train.dynamic_sampling needs pipeline.mode sync (the async pipeline scores "
+                                 "its chunks as they stream and does not refill a batch yet)")
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")
