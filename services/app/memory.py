@@ -223,7 +223,7 @@ def _adapter_parts(dims: ModelDims, section, workers: int, sharded: bool, prefix
 
 
 def _adapters(section) -> bool:
-    """Whether this trainer section trains LoRA adapters (the critic's has none)."""
+    """Whether this trainer section (`actor`, `critic`) trains LoRA adapters."""
     lora = getattr(section, "lora", None)
     return lora is not None and lora.enabled
 
@@ -438,11 +438,12 @@ def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
     if section.max_tokens_per_micro_batch > 4096:
         out.append(f"{role}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch // 4} "
                    "(activations scale with it)")
-    adapters = role == "actor" and cfg.actor.lora.enabled  # their AdamW state is too small to matter
+    adapters = section.lora.enabled  # their AdamW state is too small to matter
     if section.offload == "none" and not adapters:
         out.append(f"{role}.offload=optimizer (AdamW state in host memory between steps)")
-    if role == "actor" and not cfg.actor.lora.enabled:
-        out.append("actor.lora.rank=16 (LoRA: only adapters train; the frozen weights in bf16, no reference copy)")
+    if not adapters:
+        out.append(f"{role}.lora.rank=16 (LoRA: only adapters train; the frozen weights in bf16"
+                   f"{', no reference copy' if role == 'actor' else ''})")
     if section.offload != "params":
         out.append(f"{role}.offload=params (weights, gradients and AdamW state in host memory; CPU optimizer step)")
     if role == "actor" and not cfg.actor.ref_offload and not cfg.actor.reference_is_the_policy:

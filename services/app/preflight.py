@@ -66,22 +66,27 @@ def check_memory(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
 
 
 def check_adapters(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
-    """`actor.lora.target_modules` name layers of the actor's model (checked on a skeleton of its
+    """`<role>.lora.target_modules` name layers of the role's model (checked on a skeleton of its
     config on the meta device: nothing is loaded)."""
-    lora, path = cfg.actor.lora, cfg.actor.model_name_or_path
-    if "actor" not in roles or not lora.enabled or model_problem(path) is not None:
-        return []  # check_models reports a model that is not there
+    # check_models reports a model that is not there
+    wanted = [r for r in ("actor", "critic") if r in roles and getattr(cfg, r).lora.enabled
+              and model_problem(getattr(cfg, r).model_name_or_path) is None]
+    if not wanted:
+        return []
     from transformers import AutoConfig
 
     from rolefleet.trainer.lora import merged_shapes
 
-    try:
-        merged_shapes(AutoConfig.from_pretrained(path, local_files_only=True), lora)
-    except ValueError as exc:
-        return [f"actor.lora.target_modules={lora.target_modules!r}: {exc} (model {path})"]
-    except OSError:
-        return []  # an unreadable config: the actor's own load says what is wrong
-    return []
+    problems = []
+    for role in wanted:
+        lora, path = getattr(cfg, role).lora, getattr(cfg, role).model_name_or_path
+        try:
+            merged_shapes(AutoConfig.from_pretrained(path, local_files_only=True), lora)
+        except ValueError as exc:
+            problems.append(f"{role}.lora.target_modules={lora.target_modules!r}: {exc} (model {path})")
+        except OSError:
+            continue  # an unreadable config: the role's own load says what is wrong
+    return problems
 
 
 # --- tracking -----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ optimizer steps).
 
 The value loss is a mean over the mini-batch's response tokens, so each micro-batch weighs by its
 share of them. The scalar head stays fp32 under bf16 autocast (sharded, it is a unit of its own).
+With `critic.lora`, adapters in the backbone and the head train; the backbone's weights stay frozen.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import torch
 from rolefleet.algos import VALUE_LOSSES
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import CriticSection
+from rolefleet.common.modeling import compute_dtype
 from rolefleet.critic.model import ValueModel
 from rolefleet.trainer.base import Trainer
+from rolefleet.trainer.lora import Adapters
 from rolefleet.trainer.ranks import Ranks
+from rolefleet.trainer.sharding import sharding_wanted
 
 
 class ValueTrainer(Trainer):
@@ -22,8 +26,12 @@ class ValueTrainer(Trainer):
 
     def __init__(self, model: ValueModel, device: torch.device, cfg: CriticSection, seed: int,
                  ranks: Ranks | None = None):
-        super().__init__(model, model, model.backbone, cfg, device, ranks or Ranks.alone(), seed,
-                         full_precision=(model.head,))
+        ranks = ranks or Ranks.alone()
+        self.adapters = None
+        if cfg.lora.enabled:  # before the trainer shards and builds its optimizer: adapters and head train
+            frozen_dtype = None if sharding_wanted(cfg, ranks) else compute_dtype(device, cfg.compute_dtype)
+            self.adapters = Adapters(model.backbone, cfg.lora, frozen_dtype, role="critic")
+        super().__init__(model, model, model.backbone, cfg, device, ranks, seed, full_precision=(model.head,))
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""LoRA (`actor.lora`): low-rank adapters train, the model they sit in stays frozen.
+"""LoRA (`actor.lora`, `critic.lora`): low-rank adapters train, the model they sit in stays frozen.
 
 peft injects the adapters into the transformers model in place (`Adapters.model` is that same
 model, its targeted linear layers now `base_layer` + `lora_A` / `lora_B`), so the trainer, FSDP2,
@@ -12,6 +12,8 @@ parameters that want gradients. What changes around it:
 - the reference: the same model with its adapters switched off (`Adapters.off`), not a second copy;
 - the weight sync (`merged_weights`): the engines hold a plain model; each targeted layer's weight
   is sent merged (W + B A x alpha/r), and nothing else, since nothing else changed;
+- the critic's adapters sit in its value model's backbone; its value head trains whole beside them
+  (it is new: there is nothing to adapt), and nothing is synced;
 - checkpoints hold the adapters (and their optimizer state): the trainer saves its trainable
   parameters only; `hf/adapter_config.json` says which base model they belong to, and
   `rolefleet export` merges them into it (and can write peft's adapter directory too).
@@ -35,14 +37,15 @@ ADAPTER = "default"  # peft's name of the one adapter a trainer has
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name, in a checkpoint's hf/
 
 
-def lora_config(section, base_model: str | None = None) -> LoraConfig:
-    """peft's config of `actor.lora` (a `LoraSection`); `base_model`: where the model came from (a
-    local directory is recorded by its absolute path)."""
+def lora_config(section, base_model: str | None = None, causal_lm: bool = True) -> LoraConfig:
+    """peft's config of `<role>.lora` (a `LoraSection`); `base_model`: where the model came from (a
+    local directory is recorded by its absolute path); `causal_lm`: adapters of a causal LM (the
+    actor's), else of a bare backbone (the critic's value model)."""
     if base_model is not None and Path(base_model).is_dir():
         base_model = str(Path(base_model).resolve())
     return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
-                      target_modules=section.target_modules, bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base_model)
+                      target_modules=section.target_modules, bias="none",
+                      task_type="CAUSAL_LM" if causal_lm else None, base_model_name_or_path=base_model)
 
 
 def save_config(directory: Path, section, base_model: str) -> None:
@@ -54,14 +57,15 @@ def save_config(directory: Path, section, base_model: str) -> None:
 class Adapters:
     """A causal LM with LoRA adapters injected, and what the actor does with them."""
 
-    def __init__(self, model: PreTrainedModel, section, frozen_dtype: torch.dtype | None):
-        """`frozen_dtype`: the dtype the frozen weights are kept in (None: as loaded)."""
+    def __init__(self, model: PreTrainedModel, section, frozen_dtype: torch.dtype | None, role: str = "actor"):
+        """`frozen_dtype`: the dtype the frozen weights are kept in (None: as loaded); `role`: whose
+        adapters (the actor's sit in a causal LM, the critic's in its value model's backbone)."""
         try:
             with warnings.catch_warnings():  # peft asks transformers about checkpointing by a deprecated name
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                self.peft = get_peft_model(model, lora_config(section))
+                self.peft = get_peft_model(model, lora_config(section, causal_lm=role == "actor"))
         except ValueError as exc:  # target modules that match nothing, or a layer type peft cannot wrap
-            raise ValueError(f"actor.lora.target_modules={section.target_modules!r}: {exc}") from None
+            raise ValueError(f"{role}.lora.target_modules={section.target_modules!r}: {exc}") from None
         self.model = self.peft.get_base_model()  # `model` itself, adapters injected
         if frozen_dtype is not None:
             for param in self.model.parameters():

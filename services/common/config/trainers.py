@@ -210,13 +210,13 @@ CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) pe
 
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
+    lora: LoraSection = Field(default_factory=lambda: LoraSection(), description="low-rank adapters: only "
+                              "they train; the reference is the model with them switched off")
     rollout: RolloutSection = Field(default_factory=lambda: RolloutSection())
     max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
                                   "checked before tokenization")
     ref_offload: bool = Field(False, description="keep the reference model in CPU memory between "
                               "ComputeLogProbs calls (frees its GPU memory for training)")
-    lora: LoraSection = Field(default_factory=lambda: LoraSection(), description="low-rank adapters: only "
-                              "they train; the reference is the model with them switched off")
     logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
                                       "logprobs and entropy (bounds the [tokens, vocab] logits)")
     policy_loss: str = Field("ppo_clip", description=f"the policy loss: {' | '.join(POLICY_LOSSES.names())} "
@@ -306,3 +306,5 @@ class ActorSection(_TrainerSection):
 
 class CriticSection(_TrainerSection):
     value_clip: float = Field(0.2, gt=0, description="value clipping range around the old values")
+    lora: LoraSection = Field(default_factory=lambda: LoraSection(), description="low-rank adapters in the "
+                              "value model's backbone: they and the value head train, the backbone stays frozen")
