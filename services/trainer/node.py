@@ -63,12 +63,23 @@ def _supervise(who: str, node: int, processes: list, store, nonce: str) -> int:
                 log.info("%s: its ranks stopped", who)
                 return 0
             if (gone := _first_node_gone(store, nonce, node)) is not None:
+                if _stopped_by_themselves(processes):  # the server stopped the group, then exited
+                    log.info("%s: its ranks stopped", who)
+                    return 0
                 return _end(processes, f"{who}: {gone}; ending this node so the group forms anew")
             time.sleep(BEAT_S)
         _end(processes, f"{who}: stopped (SIGTERM)", level=logging.INFO)
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped_by_themselves(processes: list, grace_s: float = 5.0) -> bool:
+    """Whether every rank exits 0 within `grace_s` (they were told to stop just before)."""
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    return all(p.exitcode == 0 for p in processes)
 
 
 def _first_node_gone(store, nonce: str, node: int) -> str | None:

@@ -179,6 +179,20 @@ class Remote:
     def recv(self):
         return pickle.loads(self._conn.recv_bytes())
 
+    def readable(self) -> bool:
+        """Data or the end of the connection waiting (never blocks)."""
+        return self._conn.poll(0)
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        """Whether the other end closed within `timeout_s` (a stopped rank exits after STOP)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self._conn.poll(max(0.0, deadline - time.monotonic())):
+                self._conn.recv_bytes()  # nothing is expected after STOP: only the end
+        except (EOFError, OSError):
+            return True
+        return False
+
     def close(self) -> None:
         self._conn.close()
 

@@ -45,6 +45,7 @@ from rolefleet.trainer.nodes import NodeLayout
 from rolefleet.trainer.rendezvous import (
     FirstNode,
     NodeWatch,
+    Remote,
     Rendezvous,
     RendezvousError,
     connect_commands,
@@ -166,6 +167,8 @@ class WorkerGroup:
         self.processes = processes  # this node's other ranks
         self._pipes = pipes  # rank -> its command channel: a pipe here, a TCP connection on another node
         self._nodes = watch
+        self._io = threading.Lock()  # guards _in_flight: commands sent whose replies are not read yet
+        self._in_flight = 0
         self._stopping = False
         self._watch = threading.Thread(target=self._watch_workers, name=f"{role}-workers", daemon=True)
         self._watch.start()
@@ -217,6 +220,8 @@ class WorkerGroup:
         ranks = sorted(ranks)
         workers = [r for r in ranks if r != 0]
         name, at = method.__qualname__, 0
+        with self._io:
+            self._in_flight += 1
         try:
             for at in workers:
                 self._pipes[at].send((method, args, at == ranks[0]))
@@ -232,6 +237,9 @@ class WorkerGroup:
                 replies[at] = self._pipes[at].recv()
         except BaseException:
             self.fail(f"{name} failed on rank {at} ({self.layout.describe(self.layout.node_of(at))})")
+        finally:
+            with self._io:
+                self._in_flight -= 1
         if 0 not in ranks:
             result = replies[ranks[0]][1]
         # A role error: rank 0's, or a worker's (one that only some ranks raised is still an error).
@@ -251,6 +259,9 @@ class WorkerGroup:
             p.join(timeout_s)
             if p.is_alive():
                 p.kill()
+        for rank, pipe in self._pipes.items():  # the other nodes' ranks: gone before this store goes
+            if isinstance(pipe, Remote) and not pipe.wait_closed(timeout_s):
+                log.warning("%s: rank %d did not stop within %.0f s", self.role, rank, timeout_s)
         dist.destroy_process_group()
 
     def abandon(self) -> None:
@@ -284,9 +295,22 @@ class WorkerGroup:
         if self._nodes is None:
             return None
         try:
-            return self._nodes.problem()
+            return self._nodes.problem() or self._hung_up()
         except Exception as exc:  # noqa: BLE001 - the store itself failing: report it, never hang here
             return f"the rendezvous store does not answer ({exc})"
+
+    def _hung_up(self) -> str | None:
+        """A rank on another node whose connection ended while no command was in flight (nothing
+        else makes one readable then): its node process or the rank itself is gone. Found at once,
+        where the heartbeat would take NODE_STALE_S."""
+        with self._io:
+            if self._in_flight:
+                return None
+            for rank, pipe in self._pipes.items():
+                if isinstance(pipe, Remote) and pipe.readable():
+                    node = self.layout.node_of(rank)
+                    return f"{self.layout.describe(node)}: rank {rank}'s connection to rank 0 ended"
+        return None
 
     def _watch_workers(self) -> None:
         while not self._stopping:
