@@ -11,11 +11,12 @@ from typing import Optional
 
 import grpc
 
-from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.config import RoleFleetConfig, split_device
 from rolefleet.common.gpu_metrics import GpuSampler
 from rolefleet.rpc.security import Security, refuse_if_open
 from rolefleet.rpc.server import (
     StartupError,
+    busy_port_error,
     check_ports_free,
     serve_until_stopped,
     start_server,
@@ -118,15 +119,37 @@ def rendezvous_of(role: str, cfg: RoleFleetConfig, security: Security) -> tuple[
     return layout, rdzv
 
 
+def node_devices(cfg: RoleFleetConfig, role: str, node: int) -> list:
+    """The entries of devices.<role> on the role's `node`-th node (all of them on one node)."""
+    by_node = cfg.devices.by_node(role)
+    if len(by_node) <= 1:
+        return list(getattr(cfg.devices, role))
+    name = by_node[node][0]
+    return [d for d in getattr(cfg.devices, role) if split_device(d)[0] == name]
+
+
 def serve_node(role: str, cfg: RoleFleetConfig, node: int) -> int:
-    """`rolefleet serve ROLE --node-rank K` (K >= 1): start node K's ranks and supervise them."""
+    """`rolefleet serve ROLE --node-rank K` (K >= 1): start node K's ranks and supervise them. Its
+    metrics port serves `rolefleet_node_ranks` and its node's GPUs (no gRPC: rank 0 serves that)."""
+    from prometheus_client import start_http_server
+
     from rolefleet.trainer.node import node_problem, run_node
 
-    set_threads(getattr(cfg, role).num_threads)
+    section = getattr(cfg, role)
+    set_threads(section.num_threads)
     layout, rdzv = rendezvous_of(role, cfg, run_security(cfg, "client"))
     if (problem := node_problem(node, layout, role)) is not None:
         raise StartupError(problem)
-    return run_node(role, node, layout, rdzv, cfg.model_dump(mode="json"), worker_factory(role))
+    try:
+        start_http_server(section.metrics_port, addr=section.host)
+    except OSError as exc:
+        raise StartupError(busy_port_error(role, "metrics", section.host, section.metrics_port, exc)) from None
+    sampler = GpuSampler.start_for(role, node_devices(cfg, role, node))
+    try:
+        return run_node(role, node, layout, rdzv, cfg.model_dump(mode="json"), worker_factory(role))
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 def bound_hosts(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
@@ -183,7 +206,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     handle = await start_server(role, section, add_servicers, security)
     if ready_file:
         write_ready_file(ready_file, handle)
-    gpu_sampler = GpuSampler.start_for(role, getattr(cfg.devices, role))  # None without NVIDIA GPUs
+    gpu_sampler = GpuSampler.start_for(role, node_devices(cfg, role, 0))  # None without NVIDIA GPUs
     watch = asyncio.ensure_future(handle.report_broken(lambda: core.status().broken))  # noqa: RUF006 - until exit
 
     def close() -> None:

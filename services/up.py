@@ -154,7 +154,9 @@ class Supervisor:
         rp = RoleProcess(role, proc, ready, log_file)
         for node in range(1, layout.nodes):
             rp.node_logs.append(open(self.logs / f"{role}.node{node}.log", mode))
-            rp.nodes.append(self._spawn(role, node, [*overrides, "--node-rank", str(node)], level, rp.node_logs[-1]))
+            # Its own metrics port: the server's (kept over restarts) is taken on this one machine.
+            args = [*overrides, f"{role}.metrics_port=0", "--node-rank", str(node)]
+            rp.nodes.append(self._spawn(role, node, args, level, rp.node_logs[-1]))
         self.procs[role] = rp
         log.info("started %s (pid %d%s)", role, proc.pid, "".join(f", node {k} pid {p.pid}"
                                                                   for k, p in enumerate(rp.nodes, start=1)))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from rolefleet.common.metrics import NODE_RANKS
 from rolefleet.trainer.nodes import NodeLayout
 from rolefleet.trainer.rendezvous import Keys, Rendezvous, RendezvousError, join_store, own_address
 
@@ -45,15 +46,16 @@ def run_node(role: str, node: int, layout: NodeLayout, rdzv: Rendezvous, raw_con
         p.start()
     store.set(Keys.node(node, "joined"), f"{socket.gethostname()} pid {os.getpid()}")
     log.info("%s joined the rendezvous at %s; ranks %s started", who, rdzv.address, layout.ranks_of(node))
-    return _supervise(who, node, processes, store, nonce)
+    return _supervise(who, node, processes, store, nonce, NODE_RANKS.labels(role, str(node)))
 
 
-def _supervise(who: str, node: int, processes: list, store, nonce: str) -> int:
+def _supervise(who: str, node: int, processes: list, store, nonce: str, alive) -> int:
     stopping = []
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         while not stopping:
             codes = [p.exitcode for p in processes]
+            alive.set(sum(code is None for code in codes))
             failed = [(p.name, code) for p, code in zip(processes, codes) if code not in (None, 0)]
             if failed:
                 why = "; ".join(f"worker {name} exited with code {code}" for name, code in failed)
