@@ -38,9 +38,10 @@ def run_node(role: str, node: int, layout: NodeLayout, rdzv: Rendezvous, raw_con
     store = join_store(rdzv, who)
     nonce = store.get(Keys.NONCE).decode()  # rank 0 writes it last: its listener is up
     store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-    store.set(Keys.node(node, "address"), own_address(rdzv))
+    address = own_address(rdzv)
+    store.set(Keys.node(node, "address"), address)
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-    processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, layout, rdzv),
+    processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, layout, rdzv, None, address),
                              name=f"{role}-rank{rank}", daemon=False) for rank in layout.ranks_of(node)]
     for p in processes:
         p.start()

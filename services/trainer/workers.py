@@ -185,10 +185,12 @@ class WorkerGroup:
         store = host_store(rdzv)
         rdzv = rdzv.at_port(store.port)
         first = FirstNode(rdzv, layout, store) if layout.spans else None
-        here = Rendezvous(role, "127.0.0.1", store.port, rdzv.timeout_s, rdzv.secret)  # this node's ranks
+        here = Rendezvous(role, "127.0.0.1", store.port, rdzv.timeout_s, rdzv.secret)  # this node's ranks dial
+        address = own_address(rdzv) if first else "127.0.0.1"  # ... and are reached at this node's address
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         pipes = {rank: ctx.Pipe() for rank in layout.ranks_of(0)[1:]}
-        processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, layout, here, theirs),
+        processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, layout, here, theirs,
+                                                           address),
                                  name=f"{role}-rank{rank}", daemon=False)
                      for rank, (_, theirs) in pipes.items()]
         for p in processes:
@@ -204,8 +206,7 @@ class WorkerGroup:
         except RendezvousError:
             group.abandon()
             raise
-        _init(0, layout.world, store, layout, offloads_params(role, raw_config),
-              own_address(rdzv) if layout.spans else "127.0.0.1")
+        _init(0, layout.world, store, layout, offloads_params(role, raw_config), address)
         log.info("%s: %d worker processes joined (%s)%s", role, layout.world, dist.get_backend(),
                  f" over {layout.nodes} nodes" if layout.spans else "")
         return group
@@ -322,11 +323,11 @@ class WorkerGroup:
 
 
 def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, layout: NodeLayout, rdzv: Rendezvous,
-                pipe=None) -> None:
+                pipe=None, address: str = "127.0.0.1") -> None:
     """Every rank but 0: build the worker, then run each command until STOP. Commands come on `pipe`
     (a rank on rank 0's node) or, on another node, over a connection to rank 0 made here. The reply
     is (error, result): a role error raised here (alike on the part's every rank), and the result
-    if this rank was asked for it."""
+    if this rank was asked for it. `address`: this node's, as the other nodes reach it."""
     from rolefleet.common.config import parse_config
     from rolefleet.trainer.threads import set_threads
 
@@ -339,8 +340,7 @@ def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, layou
     store = join_store(rdzv, f"{role} rank {rank}")
     if pipe is None:
         pipe = connect_commands(rdzv, store, rank)
-    _init(rank, layout.world, store, layout, offloads_params(role, raw_config),
-          own_address(rdzv) if layout.spans else "127.0.0.1")
+    _init(rank, layout.world, store, layout, offloads_params(role, raw_config), address)
     worker = factory(cfg)
     while (command := pipe.recv()) is not STOP:
         method, args, answer = command

@@ -667,6 +667,10 @@ def test_values_for_a_trainer_on_two_nodes_spans_them_and_refuses_uneven_nodes()
     with pytest.raises(ValueError, match=re.escape("devices.actor: its nodes list different GPU counts (node0: 2, "
                                                    "node2: 1)")):
         values_for(parse_config(raw))
+    cpu = default_config() | {"algorithm": "grpo", "devices": {}}
+    cpu["actor"] = cpu["actor"] | {"workers": 4, "nodes": 2}  # a CPU group over two pods, any nodes
+    assert values_for(parse_config(cpu)) == {"actor": {"gpus": 0, "nodes": 2}, "reward": {"gpus": 0},
+                                             "persistence": {"accessModes": ["ReadWriteMany"]}}
 
 
 def test_values_for_refuses_a_node_no_label_can_match():
