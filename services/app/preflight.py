@@ -401,7 +401,7 @@ def engine_nodes_problem(cfg: RoleFleetConfig, placement) -> str | None:
     for rank in placement.engine_ranks if placement.engine_size > 1 else []:
         members = placement.engine_members(rank)
         if not layout.same_node(members):
-            nodes = sorted({layout.names[layout.node_of(r)] for r in members})
+            nodes = sorted({layout.name(layout.node_of(r)) for r in members})
             return (f"actor.rollout.vllm.tensor_parallel_size: the engine of actor ranks {members} would span nodes "
                     f"{', '.join(nodes)}; an engine's GPUs must be on one node (devices.rollout)")
     return None

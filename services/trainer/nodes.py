@@ -19,7 +19,10 @@ GROUP_ROLES = ("actor", "critic")  # roles that can run over several worker proc
 @dataclass(frozen=True)
 class NodeLayout:
     counts: tuple[int, ...] = (1,)  # ranks of each node
-    names: tuple[str, ...] = ("node0",)  # each node's name (the devices map's, or nodeK on the CPU)
+    names: tuple[str, ...] = ()  # each node's name (the devices map's); unnamed: nodeK
+
+    def name(self, node: int) -> str:
+        return self.names[node] if node < len(self.names) else f"node{node}"
 
     @property
     def world(self) -> int:
@@ -58,7 +61,7 @@ class NodeLayout:
         """`node 1 (gpu-b, ranks 4-7)`: how logs and errors name a node."""
         ranks = self.ranks_of(node)
         span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-        return f"node {node} ({self.names[node]}, {span})"
+        return f"node {node} ({self.name(node)}, {span})"
 
 
 def layout_for(role: str, cfg: RoleFleetConfig) -> NodeLayout:
@@ -74,4 +77,4 @@ def layout_for(role: str, cfg: RoleFleetConfig) -> NodeLayout:
     workers, nodes = section.workers or 1, section.nodes or 1
     if workers % nodes:  # refused by the config's own check (root.py: _nodes_fit)
         raise ValueError(f"{role}.workers={workers} do not split evenly over {role}.nodes={nodes}")
-    return NodeLayout((workers // nodes,) * nodes, tuple(f"node{k}" for k in range(nodes)))
+    return NodeLayout((workers // nodes,) * nodes)

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
 import torch.distributed as dist
@@ -120,7 +121,8 @@ class FirstNode:
         self.rdzv, self.layout, self.store = rdzv, layout, store
         self.nonce = secrets.token_hex(16)
         bind = LOOPBACK if rdzv.loopback else "0.0.0.0"
-        self.listener = Listener((bind, 0), authkey=rdzv.authkey(self.nonce))
+        # Every other node's ranks connect at once: a backlog for all of them.
+        self.listener = Listener((bind, 0), backlog=max(16, layout.world), authkey=rdzv.authkey(self.nonce))
         store.set(Keys.COMMANDS, str(self.listener.address[1]))
         store.set(Keys.NONCE, self.nonce)  # last: a node that reads it finds the rest
 
@@ -150,7 +152,7 @@ class FirstNode:
                 try:
                     channel = Remote(self.listener.accept())
                     conns[channel.recv()] = channel
-                except (OSError, EOFError) as exc:  # a failed handshake: a stranger, or a stale node
+                except (OSError, EOFError, AuthenticationError) as exc:  # a stranger, or a stale node
                     log.warning("%s: refused a command connection (%s)", self.rdzv.role, exc)
 
         thread = threading.Thread(target=accept, name=f"{self.rdzv.role}-accept", daemon=True)

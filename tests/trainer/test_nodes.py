@@ -39,7 +39,7 @@ def test_the_devices_map_gives_each_node_its_gpus_in_order(make_config):
 
 def test_cpu_workers_split_evenly_over_the_nodes(make_config):
     layout = layout_for("critic", make_config("critic.workers=6", "critic.nodes=3"))
-    assert (layout.counts, layout.names) == ((2, 2, 2), ("node0", "node1", "node2"))
+    assert (layout.counts, [layout.name(k) for k in range(3)]) == ((2, 2, 2), ["node0", "node1", "node2"])
     assert layout_for("actor", make_config("actor.workers=2")).counts == (2,)
 
 
@@ -96,3 +96,42 @@ def test_a_group_beyond_loopback_needs_the_runs_token(make_config):
     assert local.loopback  # on loopback (`rolefleet up`) no token is needed
     one, _ = rendezvous_of("actor", make_config("actor.workers=2"), OPEN)
     assert not one.spans
+
+
+@pytest.mark.timeout(60)
+def test_the_command_channel_admits_only_the_formations_key_and_carries_plain_tensors():
+    """In one process: rank 0's side of a two-node formation, a stranger with another token refused
+    in the handshake, the real rank admitted, a tensor sent by value (no shared-memory handle)."""
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    import torch
+
+    from rolefleet.trainer.rendezvous import FirstNode, Keys, RendezvousError, connect_commands, host_store, join_store
+
+    layout = NodeLayout((1, 1))
+    store = host_store(Rendezvous("actor", "127.0.0.1", 0, 5.0, b"token"))
+    rdzv = Rendezvous("actor", "127.0.0.1", store.port, 5.0, b"token")
+    first = FirstNode(rdzv, layout, store)
+    with pytest.raises(RendezvousError, match=r"rendezvous timed out after 0 s .* for node 1 \(node1, rank 1\)"):
+        FirstNode.wait_for_nodes(type("Late", (), {"rdzv": Rendezvous("actor", "127.0.0.1", store.port, 0.3),
+                                                   "layout": layout, "store": store})())
+    client = join_store(rdzv, "node 1")
+    client.set(Keys.node(1, "joined"), "here")
+    first.wait_for_nodes()
+    accepted = {}
+    acceptor = threading.Thread(target=lambda: accepted.update(first.accept_ranks()), daemon=True)
+    acceptor.start()
+    stranger = Rendezvous("actor", "127.0.0.1", store.port, 5.0, b"another run's token")
+    nonce = client.get(Keys.NONCE).decode()
+    with pytest.raises(AuthenticationError):
+        Client(("127.0.0.1", int(client.get(Keys.COMMANDS))), authkey=stranger.authkey(nonce))
+    channel = [connect_commands(rdzv, client, 1)]
+    acceptor.join(5)
+    assert list(accepted) == [1]
+    accepted[1].send(("step", torch.arange(4.0)))
+    what, tensor = channel[0].recv()
+    assert what == "step" and torch.equal(tensor, torch.arange(4.0)) and not tensor.is_shared()
+    channel[0].close()
+    assert accepted[1].wait_closed(5)  # the rank's end closed: what rank 0 reads as a hang-up
