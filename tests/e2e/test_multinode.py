@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from rolefleet.export import export_checkpoint
 from tests.e2e.procs import descendants, processes_mentioning, read_metrics, rolefleet, running_run, write_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.timeout(300)]
+# Two `rolefleet up` runs in one test (the single-process reference and the spanning run).
+pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.timeout(420)]
 
 # Two steps of GRPO; the actor's first rank generates alone, so its samples are those of one process
 # given the same weights (the other ranks train, FSDP2 or replicated over both nodes).

@@ -135,3 +135,16 @@ def test_the_command_channel_admits_only_the_formations_key_and_carries_plain_te
     assert what == "step" and torch.equal(tensor, torch.arange(4.0)) and not tensor.is_shared()
     channel[0].close()
     assert accepted[1].wait_closed(5)  # the rank's end closed: what rank 0 reads as a hang-up
+
+
+def test_up_gives_each_node_process_its_gpus_and_the_parents_environment(make_config, monkeypatch):
+    from rolefleet.up import role_env
+
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")
+    cfg = make_config("devices.actor=['a:0', 'a:1', 'b:2', 'b:3']", "devices.reward=['b:4']")
+    first, second = role_env(cfg, "actor", 0), role_env(cfg, "actor", 1)
+    assert (first["CUDA_VISIBLE_DEVICES"], second["CUDA_VISIBLE_DEVICES"]) == ("0,1", "2,3")
+    assert second["NCCL_SOCKET_IFNAME"] == "eth0" and second["NCCL_IB_HCA"] == "mlx5_0"
+    assert role_env(cfg, "reward")["CUDA_VISIBLE_DEVICES"] == "4"
+    assert role_env(cfg, "coordinator")["CUDA_VISIBLE_DEVICES"] == ""
