@@ -44,10 +44,19 @@ def cmd_up(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    cfg = checked_config(args, "serve", [args.role])
-    from rolefleet.serve import run
+    import os
 
-    return run(args.role, cfg, args.ready_file)
+    from rolefleet.rpc.server import StartupError
+    from rolefleet.serve import node_rank_of, run
+
+    try:
+        node = node_rank_of(args.node_rank, dict(os.environ))
+    except StartupError as exc:
+        print(f"rolefleet: {exc}", file=sys.stderr)
+        return 2
+    cfg = load_config(args.config, args.overrides)
+    preflight(cfg, [args.role], command="serve", node=node)
+    return run(args.role, cfg, args.ready_file, node)
 
 
 def cmd_train(args) -> int:
@@ -327,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("role", choices=ROLES)
     p.add_argument("--config", required=True)
     p.add_argument("--ready-file", help="write the bound ports here as JSON once serving")
+    p.add_argument("--node-rank", type=int, metavar="K",
+                   help="a role whose workers span nodes: start node K's ranks (1 .. nodes-1) and join the group at "
+                   "its first node (<role>.rendezvous); 0, the default, is the role's server. Also "
+                   "ROLEFLEET_NODE_RANK, or the ordinal ending ROLEFLEET_POD_NAME")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(fn=cmd_serve)
 

@@ -11,16 +11,19 @@ from typing import Optional
 
 import grpc
 
-from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.config import RoleFleetConfig, split_device
 from rolefleet.common.gpu_metrics import GpuSampler
 from rolefleet.rpc.security import Security, refuse_if_open
 from rolefleet.rpc.server import (
     StartupError,
+    busy_port_error,
     check_ports_free,
     serve_until_stopped,
     start_server,
     write_ready_file,
 )
+from rolefleet.trainer.nodes import GROUP_ROLES, NodeLayout, layout_for
+from rolefleet.trainer.rendezvous import Rendezvous, RendezvousError
 from rolefleet.trainer.threads import set_threads
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,8 @@ def _critic(cfg: RoleFleetConfig, group=None):
 # Model-serving roles: build the core (load models) first, then open the port, so that SERVING
 # means ready. The coordinator is different (it runs the loop): see rolefleet.coordinator.server.
 ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
-GROUP_ROLES = ("actor", "critic")  # roles that can run over several worker processes
+NODE_RANK_ENV = "ROLEFLEET_NODE_RANK"  # `--node-rank` from the environment (a pod's index)
+POD_NAME_ENV = "ROLEFLEET_POD_NAME"  # else the ordinal a StatefulSet's pod name ends with
 
 
 def worker_factory(role: str):
@@ -74,10 +78,78 @@ def worker_factory(role: str):
 
 
 def worker_count(role: str, cfg: RoleFleetConfig) -> int:
-    """One worker per GPU of the role's device group, or `<role>.workers` (CPU groups)."""
+    """One worker per GPU of the role's device group, or `<role>.workers` (CPU groups), over all its nodes."""
     if role not in GROUP_ROLES:
         return 1
     return getattr(cfg, role).workers or max(1, len(getattr(cfg.devices, role)))
+
+
+def node_rank_of(flag: Optional[int], env: dict[str, str]) -> int:
+    """This process's node in its role's group: `--node-rank`, else ROLEFLEET_NODE_RANK, else the
+    ordinal ending ROLEFLEET_POD_NAME (`actor-nodes-2`: 2), else 0 (the server process). Raises
+    StartupError naming the source of a value that is not a node rank."""
+    if flag is not None:
+        source, text = "--node-rank", str(flag)
+    elif env.get(NODE_RANK_ENV, "").strip():
+        source, text = NODE_RANK_ENV, env[NODE_RANK_ENV].strip()
+    elif env.get(POD_NAME_ENV, "").strip():
+        source, text = POD_NAME_ENV, env[POD_NAME_ENV].strip().rpartition("-")[2]
+    else:
+        return 0
+    if not text.isdigit():
+        raise StartupError(f"{source}={text!r} is not a node rank: a whole number from 0 (the role's server "
+                           "process) to the role's nodes - 1")
+    return int(text)
+
+
+def rendezvous_of(role: str, cfg: RoleFleetConfig, security: Security) -> tuple[NodeLayout, Rendezvous]:
+    """`role`'s node layout and where its group meets (`<role>.rendezvous`; a group on one node meets
+    on loopback, at a free port). A group beyond loopback needs the run's token: it keys the channel
+    that carries rank 0's commands to the other nodes."""
+    layout = layout_for(role, cfg)
+    if not layout.spans:
+        return layout, Rendezvous(role, "127.0.0.1", 0, cfg.train.connect_timeout_s)
+    r = getattr(cfg, role).rendezvous
+    rdzv = Rendezvous(role, r.host, r.port, r.timeout_s, (security.token or "").encode())
+    if not rdzv.loopback and not security.token and not cfg.security.allow_unauthenticated:
+        raise StartupError(f"{role}.rendezvous.host={r.host}: a worker group over several nodes takes rank 0's "
+                           "commands over the network, keyed by the run's token, and this run has none: set "
+                           "security.token_file or security.token_env (or, on a network only the run reaches, "
+                           "security.allow_unauthenticated=true)")
+    return layout, rdzv
+
+
+def node_devices(cfg: RoleFleetConfig, role: str, node: int) -> list:
+    """The entries of devices.<role> on the role's `node`-th node (all of them on one node)."""
+    by_node = cfg.devices.by_node(role)
+    if len(by_node) <= 1:
+        return list(getattr(cfg.devices, role))
+    name = by_node[node][0]
+    return [d for d in getattr(cfg.devices, role) if split_device(d)[0] == name]
+
+
+def serve_node(role: str, cfg: RoleFleetConfig, node: int) -> int:
+    """`rolefleet serve ROLE --node-rank K` (K >= 1): start node K's ranks and supervise them. Its
+    metrics port serves `rolefleet_node_ranks` and its node's GPUs (no gRPC: rank 0 serves that)."""
+    from prometheus_client import start_http_server
+
+    from rolefleet.trainer.node import node_problem, run_node
+
+    section = getattr(cfg, role)
+    set_threads(section.num_threads)
+    layout, rdzv = rendezvous_of(role, cfg, run_security(cfg, "client"))
+    if (problem := node_problem(node, layout, role)) is not None:
+        raise StartupError(problem)
+    try:
+        start_http_server(section.metrics_port, addr=section.host)
+    except OSError as exc:
+        raise StartupError(busy_port_error(role, "metrics", section.host, section.metrics_port, exc)) from None
+    sampler = GpuSampler.start_for(role, node_devices(cfg, role, node))
+    try:
+        return run_node(role, node, layout, rdzv, cfg.model_dump(mode="json"), worker_factory(role))
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 def bound_hosts(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
@@ -120,17 +192,21 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if role not in ROLE_BUILDERS:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
     section = getattr(cfg, role)
-    world = worker_count(role, cfg)
+    layout, rdzv = rendezvous_of(role, cfg, security)
     group = None
-    if world > 1:
+    if layout.world > 1:
         from rolefleet.trainer.workers import WorkerGroup
 
-        group = WorkerGroup.start(role, world, cfg.model_dump(mode="json"), worker_factory(role))
+        try:
+            group = WorkerGroup.start(role, layout.world, cfg.model_dump(mode="json"), worker_factory(role), layout,
+                                      rdzv)
+        except RendezvousError as exc:
+            raise StartupError(str(exc)) from None
     core, add_servicers = ROLE_BUILDERS[role](cfg, group)
     handle = await start_server(role, section, add_servicers, security)
     if ready_file:
         write_ready_file(ready_file, handle)
-    gpu_sampler = GpuSampler.start_for(role, getattr(cfg.devices, role))  # None without NVIDIA GPUs
+    gpu_sampler = GpuSampler.start_for(role, node_devices(cfg, role, 0))  # None without NVIDIA GPUs
     watch = asyncio.ensure_future(handle.report_broken(lambda: core.status().broken))  # noqa: RUF006 - until exit
 
     def close() -> None:
@@ -146,8 +222,14 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     return 0
 
 
-def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
+def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None, node_rank: int = 0) -> int:
+    """Serve `role` (node 0: the server process), or be node `node_rank` of its worker group."""
     try:
+        if node_rank:
+            try:
+                return serve_node(role, cfg, node_rank)
+            except RendezvousError as exc:
+                raise StartupError(str(exc)) from None
         return asyncio.run(serve_role(role, cfg, ready_file))
     except StartupError as exc:
         print(f"rolefleet: {exc}", file=sys.stderr, flush=True)

@@ -16,11 +16,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
@@ -30,12 +31,20 @@ from rolefleet.rpc.auth import write_run_token
 from rolefleet.rpc.roles import fetch_status
 from rolefleet.rpc.run_files import RUN_TOKEN_FILE
 from rolefleet.rpc.server import StartupError
+from rolefleet.trainer.nodes import layout_for
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 STATUS_TIMEOUT_S = 30.0
 STOP_GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A loopback port free now: where a spanning role's node processes meet its server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
@@ -60,9 +69,32 @@ class RoleFailed(RuntimeError):
 @dataclass
 class RoleProcess:
     role: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # the role's server (node 0 of a group over several nodes)
     ready_file: Path
     log_file: Optional[IO]
+    nodes: list[subprocess.Popen] = field(default_factory=list)  # node 1, 2 ... of a group over several
+    node_logs: list[IO] = field(default_factory=list)
+
+    def poll(self) -> Optional[int]:
+        """None while every process of the role runs; else the code of one that ended (the server's
+        first): the role is one unit, whichever of its processes ends."""
+        code = self.proc.poll()
+        if code is not None:
+            return code
+        return next((c for c in (p.poll() for p in self.nodes) if c is not None), None)
+
+    def ended_part(self) -> str:
+        """Which process of the role ended: `actor`, or `actor node 1`."""
+        if self.proc.poll() is None:
+            for k, p in enumerate(self.nodes, start=1):
+                if p.poll() is not None:
+                    return f"{self.role} node {k}"
+        return self.role
+
+    def close_logs(self) -> None:
+        for f in [self.log_file, *self.node_logs]:
+            if f is not None:
+                f.close()
 
     def ports(self) -> Optional[dict]:
         try:
@@ -72,18 +104,23 @@ class RoleProcess:
 
 
 def _end_what_is_left(rp: RoleProcess) -> None:
-    """After a role's process has ended: kill whatever is left of its process group (the session
-    `start` gave it). A role killed by a signal cannot stop its descendants: worker ranks and a vLLM
-    engine's processes would go on holding GPU memory and ports that the restarted role needs."""
-    try:
-        os.killpg(rp.proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # nothing left
-        pass
+    """After a role's process has ended: kill whatever is left of its process groups (the sessions
+    `start` gave it and its node processes). A role killed by a signal cannot stop its descendants:
+    worker ranks and a vLLM engine's processes would go on holding GPU memory and ports that the
+    restarted role needs; a node process whose server ended would wait for a group that is gone."""
+    for proc in (rp.proc, *rp.nodes):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nothing left
+            pass
 
 
-def role_env(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
+def role_env(cfg: RoleFleetConfig, role: str, node: int = 0) -> dict[str, str]:
+    """The parent's environment (NCCL_*, proxies, HF_* pass through), with the GPUs of `role`'s
+    process on `node` (its server: node 0)."""
     env = dict(os.environ)
-    gpus = cfg.devices.local_indices(role) if role != "coordinator" else []
+    by_node = cfg.devices.by_node(role) if role != "coordinator" else []
+    gpus = by_node[node][1] if node < len(by_node) else []
     # Empty means no GPU at all (CPU roles, and the coordinator, which never holds one).
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -101,22 +138,37 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
 
     def start(self, role: str, overrides: list[str], log_to_file: bool) -> RoleProcess:
-        """Start `role`; servers log to runs/<name>/logs/<role>.log, the coordinator to the console."""
+        """Start `role`; servers log to runs/<name>/logs/<role>.log, the coordinator to the console.
+        A role whose workers span nodes also gets a process per other node (`serve ROLE --node-rank
+        K`, logging to <role>.node<K>.log), all meeting on loopback at a port free now."""
         ready = self.workdir / f"{role}.ready.json"
         ready.unlink(missing_ok=True)  # a restart: the dead process's ports are not this one's readiness
         self.overrides[role] = overrides
-        log_file = open(self.logs / f"{role}.log", "a" if role in self.procs else "w") if log_to_file else None
+        layout = layout_for(role, self.cfg)
+        if layout.spans:
+            overrides = [*overrides, f"{role}.rendezvous.host=127.0.0.1", f"{role}.rendezvous.port={free_port()}"]
+        mode = "a" if role in self.procs else "w"
+        log_file = open(self.logs / f"{role}.log", mode) if log_to_file else None
         level = "info" if log_to_file else logging.getLevelName(logging.getLogger().level).lower()
-        cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *overrides,
-               "--config", str(self.config_path), "--ready-file", str(ready)]
+        proc = self._spawn(role, 0, [*overrides, "--ready-file", str(ready)], level, log_file)
+        rp = RoleProcess(role, proc, ready, log_file)
+        for node in range(1, layout.nodes):
+            rp.node_logs.append(open(self.logs / f"{role}.node{node}.log", mode))
+            # Its own metrics port: the server's (kept over restarts) is taken on this one machine.
+            args = [*overrides, f"{role}.metrics_port=0", "--node-rank", str(node)]
+            rp.nodes.append(self._spawn(role, node, args, level, rp.node_logs[-1]))
+        self.procs[role] = rp
+        log.info("started %s (pid %d%s)", role, proc.pid, "".join(f", node {k} pid {p.pid}"
+                                                                  for k, p in enumerate(rp.nodes, start=1)))
+        return rp
+
+    def _spawn(self, role: str, node: int, args: list[str], level: str, log_file: Optional[IO]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *args,
+               "--config", str(self.config_path)]
         # A session of its own: a Ctrl-C in the terminal reaches `up` alone, which stops the
         # children in order (coordinator first) instead of all at once.
-        proc = subprocess.Popen(cmd, env=role_env(self.cfg, role), stdout=log_file, stderr=log_file,
-                                start_new_session=True,
-                                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
-        self.procs[role] = RoleProcess(role, proc, ready, log_file)
-        log.info("started %s (pid %d)", role, proc.pid)
-        return self.procs[role]
+        return subprocess.Popen(cmd, env=role_env(self.cfg, role, node), stdout=log_file, stderr=log_file,
+                                start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
 
     def wait_ready(self, roles: list[str]) -> dict[str, dict]:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -124,9 +176,11 @@ class Supervisor:
         while len(ports) < len(roles):
             for role in roles:
                 rp = self.procs[role]
-                if rp.proc.poll() is not None:
-                    raise RoleFailed(f"{role} exited with code {rp.proc.returncode} before it was ready; "
-                                     f"the end of {self.logs / (role + '.log')}:\n{self.log_tail(role)}")
+                if (code := rp.poll()) is not None:
+                    part = rp.ended_part()
+                    name = role if part == role else f"{role}.node{part.rpartition(' ')[2]}"
+                    raise RoleFailed(f"{part} exited with code {code} before it was ready; "
+                                     f"the end of {self.logs / (name + '.log')}:\n{self.log_tail(name)}")
                 if role not in ports and (p := rp.ports()) is not None:
                     ports[role] = p
             if time.monotonic() > deadline:
@@ -161,13 +215,13 @@ class Supervisor:
         A coordinator that exits by itself ended the run: its code is the run's."""
         while True:
             for role, rp in list(self.procs.items()):
-                code = rp.proc.poll()
+                code = rp.poll()
                 if code is None:
                     continue
                 if role == main and not _killed(code):
                     return code
                 if self.restarts.get(role, 0) >= self.cfg.run.max_restarts:
-                    print(f"rolefleet: {role} exited with code {code} during the run and was restarted "
+                    print(f"rolefleet: {rp.ended_part()} exited with code {code} during the run and was restarted "
                           f"{self.restarts.get(role, 0)} times (run.max_restarts); stopping. The end of its log:\n"
                           f"{self.log_tail(role)}", file=sys.stderr, flush=True)
                     return code if role == main else 1
@@ -177,13 +231,13 @@ class Supervisor:
     def restart(self, role: str, code: int) -> None:
         n = self.restarts[role] = self.restarts.get(role, 0) + 1
         backoff = min(RESTART_BACKOFF_S * 2 ** (n - 1), 30.0)
-        print(f"rolefleet: {role} exited with code {code} during the run; restarting it in {backoff:.0f} s "
-              f"({n} of {self.cfg.run.max_restarts})", file=sys.stderr, flush=True)
         old = self.procs[role]
+        whole = f" (every process of {role}: its group forms anew)" if old.nodes else ""
+        print(f"rolefleet: {old.ended_part()} exited with code {code} during the run; restarting it in "
+              f"{backoff:.0f} s{whole} ({n} of {self.cfg.run.max_restarts})", file=sys.stderr, flush=True)
         _end_what_is_left(old)
         time.sleep(backoff)
-        if old.log_file is not None:
-            old.log_file.close()
+        old.close_logs()
         ports = old.ports() or {}
         same_ports = [f"{role}.{key}={ports[name]}" for key, name in
                       (("port", "grpc_port"), ("metrics_port", "metrics_port"), ("http_port", "http_port"))
@@ -204,15 +258,30 @@ class Supervisor:
                     rp.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S
             for rp in group:
-                try:
-                    rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop within %.0fs; killing it", rp.role, STOP_GRACE_S)
-                    rp.proc.kill()
-                    rp.proc.wait()
+                # The server first: stopping its group stops the other nodes' ranks, and their node
+                # processes then exit by themselves (SIGTERM only if they do not).
+                for proc in (rp.proc, *rp.nodes):
+                    _stop(rp.role, proc, deadline, signal_first=proc is not rp.proc)
                 _end_what_is_left(rp)
-                if rp.log_file is not None:
-                    rp.log_file.close()
+                rp.close_logs()
+
+
+def _stop(role: str, proc: subprocess.Popen, deadline: float, signal_first: bool) -> None:
+    """Wait for `proc` until `deadline` (after a SIGTERM at half the time left, for a node process
+    that has not stopped by itself), then kill it."""
+    waits = [max(0.1, (deadline - time.monotonic()) / 2)] if signal_first else []
+    for wait in waits:
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop within %.0fs; killing it", role, STOP_GRACE_S)
+        proc.kill()
+        proc.wait()
 
 
 def with_run_token(cfg: RoleFleetConfig) -> tuple[RoleFleetConfig, Optional[Path]]:

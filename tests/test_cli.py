@@ -180,16 +180,34 @@ def test_a_bad_option_value_is_a_usage_error(config_file, capsys, nothing_starts
 def test_serve_starts_the_role_with_the_overrides_after_config(config_file, monkeypatch):
     started = {}
 
-    def fake_run(role, cfg, ready_file=None):
-        started.update(role=role, cfg=cfg, ready_file=ready_file)
+    def fake_run(role, cfg, ready_file=None, node_rank=0):
+        started.update(role=role, cfg=cfg, ready_file=ready_file, node_rank=node_rank)
         return 0
 
     monkeypatch.setattr("rolefleet.serve.run", fake_run)
+    monkeypatch.delenv("ROLEFLEET_NODE_RANK", raising=False)
+    monkeypatch.delenv("ROLEFLEET_POD_NAME", raising=False)
     argv = ["serve", "reward", "--config", str(config_file), "--ready-file", "r.json",
             "reward.function=numeric_match", "reward.num_threads=1"]
     assert cli.main(argv) == 0
-    assert started["role"] == "reward" and started["ready_file"] == "r.json"
+    assert started["role"] == "reward" and started["ready_file"] == "r.json" and started["node_rank"] == 0
     assert (started["cfg"].reward.function, started["cfg"].reward.num_threads) == ("numeric_match", 1)
+
+
+@pytest.mark.multinode
+def test_serve_takes_its_node_rank_from_the_flag_or_the_environment(config_file, monkeypatch, capsys):
+    started = {}
+    monkeypatch.setattr("rolefleet.serve.run", lambda role, cfg, ready_file=None, node_rank=0:
+                        started.update(node_rank=node_rank) or 0)
+    argv = ["serve", "actor", "--config", str(config_file), "actor.workers=4", "actor.nodes=2"]
+    assert cli.main([*argv, "--node-rank", "1"]) == 0 and started["node_rank"] == 1
+    monkeypatch.setenv("ROLEFLEET_POD_NAME", "run1-rolefleet-actor-1")  # a StatefulSet pod's ordinal
+    assert cli.main(argv) == 0 and started["node_rank"] == 1
+    monkeypatch.setenv("ROLEFLEET_NODE_RANK", "0")  # before the pod name
+    assert cli.main(argv) == 0 and started["node_rank"] == 0
+    monkeypatch.setenv("ROLEFLEET_NODE_RANK", "one")
+    assert cli.main(argv) == 2
+    assert "ROLEFLEET_NODE_RANK='one' is not a node rank: a whole number from 0" in capsys.readouterr().err
 
 
 def test_train_preflights_before_the_coordinator_starts(config_file, capsys, nothing_starts):

@@ -13,6 +13,7 @@ from rolefleet.actor.rollout import RolloutEngine
 from rolefleet.actor.rollout_hf import HFRolloutEngine
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compute_dtype
+from rolefleet.trainer.workers import local_index
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def make_engine(backend: str, cfg: ActorSection, policy: PreTrainedModel | None,
         try:
             from rolefleet.actor.rollout_vllm import VllmRolloutEngine
 
-            gpus = None if gpu_ranks is None else [visible_gpus()[r] for r in gpu_ranks]
+            gpus = None if gpu_ranks is None else [visible_gpus()[local_index(r)] for r in gpu_ranks]
             return VllmRolloutEngine(policy, tokenizer, cfg, cfg.model_name_or_path, stop_ids, seed, gpus)
         except Exception as exc:  # an installed vLLM that cannot start here (its torch pin, say)
             if cfg.rollout.backend == "vllm" or gpu_ranks is not None:  # the trainers expect vLLM's
@@ -38,6 +39,6 @@ def make_engine(backend: str, cfg: ActorSection, policy: PreTrainedModel | None,
 
 
 def visible_gpus() -> list[str]:
-    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (rank i of a group drives entry i)."""
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (the i-th rank on a node drives entry i)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]

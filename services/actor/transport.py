@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rolefleet.actor import vllm_sync, weight_sync
 from rolefleet.actor.placement import ActorPlacement
 from rolefleet.actor.rollout import RolloutEngine
-from rolefleet.trainer.workers import free_port
+from rolefleet.trainer.workers import free_port, node_address
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]  # (name, full tensor), in the order of the shapes
@@ -129,13 +129,14 @@ class VllmLink(_FromFirstTrainer):
         tells the rollout ranks; it and every engine's workers then join it, each from its own
         process at the same time (`vllm_sync.py`)."""
         r, rollout = self.route, self.route.placement.rollout_ranks
-        port = [free_port() if r.rank == r.sender else None]
-        dist.broadcast_object_list(port, src=r.sender, group=r.group)
-        world = 1 + len(rollout)  # the trainer and one engine worker per rollout GPU
+        # The sender's node address: the engines may be on other nodes of the actor's group.
+        where = [(node_address(), free_port()) if r.rank == r.sender else None]
+        dist.broadcast_object_list(where, src=r.sender, group=r.group)
+        (address, port), world = where[0], 1 + len(rollout)  # the trainer and one engine worker per rollout GPU
         if r.rank == r.sender:
-            self._sender = vllm_sync.Sender(port[0], world)
+            self._sender = vllm_sync.Sender(address, port, world)
         elif self.engine is not None:
-            self.engine.join_weight_transfer(vllm_sync.init_info(port[0], 1 + rollout.index(r.rank), world))
+            self.engine.join_weight_transfer(vllm_sync.init_info(address, port, 1 + rollout.index(r.rank), world))
         self._linked = True
 
     def send(self, named) -> None:

@@ -16,12 +16,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-ADDRESS = "127.0.0.1"  # an actor's GPUs are on one host (devices.actor names one node's GPUs)
 
-
-def init_info(port: int, rank_offset: int, world: int) -> dict:
-    """What an engine needs to join the communicator: its first worker's rank in it and its size."""
-    return {"master_address": ADDRESS, "master_port": port, "rank_offset": rank_offset, "world_size": world}
+def init_info(address: str, port: int, rank_offset: int, world: int) -> dict:
+    """What an engine needs to join the communicator: the sender's address (its node's, when the
+    actor spans nodes), its first worker's rank in it and its size."""
+    return {"master_address": address, "master_port": port, "rank_offset": rank_offset, "world_size": world}
 
 
 def update_info(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int) -> dict:
@@ -33,11 +32,11 @@ def update_info(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, b
 class Sender:
     """The trainer's end: opens the communicator (blocking until every engine worker has joined)."""
 
-    def __init__(self, port: int, world: int):
+    def __init__(self, address: str, port: int, world: int):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         self._transfer = NCCLWeightTransferEngine
-        self.group = NCCLWeightTransferEngine.trainer_init({"master_address": ADDRESS, "master_port": port,
+        self.group = NCCLWeightTransferEngine.trainer_init({"master_address": address, "master_port": port,
                                                             "world_size": world})
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], shapes: list[tuple[str, tuple[int, ...]]],

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -27,11 +28,12 @@ MODEL_KEYS = {"actor": ("actor.model_name_or_path", "actor.ref_model_name_or_pat
 GPU_ROLES = ("actor", "reward", "critic")
 
 
-def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
+def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str, node: int = 0) -> None:
     """Raise ConfigError listing every problem that would stop `roles` of `cfg` on this machine.
 
     `command` is the CLI command: `up` runs every role here, so its device groups must name local
-    GPUs; `serve` runs one role whose GPUs were chosen by CUDA_VISIBLE_DEVICES (compose, Helm).
+    GPUs; `serve` runs one role whose GPUs were chosen by CUDA_VISIBLE_DEVICES (compose, Helm), or
+    with `node` >= 1 one node's part of a role that spans nodes.
     """
     if command not in COMMANDS:
         raise ValueError(f"unknown command {command!r}; valid: {', '.join(COMMANDS)}")
@@ -43,7 +45,7 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str) -> None:
         elif cfg.reward.replicas:
             problems.append("reward.replicas: `rolefleet up` starts one reward server of its own; replicas are "
                             "for `rolefleet train` / `serve coordinator` against running servers (compose, Helm)")
-    problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles)
+    problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles, node)
     problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
     problems += check_memory(cfg, roles) + check_adapters(cfg, roles)
     if "reward" in roles:
@@ -299,20 +301,37 @@ def gpu_count() -> int:
 
 
 def check_local_devices(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
-    """`rolefleet up`: every GPU of every device group it starts must exist on this machine."""
+    """`rolefleet up`: every GPU of every device group it starts must exist on this machine. It runs
+    a role's every node here too, as processes of their own: a "node:i" entry is this machine's GPU
+    i, and two nodes' entries must not land on one GPU."""
     groups = [g for g in GPU_ROLES if g in roles] + (["rollout"] if "actor" in roles else [])
     entries = {g: [split_device(e) for e in getattr(cfg.devices, g)] for g in groups}
     count = gpu_count() if any(entries.values()) else 0
     problems = []
     for group, devices in entries.items():
-        remote = [f"{node}:{gpu}" for node, gpu in devices if node is not None]
-        missing = [gpu for node, gpu in devices if node is None and gpu >= count]
-        if remote:
-            problems.append(f"devices.{group}: {', '.join(remote)}: `rolefleet up` runs on one machine; "
-                            "node-qualified entries are for the Helm chart")
+        missing = sorted({gpu for _, gpu in devices if gpu >= count})
         if missing:
             problems.append(f"devices.{group}: {_gpus(missing)} on this machine (it has {count} GPUs)"
                             + _visible_note())
+    return problems + _same_local_gpu(cfg, [g for g in groups if g != "rollout"])
+
+
+def _same_local_gpu(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """Entries that `up` would put on one local GPU although they name different nodes (of a role,
+    or of two roles not declared in devices.colocate)."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    for role in roles:
+        for entry in getattr(cfg.devices, role):
+            users.setdefault(split_device(entry)[1], []).append((role, str(entry)))
+    problems = []
+    for gpu, named in sorted(users.items()):
+        for i, (role_a, a) in enumerate(named):
+            for role_b, b in named[i + 1:]:
+                shared = role_a != role_b and any(role_a in g and role_b in g for g in cfg.devices.colocate)
+                if a != b and not shared:
+                    problems.append(f"devices.{role_a}: {a} and devices.{role_b}: {b} would both be GPU {gpu} of this "
+                                    "machine under `rolefleet up`, which runs every node's processes here: give "
+                                    "them different GPU indices (or use `rolefleet serve` on each node)")
     return problems
 
 
@@ -365,9 +384,11 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
         return [f"actor.rollout.backend: {problem}"]
     chosen = choose_backend(backend, has_gpu, installed, workers, placement.split)
     try:
-        engine_size(cfg.actor, chosen, placement)
+        size = engine_size(cfg.actor, chosen, placement)
     except ValueError as exc:
         return [str(exc)]
+    if (problem := engine_nodes_problem(cfg, replace(placement, engine_size=size))) is not None:
+        return [problem]
     truncating = [k for k, on in (("top_k", cfg.sampling.top_k > 0), ("top_p", cfg.sampling.top_p < 1)) if on]
     if truncating and chosen == "vllm":
         chosen = "" if backend == "vllm" else " (auto chose it: vllm is installed and the actor has a GPU)"
@@ -377,12 +398,28 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
     return []
 
 
-def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
-    """`rolefleet serve ROLE` (compose, Helm): the process must see as many GPUs as its group lists;
-    otherwise the role would silently run on fewer GPUs, or on the CPU."""
+def engine_nodes_problem(cfg: RoleFleetConfig, placement) -> str | None:
+    """A vLLM engine runs its tensor-parallel workers on the GPUs of one node."""
+    from rolefleet.trainer.nodes import layout_for
+
+    layout = layout_for("actor", cfg)
+    for rank in placement.engine_ranks if placement.engine_size > 1 else []:
+        members = placement.engine_members(rank)
+        if not layout.same_node(members):
+            nodes = sorted({layout.name(layout.node_of(r)) for r in members})
+            return (f"actor.rollout.vllm.tensor_parallel_size: the engine of actor ranks {members} would span nodes "
+                    f"{', '.join(nodes)}; an engine's GPUs must be on one node (devices.rollout)")
+    return None
+
+
+def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str], node: int = 0) -> list[str]:
+    """`rolefleet serve ROLE` (compose, Helm): the process must see as many GPUs as its group lists
+    (on its node, for a group over several); otherwise the role would silently run on fewer GPUs,
+    or on the CPU."""
     problems = []
     for role in roles:
-        wanted = len(getattr(cfg.devices, role)) if role in GPU_ROLES else 0  # coordinator: no GPU
+        by_node = cfg.devices.by_node(role) if role in GPU_ROLES else []  # coordinator: no GPU
+        wanted = len(by_node[node][1]) if node < len(by_node) else 0
         if wanted and (seen := gpu_count()) < wanted:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             how = "is not set" if visible is None else f"is {visible!r}"

@@ -97,6 +97,9 @@ def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
     """The GPUs `role` reserves (compose device_ids are strings); none for the coordinator."""
     if role not in GPU_ROLES:
         return []
+    if (getattr(getattr(cfg, role), "nodes", None) or 1) > 1:
+        raise ValueError(f"{role}.nodes: a worker group over several nodes needs a process per node; docker "
+                         "compose runs one per role (use the Helm chart, or `rolefleet up` on one machine)")
     groups = [role, "rollout"] if role == "actor" else [role]
     for group in groups:
         remote = [str(d) for d in getattr(cfg.devices, group) if split_device(d)[0] is not None]

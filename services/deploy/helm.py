@@ -2,9 +2,11 @@
 
 `values_for(cfg)` gives each role of the run its pod's GPU count (the number of entries in
 `devices.<role>`, as `rolefleet serve` checks it) and, for `"node:i"` entries, a nodeSelector on
-`kubernetes.io/hostname`: the chart, not `rolefleet up`, places roles on nodes. A pod runs on one
-node, so a role whose entries name two nodes is an error. The GPU index after the node is not
-carried over: the device plugin picks which of the node's GPUs a pod gets.
+`kubernetes.io/hostname`. A trainer (actor, critic) whose entries name several nodes spans them:
+one pod per node (`nodes`, the chart's StatefulSet), each with that node's GPU count, on the nodes
+named (`nodeNames`, one pod per node); every node must then give it as many GPUs, since one pod
+template serves them all. The GPU index after the node is not carried over: the device plugin picks
+which of the node's GPUs a pod gets.
 """
 
 from __future__ import annotations
@@ -14,42 +16,57 @@ from typing import Any
 
 import yaml
 
-from rolefleet.common.config import RoleFleetConfig, split_device
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.trainer.nodes import GROUP_ROLES
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 # A Kubernetes label value: what a nodeSelector can match a node's hostname label against.
 _LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)$")
 
 
-def _role_node(cfg: RoleFleetConfig, role: str) -> str | None:
-    """The node named by `devices.<role>`'s entries, or None when they name none."""
-    nodes = sorted({node for node, _ in map(split_device, getattr(cfg.devices, role)) if node is not None})
-    if len(nodes) > 1:
-        raise ValueError(f"devices.{role}: entries on nodes {', '.join(nodes)}: a role runs in one pod, "
-                         "on one node; give all of its GPUs on the same node")
-    if nodes and not _LABEL_VALUE.match(nodes[0]):
-        raise ValueError(f"devices.{role}: node {nodes[0]!r} cannot be matched against the "
-                         f"{HOSTNAME_LABEL} label (63 characters at most, starting and ending with a "
-                         "letter or digit)")
-    return nodes[0] if nodes else None
+def _role_nodes(cfg: RoleFleetConfig, role: str) -> list[str]:
+    """The nodes `devices.<role>` names, in order; [] when it names none."""
+    nodes = [node for node, _ in cfg.devices.by_node(role) if node is not None]
+    for node in nodes:
+        if not _LABEL_VALUE.match(node):
+            raise ValueError(f"devices.{role}: node {node!r} cannot be matched against the {HOSTNAME_LABEL} label "
+                             "(63 characters at most, starting and ending with a letter or digit)")
+    return nodes
+
+
+def _placement(cfg: RoleFleetConfig, role: str) -> dict[str, Any]:
+    """One role's values: its pod's GPUs, and its node (nodeSelector) or nodes (a pod on each)."""
+    by_node = cfg.devices.by_node(role)
+    nodes = _role_nodes(cfg, role)
+    if len(nodes) <= 1:
+        values: dict[str, Any] = {"gpus": len(getattr(cfg.devices, role))}
+        if nodes:
+            values["nodeSelector"] = {HOSTNAME_LABEL: nodes[0]}
+        spans = getattr(getattr(cfg, role), "nodes", None) or 1  # CPU trainers: <role>.nodes pods
+        return values | ({"nodes": spans} if spans > 1 else {})
+    if role not in GROUP_ROLES:  # the config refuses it already; a pod runs on one node
+        raise ValueError(f"devices.{role}: entries on nodes {', '.join(nodes)}: the {role} role runs in one pod, "
+                         "on one node")
+    counts = {node: len(gpus) for node, gpus in by_node}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{node}: {n}" for node, n in counts.items())
+        raise ValueError(f"devices.{role}: its nodes list different GPU counts ({listed}); the chart runs every "
+                         "node of a role from one pod template, so give each node as many GPUs")
+    return {"gpus": counts[nodes[0]], "nodes": len(nodes), "nodeNames": nodes}
 
 
 def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:
-    """Chart values placing the run's GPU roles: `{role: {gpus, nodeSelector?}}` for actor, reward
-    and (when the algorithm uses one) critic, plus ReadWriteMany output storage when the roles span
-    several nodes (every pod mounts the output volume)."""
+    """Chart values placing the run's GPU roles: `{role: {gpus, nodeSelector? | nodes, nodeNames}}`
+    for actor, reward and (when the algorithm uses one) critic, plus ReadWriteMany output storage
+    when the roles span several nodes (every pod mounts the output volume)."""
     values: dict[str, Any] = {}
-    nodes = set()
+    nodes: set[str] = set()
     for role in cfg.roles():
         if role == "coordinator":  # it holds no GPU and may run anywhere
             continue
-        role_values: dict[str, Any] = {"gpus": len(getattr(cfg.devices, role))}
-        node = _role_node(cfg, role)
-        if node is not None:
-            role_values["nodeSelector"] = {HOSTNAME_LABEL: node}
-            nodes.add(node)
-        values[role] = role_values
-    if len(nodes) > 1:
+        values[role] = _placement(cfg, role)
+        nodes.update(_role_nodes(cfg, role))
+    if len(nodes) > 1 or any(v.get("nodes", 1) > 1 for v in values.values()):
         values["persistence"] = {"accessModes": ["ReadWriteMany"]}
     return values
 

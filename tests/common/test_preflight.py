@@ -225,12 +225,21 @@ def test_up_checks_only_the_groups_of_the_roles_it_starts(make_config, gpus):
     assert "devices.critic: GPU 5 does not exist" in problems(make_config("devices.critic=[5]"))
 
 
-def test_up_refuses_node_qualified_entries(make_config, gpus):
+@pytest.mark.multinode
+def test_up_runs_node_entries_on_this_machine_unless_two_nodes_share_a_gpu(make_config, gpus):
     gpus(8)
-    message = problems(make_config("devices.reward=['node1:4', 'node1:5']"))
-    assert ("devices.reward: node1:4, node1:5: `rolefleet up` runs on one machine; node-qualified entries "
-            "are for the Helm chart") in message
-    assert "GPU" not in message.split("Helm chart")[1], "node entries are not also counted as missing GPUs"
+    # Each node's entries are this machine's GPUs of those indices: `up` runs every node here.
+    assert problems(make_config("devices.actor=['node0:0', 'node0:1', 'node1:2', 'node1:3']",
+                                "devices.reward=['node1:4']", "devices.critic=['node2:5']")) == ""
+    message = problems(make_config("devices.actor=['node0:0', 'node1:0']"))
+    assert ("devices.actor: node0:0 and devices.actor: node1:0 would both be GPU 0 of this machine under "
+            "`rolefleet up`") in message
+    message = problems(make_config("devices.actor=['node0:0']", "devices.critic=['node1:0']"))
+    assert "devices.actor: node0:0 and devices.critic: node1:0 would both be GPU 0" in message
+    declared = make_config("devices.actor=['node0:0']", "devices.critic=['node1:0']", "devices.colocate=[[actor, critic]]")
+    assert problems(declared) == ""
+    assert "devices.actor: GPU 9 does not exist on this machine (it has 8 GPUs)" in problems(
+        make_config("devices.actor=['node0:0', 'node1:9']"))
 
 
 def test_serve_needs_as_many_visible_gpus_as_its_group_lists(make_config, gpus, monkeypatch):

@@ -118,8 +118,14 @@ def test_a_grpo_render_leaves_the_critic_out_and_follows_another_placement():
 def test_a_node_qualified_device_is_refused_naming_its_group():
     with pytest.raises(ValueError, match=r"devices\.reward: node1:4, node1:5: docker compose runs on one node"):
         render("devices.reward=['node1:4', 'node1:5']")
-    with pytest.raises(ValueError, match=r"devices\.actor: node0:0"):
-        render("devices.actor=['node0:0', 1, 2, 3]", "devices.rollout=[1]")
+    with pytest.raises(ValueError, match=r"devices\.actor: node0:0, node0:1"):
+        render("devices.actor=['node0:0', 'node0:1']", "devices.rollout=['node0:1']")
+
+
+@pytest.mark.multinode
+def test_a_worker_group_over_several_nodes_is_refused():
+    with pytest.raises(ValueError, match=r"actor\.nodes: a worker group over several nodes needs a process per node"):
+        render("devices.rollout=[]", "devices.actor=[]", "actor.workers=4", "actor.nodes=2")
 
 
 def test_a_model_outside_the_mounted_models_directory_is_refused():

@@ -659,11 +659,18 @@ def test_values_for_one_node_keeps_the_default_storage_and_skips_an_unused_criti
                                              "reward": {"gpus": 1, "nodeSelector": {HOSTNAME_LABEL: "gpu-a"}}}
 
 
-def test_values_for_refuses_a_role_on_two_nodes():
+def test_values_for_a_trainer_on_two_nodes_spans_them_and_refuses_uneven_nodes():
     raw = default_config()
-    raw["devices"] = {"actor": ["node0:0", "node2:1"], "reward": ["node1:0"]}
-    with pytest.raises(ValueError, match=re.escape("devices.actor: entries on nodes node0, node2")):
+    raw["devices"] = {"actor": ["node0:0", "node0:1", "node2:0", "node2:1"], "reward": ["node1:0"]}
+    assert values_for(parse_config(raw))["actor"] == {"gpus": 2, "nodes": 2, "nodeNames": ["node0", "node2"]}
+    raw["devices"]["actor"] = ["node0:0", "node0:1", "node2:1"]
+    with pytest.raises(ValueError, match=re.escape("devices.actor: its nodes list different GPU counts (node0: 2, "
+                                                   "node2: 1)")):
         values_for(parse_config(raw))
+    cpu = default_config() | {"algorithm": "grpo", "devices": {}}
+    cpu["actor"] = cpu["actor"] | {"workers": 4, "nodes": 2}  # a CPU group over two pods, any nodes
+    assert values_for(parse_config(cpu)) == {"actor": {"gpus": 0, "nodes": 2}, "reward": {"gpus": 0},
+                                             "persistence": {"accessModes": ["ReadWriteMany"]}}
 
 
 def test_values_for_refuses_a_node_no_label_can_match():

@@ -87,6 +87,24 @@ class DevicesSection(_Section):
             raise ValueError(f"duplicate GPUs in {value}")
         return value
 
+    @field_validator("actor", "reward", "critic", "rollout")
+    @classmethod
+    def _nodes_together(cls, value: DeviceList) -> DeviceList:
+        """Ranks are numbered in entry order, node by node: a node's entries must form one run, and
+        local indices cannot be told apart from one node's ("node:i") in the same group."""
+        nodes = [split_device(d)[0] for d in value]
+        if None in nodes and any(n is not None for n in nodes):
+            raise ValueError(f"{value} mixes local GPU indices with 'node:index' entries: name every GPU's node, "
+                             "or none")
+        seen: list = []
+        for node in nodes:
+            if node in seen and seen[-1] != node:
+                raise ValueError(f"the GPUs of node {node!r} are not listed together in {value}: list each node's "
+                                 "GPUs in one run (ranks are numbered node by node)")
+            if node not in seen:
+                seen.append(node)
+        return value
+
     @model_validator(mode="after")
     def _rollout_subset(self) -> DevicesSection:
         extra = [d for d in self.rollout if d not in self.actor]
@@ -106,6 +124,14 @@ class DevicesSection(_Section):
                     raise ValueError(f"devices.{a} and devices.{b} share GPUs {shared}: declare it with "
                                      f"devices.colocate: [[{a}, {b}]] (or give them separate GPUs)")
         return self
+
+    def by_node(self, role: str) -> list[tuple[Optional[str], list[int]]]:
+        """`role`'s GPUs by node in the order the nodes first appear: [(node, its GPU indices)];
+        one (None, indices) for local indices, [] for none."""
+        nodes: dict[Optional[str], list[int]] = {}
+        for node, index in map(split_device, getattr(self, role)):
+            nodes.setdefault(node, []).append(index)
+        return list(nodes.items())
 
     def local_indices(self, role: str) -> list[int]:
         """GPU indices for CUDA_VISIBLE_DEVICES on this node; 'node:i' entries keep their index."""

@@ -102,6 +102,28 @@ class RoleFleetConfig(_Section):
                              "set train.samples_per_prompt >= 2")
         return self
 
+    @model_validator(mode="after")
+    def _nodes_fit(self) -> RoleFleetConfig:
+        """A trainer's workers must lay out on its nodes (`trainer/nodes.py`); the reward role is one
+        process, on one node."""
+        for role in ("actor", "critic"):
+            section, gpu_nodes = getattr(self, role), len(self.devices.by_node(role))
+            nodes = section.nodes
+            if nodes is None:
+                continue
+            if gpu_nodes and nodes != gpu_nodes:
+                raise ValueError(f"{role}.nodes: {nodes}, but devices.{role} names {gpu_nodes} node(s); on GPUs "
+                                 "the nodes come from the devices map (leave it unset)")
+            workers = section.workers or 1
+            if not gpu_nodes and workers % nodes:
+                raise ValueError(f"{role}.nodes: {workers} workers ({role}.workers) do not split evenly over "
+                                 f"{nodes} nodes; set {role}.workers to a multiple of {role}.nodes")
+        reward_nodes = [node for node, _ in self.devices.by_node("reward")]
+        if len(reward_nodes) > 1:
+            raise ValueError(f"devices.reward: entries on nodes {', '.join(reward_nodes)}: the reward role is one "
+                             "process on one node (more reward servers are replicas: reward.replicas)")
+        return self
+
     @property
     def preset(self):
         return ALGORITHMS[self.algorithm]

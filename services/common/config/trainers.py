@@ -67,6 +67,17 @@ class TrainSection(_Section):
         return self
 
 
+class RendezvousSection(_Section):
+    """Where the node processes of a role that spans nodes meet (docs/deploy-kubernetes.md)."""
+
+    host: str = Field("127.0.0.1", description="the role's first node as the other nodes dial it (its rank 0, "
+                      "the server process, hosts the rendezvous store there); Helm sets the first pod's DNS name")
+    port: int = Field(29500, ge=1, le=65535, description="TCP port of the rendezvous store on the first node "
+                      "(torch.distributed's TCPStore, as torchrun's); `rolefleet up` picks a free one")
+    timeout_s: float = Field(300.0, gt=0, description="how long the first node waits for the others to join "
+                             "(and they for it) before the role ends with an error naming the missing nodes")
+
+
 class _TrainerSection(Endpoint):
     model_name_or_path: Optional[str] = Field(None, description="the model this trainer starts from; default "
                                               "model.model_name_or_path")
@@ -103,6 +114,11 @@ class _TrainerSection(Endpoint):
     workers: Optional[int] = Field(None, ge=1, description="worker processes of this role (torch.distributed, "
                                    "data parallel): default one per GPU of its device group; on the CPU, gloo "
                                    "workers")
+    nodes: Optional[int] = Field(None, ge=1, description="CPU groups: node processes the workers span, each "
+                                 "starting workers / nodes of them (on GPUs the nodes come from devices.<role>'s "
+                                 "\"node:i\" entries); >1 forms one group over several machines")
+    rendezvous: RendezvousSection = Field(default_factory=RendezvousSection,
+                                          description="where a group over several nodes meets")
     sharding: Literal["fsdp", "replicate"] = Field("fsdp", description="how several workers hold the model: "
                                                    "fsdp = parameters, gradients and optimizer state sharded "
                                                    "over the workers (FSDP2; bf16 compute on CUDA); replicate = "

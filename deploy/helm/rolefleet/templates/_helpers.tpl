@@ -108,9 +108,58 @@ tests/deploy/test_helm.py keeps this list in step with the algorithm presets).
 {{- end }}
 
 {{/*
+The nodes a role's devices map names ("node:i" entries), in the order they first appear, as a JSON
+list; [] when its entries are local GPU indices or it has none.
+*/}}
+{{- define "rolefleet.deviceNodes" -}}
+{{- $cfg := include "rolefleet.config" .root | fromYaml }}
+{{- $nodes := list }}
+{{- range $entry := dig "devices" .role list $cfg | default list }}
+{{- $text := toString $entry }}
+{{- if contains ":" $text }}
+{{- $node := regexReplaceAll ":[0-9]+$" $text "" }}
+{{- if not (has $node $nodes) }}
+{{- $nodes = append $nodes $node }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $nodes }}
+{{- end }}
+
+{{/*
+Pods of a role's worker group: one per node it spans. A trainer (actor, critic) spans the nodes its
+devices map names, or on the CPU the run config's <role>.nodes; <role>.nodes of the values may only
+repeat that (`rolefleet serve` lays the ranks out from the config). Every other role: 1.
+*/}}
+{{- define "rolefleet.nodes" -}}
+{{- if not (has .role (list "actor" "critic")) }}
+{{- 1 }}
+{{- else }}
+{{- $cfg := include "rolefleet.config" .root | fromYaml }}
+{{- $named := include "rolefleet.deviceNodes" . | fromJsonArray | len }}
+{{- $count := $named }}
+{{- if eq $named 0 }}
+{{- $count = dig .role "nodes" 1 $cfg | default 1 | int }}
+{{- end }}
+{{- $set := (index .root.Values .role).nodes }}
+{{- if and (not (kindIs "invalid" $set)) (ne (int $set) (int $count)) }}
+{{- fail (printf "%s.nodes is %d but the run config places %s on %d node(s) (devices.%s, or %s.nodes on the CPU): make them agree, or leave %s.nodes unset" .role (int $set) .role (int $count) .role .role .role) }}
+{{- end }}
+{{- int $count }}
+{{- end }}
+{{- end }}
+
+{{/* Whether a role's worker group spans nodes: "true" or "". */}}
+{{- define "rolefleet.spans" -}}
+{{- if gt (include "rolefleet.nodes" . | int) 1 }}true{{ end }}
+{{- end }}
+
+{{/*
 GPUs a role's pod requests: <role>.gpus, or by default the number of entries in devices.<role> of
-the run config. `rolefleet serve` refuses to start when it sees fewer GPUs than its group lists, so
-a mismatch fails here, at install time, rather than in a crash-looping pod.
+the run config (of one node's, for a role that spans nodes: each pod is a node's). `rolefleet serve`
+refuses to start when it sees fewer GPUs than its group lists, so a mismatch fails here, at install
+time, rather than in a crash-looping pod. One pod template serves every node of a role, so its
+nodes must give it as many GPUs each.
 */}}
 {{- define "rolefleet.gpus" -}}
 {{- if eq .role "coordinator" }}
@@ -119,15 +168,40 @@ a mismatch fails here, at install time, rather than in a crash-looping pod.
 {{- $cfg := include "rolefleet.config" .root | fromYaml }}
 {{- $devices := dig "devices" .role list $cfg | default list }}
 {{- $listed := len $devices }}
+{{- $nodes := include "rolefleet.deviceNodes" . | fromJsonArray }}
+{{- if gt (len $nodes) 1 }}
+{{- $per := dict }}
+{{- range $entry := $devices }}
+{{- $node := regexReplaceAll ":[0-9]+$" (toString $entry) "" }}
+{{- $_ := set $per $node (add1 (get $per $node | default 0)) }}
+{{- end }}
+{{- $first := get $per (first $nodes) }}
+{{- range $node := $nodes }}
+{{- if ne (get $per $node) $first }}
+{{- fail (printf "devices.%s: node %s lists %d GPUs and node %s %d: the chart runs every node of a role from one pod template, so each must give it as many GPUs" $.role (first $nodes) (int $first) $node (int (get $per $node))) }}
+{{- end }}
+{{- end }}
+{{- $listed = $first }}
+{{- end }}
 {{- $set := (index .root.Values .role).gpus }}
 {{- if kindIs "invalid" $set }}
 {{- $listed }}
-{{- else if ne (int $set) $listed }}
-{{- fail (printf "%s.gpus is %d but devices.%s of the run config lists %d GPUs: `rolefleet serve %s` needs to see as many GPUs as its group lists (make them agree, or leave %s.gpus unset)" .role (int $set) .role $listed .role .role) }}
+{{- else if ne (int $set) (int $listed) }}
+{{- fail (printf "%s.gpus is %d but devices.%s of the run config lists %d GPUs%s: `rolefleet serve %s` needs to see as many GPUs as its group lists (make them agree, or leave %s.gpus unset)" .role (int $set) .role (int $listed) (ternary " per node" "" (gt (len $nodes) 1)) .role .role) }}
 {{- else }}
 {{- int $set }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The headless Service the pods of a role that spans nodes meet through (and are named by). */}}
+{{- define "rolefleet.nodesService" -}}
+{{- printf "%s-nodes" (include "rolefleet.componentName" .) }}
+{{- end }}
+
+{{/* Where a spanning role's node processes meet: its first pod (rank 0), by its stable DNS name. */}}
+{{- define "rolefleet.rendezvousHost" -}}
+{{- printf "%s-0.%s" (include "rolefleet.componentName" .) (include "rolefleet.nodesService" .) }}
 {{- end }}
 
 {{/* The gRPC address the coordinator dials for a role: its Service's DNS name. */}}
@@ -214,6 +288,10 @@ token's source), then the role's extraArgs, which come last so that they win.
 {{- if $root.Values.model.path }}
 {{- $args = append $args (printf "model.model_name_or_path=%s" $root.Values.model.path) }}
 {{- end }}
+{{- if include "rolefleet.spans" . }}
+{{- $args = append $args (printf "%s.rendezvous.host=%s" $role (include "rolefleet.rendezvousHost" .)) }}
+{{- $args = append $args (printf "%s.rendezvous.port=%v" $role $v.rendezvousPort) }}
+{{- end }}
 {{- if eq $role "coordinator" }}
 {{- range $server := include "rolefleet.serverRoles" $root | fromJsonArray }}
 {{- $args = append $args (printf "%s.address=%s" $server (include "rolefleet.dialAddress" (dict "root" $root "role" $server))) }}
@@ -255,29 +333,61 @@ is a second short of the probe's timeout, so that it reports why rather than bei
 {{- $port := (index .root.Values $role).port }}
 {{- $tls := include "rolefleet.tlsSecret" .root }}
 {{- $dir := include "rolefleet.tlsDir" .root }}
+{{- $spans := include "rolefleet.spans" . }}
+{{- /* A role over several pods serves gRPC from its first (rank 0): every pod of it is as ready as that. */}}
+{{- $target := ternary (printf "%s:%v" (include "rolefleet.rendezvousHost" .) $port) (printf "127.0.0.1:%v" $port) (ne $spans "") }}
 {{- range $kind := list "startup" "readiness" "liveness" }}
 {{- $timing := index $.root.Values.probes $kind }}
 {{ $kind }}Probe:
-  {{- if $tls }}
+  {{- if or $tls $spans }}
   exec:
     command:
       - python
       - -m
       - rolefleet.deploy.healthcheck
-      - 127.0.0.1:{{ $port }}
+      - {{ $target }}
       - --timeout
       - {{ max 1 (sub (get $timing "timeoutSeconds" | default 1) 1) | quote }}
+      {{- if $tls }}
       - --ca
       - {{ $dir }}/ca.pem
       - --cert
       - {{ $dir }}/{{ $role }}.pem
       - --key
       - {{ $dir }}/{{ $role }}-key.pem
+      {{- if $spans }}
+      # The role's certificate names its Service, not the first pod's own DNS name.
+      - --server-name
+      - {{ include "rolefleet.componentName" $ }}
+      {{- end }}
+      {{- end }}
   {{- else }}
   grpc:
     port: {{ $port }}
   {{- end }}
   {{- toYaml $timing | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+A role's affinity: its own, else the pod-wide one. A role over several pods (one per node) also gets
+one pod per node (anti-affinity on the hostname) and, with <role>.nodeNames (`rolefleet deploy
+helm-values` sets them from the devices map), only those nodes; its own affinity replaces both.
+*/}}
+{{- define "rolefleet.affinity" -}}
+{{- $v := index .root.Values .role }}
+{{- if or $v.affinity (not (include "rolefleet.spans" .)) }}
+{{- toYaml ($v.affinity | default .root.Values.affinity | default dict) }}
+{{- else }}
+{{- $affinity := deepCopy (.root.Values.affinity | default dict) }}
+{{- $_ := set $affinity "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list (dict
+    "topologyKey" "kubernetes.io/hostname"
+    "labelSelector" (dict "matchLabels" (include "rolefleet.selectorLabels" . | fromYaml))))) }}
+{{- with $v.nodeNames }}
+{{- $term := dict "matchExpressions" (list (dict "key" "kubernetes.io/hostname" "operator" "In" "values" .)) }}
+{{- $_ = set $affinity "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" (list $term))) }}
+{{- end }}
+{{- toYaml $affinity }}
 {{- end }}
 {{- end }}
 
@@ -346,7 +456,7 @@ spec:
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $v.affinity | default $root.Values.affinity }}
+  {{- with include "rolefleet.affinity" . | fromYaml }}
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -373,6 +483,12 @@ spec:
           containerPort: {{ $v.http.port }}
           protocol: TCP
         {{- end }}
+        {{- if include "rolefleet.spans" . }}
+        # The rendezvous store: rank 0 (the first pod) hosts it, the other pods' node processes dial it.
+        - name: rendezvous
+          containerPort: {{ $v.rendezvousPort }}
+          protocol: TCP
+        {{- end }}
       env:
         # The root filesystem is read-only: caches (torch.compile, Triton, Hugging Face) go to /tmp.
         - name: HOME
@@ -383,6 +499,13 @@ spec:
           value: rolefleet
         - name: PYTHONUNBUFFERED
           value: "1"
+        {{- if include "rolefleet.spans" . }}
+        # `rolefleet serve` takes its node rank from the ordinal ending the pod's name (pod K: node K).
+        - name: ROLEFLEET_POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        {{- end }}
         {{- if eq $gpus 0 }}
         # No GPU was allocated: a CUDA base image would otherwise expose every GPU of the node.
         - name: NVIDIA_VISIBLE_DEVICES

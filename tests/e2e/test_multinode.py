@@ -1,0 +1,167 @@
+"""A role's worker group over several nodes, on one machine: `rolefleet up` runs the actor as two node
+processes of two gloo ranks each, joined by the rendezvous on loopback, the same path as a cluster.
+It trains like one process; a node process killed mid-run is recovered from; a node that never
+arrives ends the role with a rendezvous timeout naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rolefleet.export import export_checkpoint
+from tests.e2e.procs import descendants, processes_mentioning, read_metrics, rolefleet, running_run, write_config
+
+# Two `rolefleet up` runs in one test (the single-process reference and the spanning run).
+pytestmark = [pytest.mark.e2e, pytest.mark.multinode, pytest.mark.timeout(420)]
+
+# Two steps of GRPO; the actor's first rank generates alone, so its samples are those of one process
+# given the same weights (the other ranks train, FSDP2 or replicated over both nodes).
+RUN = ("algorithm=grpo", "train.total_steps=2", "train.prompts_per_step=8", "train.samples_per_prompt=2",
+       "actor.entropy_coef=0.01",  # a gradient even in a step whose samples all score alike
+       "checkpoint.every=2", "checkpoint.every_minutes=0")
+SPAN = ("actor.workers=4", "actor.nodes=2", "actor.rollout.workers=1")
+_reference: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def run_up(cfg, config: Path, timeout: float = 240) -> str:
+    proc = rolefleet("up", str(write_config(cfg, config)))
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    return output
+
+
+def final_weights(cfg, tmp_path: Path) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"export-{cfg.run.name}"
+    export_checkpoint(cfg.run.out / "checkpoints" / "step-00000002", out, dtype="float32")
+    return load_file(str(out / "model.safetensors"))
+
+
+def single_process_weights(make_config, tmp_path: Path, model_dir: str) -> dict[str, torch.Tensor]:
+    if model_dir not in _reference:
+        cfg = make_config(*RUN, "run.name=single", f"run.output_dir={tmp_path / 'single'}")
+        run_up(cfg, tmp_path / "single.yaml")
+        _reference[model_dir] = final_weights(cfg, tmp_path)
+    return _reference[model_dir]
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "replicate"])
+def test_an_actor_over_two_nodes_trains_to_the_weights_of_one_process(make_config, tmp_path, tiny_model_dir,
+                                                                        sharding):
+    reference = single_process_weights(make_config, tmp_path, tiny_model_dir)
+    cfg = make_config(*RUN, *SPAN, f"actor.sharding={sharding}", "run.name=span",
+                      f"run.output_dir={tmp_path / 'span'}")
+    run_up(cfg, tmp_path / "span.yaml")
+    logs = cfg.run.out / "logs"
+    assert "actor: 4 worker processes joined (gloo) over 2 nodes" in (logs / "actor.log").read_text()
+    node1 = (logs / "actor.node1.log").read_text()
+    assert "actor: node 1 (node1, ranks 2-3) joined the rendezvous at 127.0.0.1:" in node1
+    assert "actor: node 1 (node1, ranks 2-3): its ranks stopped" in node1  # an orderly stop, not a kill
+    spanned = final_weights(cfg, tmp_path)
+    initial = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    moved = max((reference[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-3, "the run must move the weights for the comparison to mean anything"
+    assert spanned.keys() == reference.keys()
+    for name, tensor in reference.items():  # float32 sums in another order: close, not equal
+        assert torch.allclose(spanned[name], tensor, atol=1e-4, rtol=1e-3), name
+    assert [r["step"] for r in read_metrics(cfg.run.out / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_killed_node_process_ends_the_role_and_the_run_recovers(make_config, tmp_path):
+    cfg = make_config("algorithm=grpo", "train.total_steps=4", "train.prompts_per_step=4",
+                      "train.samples_per_prompt=2", "checkpoint.every=1", "run.max_restarts=2",
+                      "actor.workers=4", "actor.nodes=2")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    resolved = str(cfg.run.out / "config.yaml")
+    proc = rolefleet("up", str(config))
+    try:
+        running_run(proc, cfg.run.out / "metrics.jsonl")
+        [node1] = [p for p in processes_mentioning("--node-rank 1") if p in processes_mentioning(resolved)]
+        os.kill(node1, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "rolefleet: actor node 1 exited with code -9 during the run; restarting it" in output
+    assert "(every process of actor: its group forms anew)" in output
+    records = read_metrics(cfg.run.out / "metrics.jsonl")
+    assert records[-1]["step"] == 4 and "ended FINISHED after step 4/4" in output
+    # The group formed again: the server and node 1 both logged a second arrival.
+    logs = cfg.run.out / "logs"
+    assert (logs / "actor.log").read_text().count("joined (gloo) over 2 nodes") == 2
+    assert (logs / "actor.node1.log").read_text().count("joined the rendezvous") == 2
+    deadline = time.monotonic() + 30
+    while (processes_mentioning(resolved) or descendants(proc)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(resolved) == [] and descendants(proc) == []
+
+
+def serve(config: Path, *args: str, ready: Path | None = None) -> subprocess.Popen:
+    extra = ["--ready-file", str(ready)] if ready else []
+    return rolefleet("serve", "actor", "--config", str(config), *extra, *args)
+
+
+def test_the_server_ends_the_role_naming_a_node_whose_process_died(make_config, tmp_path):
+    """Without a supervisor (Kubernetes restarts pods itself): rank 0 sees node 1's ranks go and
+    exits 1 naming the node, and the node process of a dead server ends too."""
+    cfg = make_config("actor.workers=2", "actor.nodes=2", "actor.rendezvous.timeout_s=60",
+                      "security.allow_unauthenticated=true")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    port = ["actor.rendezvous.port=" + str(_free_port())]
+    server = serve(config, *port, ready=tmp_path / "ready.json")
+    node = serve(config, "--node-rank", "1", *port)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready.json").exists() and time.monotonic() < deadline:
+            assert server.poll() is None and node.poll() is None
+            time.sleep(0.2)
+        node.send_signal(signal.SIGKILL)
+        output, _ = server.communicate(timeout=60)
+    finally:
+        for p in (server, node):
+            if p.poll() is None:
+                p.kill()
+    assert server.returncode == 1, output
+    assert "actor: node 1 (node1, rank 1): rank 1's connection to rank 0 ended; the role cannot continue" in output
+
+
+def test_a_node_that_never_arrives_is_a_rendezvous_timeout_naming_it(make_config, tmp_path):
+    cfg = make_config("actor.workers=4", "actor.nodes=2", "actor.rendezvous.timeout_s=3",
+                      "security.allow_unauthenticated=true", f"actor.rendezvous.port={_free_port()}")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    server = serve(config)
+    output, _ = server.communicate(timeout=120)
+    assert server.returncode == 1, output
+    assert ("rolefleet: actor: rendezvous timed out after 3 s (actor.rendezvous.timeout_s) waiting at 127.0.0.1:"
+            in output)
+    assert "for node 1 (node1, ranks 2-3): start `rolefleet serve actor --node-rank K`" in output
+    assert "Traceback" not in output
+    # The other way round: a node process whose first node never answers.
+    node = serve(config, "--node-rank", "1")
+    output, _ = node.communicate(timeout=120)
+    assert node.returncode == 1, output
+    assert "rolefleet: actor: node 1 (node1, ranks 2-3): the actor's first node did not answer at 127.0.0.1:" in output
+    assert "within 3 s (actor.rendezvous.timeout_s)" in output
+    bad = serve(config, "--node-rank", "2")
+    output, _ = bad.communicate(timeout=120)
+    assert bad.returncode == 1 and ("--node-rank 2: actor's worker group spans 2 nodes, so the node rank is 0 "
+                                    "(the server process) to 1") in output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
