@@ -83,6 +83,12 @@ class RoleFleetConfig(_Section):
         if self.eval.enabled and self.data.path and not (self.eval.path or self.eval.task):
             raise ValueError("eval.path: evaluation of a run on a prompt file (data.path) needs held-out prompts of "
                              "its own: set eval.path (or eval.task), or eval.every=0")
+        rollout = self.actor.rollout
+        if rollout.max_turns > 1 and not self.reward.env.enabled:
+            raise ValueError("actor.rollout.max_turns > 1 needs an environment to answer the turns: set "
+                             "reward.env.name (tools, feedback) or reward.env.path")
+        if rollout.max_total_tokens is None:
+            rollout.max_total_tokens = rollout.max_turns * self.sampling.max_new_tokens
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")
