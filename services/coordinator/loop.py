@@ -26,6 +26,7 @@ from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
 from rolefleet.coordinator.calls import Roles
 from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.episodes import Episodes
 from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
@@ -141,20 +142,26 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
             break
         start = time.perf_counter()
         # 1. Rollouts from the current policy.
-        rollout = await generate_rollout(cfg, body.roles.actor, body.dataset, step)
+        rollout = await generate_rollout(cfg, body.roles.actor, body.dataset, step, body.episodes)
         # 2-6. Score, advantages, update, record, checkpoint.
         await body.run(step, rollout, since=start, schedule=_PHASES)
     await body.save_if_stopped()
 
 
-async def generate_rollout(cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset, step: int) -> Rollout:
-    """The rollout batch of `step`, from the policy the actor holds (one policy: the step is on-policy)."""
+async def generate_rollout(cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset, step: int,
+                           episodes: Episodes | None = None) -> Rollout:
+    """The rollout batch of `step`, from the policy the actor holds (one policy: the step is on-policy);
+    with `episodes`, multi-turn conversations with the environment."""
     records = dataset.batch(step, cfg.train.prompts_per_step)
-    start = time.perf_counter()
-    samples = await actor.generate([r.prompt for r in records], sampling_for(cfg, step), first_group_id(cfg, step))
+    start, env_start = time.perf_counter(), episodes.env_s if episodes else 0.0
+    if episodes is None:
+        samples = await actor.generate([r.prompt for r in records], sampling_for(cfg, step), first_group_id(cfg, step))
+    else:
+        samples = await episodes.generate(records, sampling_for(cfg, step), first_group_id(cfg, step))
     generate_s = spent("generate", start)
     policy_version_of(samples)  # refuses a batch of several policies
-    return Rollout(step, records, samples, to_batch(samples), generate_s)
+    env_s = episodes.env_s - env_start if episodes else 0.0
+    return Rollout(step, records, samples, to_batch(samples), generate_s, env_s=env_s)
 
 
 class _Phases(Schedule):

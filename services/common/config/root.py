@@ -112,7 +112,8 @@ class RoleFleetConfig(_Section):
         return DataSection(task=None if e.path else (e.task or d.task), path=e.path, format=e.format,
                            prompt_key=e.prompt_key or d.prompt_key, answer_key=e.answer_key or d.answer_key,
                            extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
-                           chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong,
+                           chat_template=d.chat_template, tools=d.tools, max_prompt_tokens=d.max_prompt_tokens,
+                           overlong=d.overlong,
                            shuffle=False, size=e.max_prompts)
 
     def roles(self) -> list[str]:
