@@ -7,11 +7,12 @@ Each round, for every conversation still open:
    conversation from its tokens so far, the actor appending the observation as its chat template
    renders it: nothing generated is tokenized again), ending at the chat template's end-of-turn
    token (`stop_at_end_of_turn`);
-2. reward.Step: the environment answers each turn (an observation, done, optionally a reward).
+2. reward.Step: the environment answers each turn that ended at its stop token (an observation,
+   done, optionally a reward), the last turn a conversation may have too.
 
 A conversation ends when the environment says done (or fails on it), a turn ends without its stop
-token (it hit sampling.max_new_tokens), `max_turns` turns are made, or no room is left under
-`actor.rollout.max_total_tokens`. Finished conversations are handed on at once, while the others
+token (it hit sampling.max_new_tokens: no finished message to answer), `max_turns` turns are made,
+or no room is left under `actor.rollout.max_total_tokens`. Finished conversations are handed on at once, while the others
 go on, so the reward scores short conversations while long ones still run.
 
 A finished conversation is one sample: the prompt, then every turn and observation as its response,
@@ -116,17 +117,19 @@ class Episodes:
             conversation = _Conversation(first=turn, context=turn.prompt_ids)
             conversation.took(turn, torch.zeros(0, dtype=torch.int64))
             open_.append(conversation)
-        for round_ in range(2, self.max_turns + 1):
-            finished = [c for c in open_ if c.done or c.response_tokens >= self.max_total]
-            open_ = [c for c in open_ if c not in finished]
+        round_ = 1
+        while open_:
+            # The environment answers every turn that ended at its stop token, the last one a
+            # conversation may have too (its reward, its say on done).
+            if answerable := [c for c in open_ if not c.done]:
+                await self._answer(records, answerable)
+            finished = [c for c in open_ if c.done or c.turns >= self.max_turns or c.response_tokens >= self.max_total]
             if finished:
                 yield [c.sample() for c in finished]
-            if not open_:
-                return
-            await self._answer(records, open_)
-            open_ = await self._next_turns(open_, sampling, round_)
-        if open_:
-            yield [c.sample() for c in open_]
+            open_ = [c for c in open_ if c not in finished]
+            if open_:
+                round_ += 1
+                await self._next_turns(open_, sampling, round_)
 
     async def _answer(self, records: list[PromptRecord], conversations: list[_Conversation]) -> None:
         """2. The environment's answer to each conversation's last turn."""
@@ -143,13 +146,11 @@ class Episodes:
                 conversation.messages += outcome.observation
                 conversation.pending = outcome.observation
 
-    async def _next_turns(self, conversations: list[_Conversation], sampling: SamplingParams,
-                          round_: int) -> list[_Conversation]:
+    async def _next_turns(self, conversations: list[_Conversation], sampling: SamplingParams, round_: int) -> None:
         """1. One more turn of each conversation the environment left open, each within what is left
-        of its token budget (requests grouped by that budget); the conversations still open after."""
-        going = [c for c in conversations if not c.done]
+        of its token budget (requests grouped by that budget)."""
         by_budget: dict[int, list[_Conversation]] = {}
-        for c in going:
+        for c in conversations:
             by_budget.setdefault(min(sampling.max_new_tokens, self.max_total - c.response_tokens), []).append(c)
         seeded = replace(sampling, n=1, seed=derived_seed(sampling.seed, round_))
         answers = await asyncio.gather(*(self.actor.generate(
@@ -166,7 +167,6 @@ class Episodes:
                     turn = replace(turn, response_ids=turn.response_ids[:room], logprobs=turn.logprobs[:room],
                                    finish_reason=FinishReason.LENGTH)
                 c.took(turn, observation)
-        return conversations
 
 
 def _text(prompt) -> str:
