@@ -16,23 +16,15 @@ from rolefleet.actor.core import ActorCore
 from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.turns import TurnRenderer
 from rolefleet.actor.types import Continuation, FinishReason, Sample, SamplingParams
-from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.common.config import parse_config
 from rolefleet.coordinator.episodes import Episodes, episode_metrics, with_env_rewards
 from rolefleet.coordinator.rollout import to_batch
 from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreResult
 from rolefleet.tasks import PromptRecord
-from tests.conftest import built_once
 
 pytestmark = pytest.mark.multiturn
 PROMPT = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"
 OBSERVATION = [{"role": "tool", "content": "42"}]
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory) -> str:
-    """A tiny chat model (random weights: the test scripts where its turns end)."""
-    return built_once(tmp_path_factory, "tiny-chat-model", lambda out: make_tiny_model(out, chat=True))
 
 
 @pytest.fixture(scope="module")
