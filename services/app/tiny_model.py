@@ -92,14 +92,17 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
                seed: int, batch_size: int = 64, lr: float = 3e-3) -> float:
     """Supervised steps on `task` answers (loss on answer + EOS only; a tool task: on the assistant
     turns of a conversation that calls the calculator, `tool_trace`). Returns the last loss."""
+    if task == "tool_arithmetic":
+        from rolefleet.app.tool_warm_start import warm_start_on_tools
+
+        return warm_start_on_tools(model, tokenizer, steps, seed, batch_size=batch_size, lr=lr)
     records = make_task(task, size=steps * batch_size, seed=seed + 1)
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss = torch.tensor(float("nan"))
-    examples = _tool_examples if task == "tool_arithmetic" else _answer_examples
     for _ in range(steps):
-        pairs = examples(tokenizer, rng.sample(records, min(batch_size, len(records))))
+        pairs = _answer_examples(tokenizer, rng.sample(records, min(batch_size, len(records))))
         width = max(len(i) for i, _ in pairs)
         ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
         labels = torch.full((len(pairs), width), -100)
@@ -123,32 +126,6 @@ def _answer_examples(tokenizer, records) -> list[tuple[list[int], list[bool]]]:
     for r in records:
         prompt, answer = tokenizer(r.prompt)["input_ids"], tokenizer(r.ground_truth)["input_ids"] + [tokenizer.eos_token_id]
         out.append((prompt + answer, [False] * len(prompt) + [True] * len(answer)))
-    return out
-
-
-def _tool_examples(tokenizer, records) -> list[tuple[list[int], list[bool]]]:
-    """(ids, trained) per record: the rendered prompt (tools shown), then the conversation of
-    `tool_trace` as a multi-turn rollout holds it (observations rendered after each turn by the
-    actor's own `TurnRenderer`), the assistant turns and their end-of-turn tokens trained."""
-    from rolefleet.actor.turns import TurnRenderer
-    from rolefleet.tasks.render import tool_schemas
-    from rolefleet.tasks.tools import tool_trace
-
-    turns, end = TurnRenderer(tokenizer), tokenizer.convert_tokens_to_ids("<|im_end|>")
-    out = []
-    for r in records:
-        text = tokenizer.apply_chat_template(r.prompt, tools=tool_schemas(["calculator"]), add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        trained = [False] * len(ids)
-        for message in tool_trace(r):
-            if message["role"] == "assistant":
-                part = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [end]
-            else:
-                part = turns.observation_ids([message], ids[-1], "trace")
-            ids += part
-            trained += [message["role"] == "assistant"] * len(part)
-        out.append((ids, trained))
     return out
 
 
