@@ -37,9 +37,11 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
     # model's turns are one trajectory, the observations between them are no steps of it (GAE
     # bootstraps a turn's last token from the next turn's first value, not from an observation).
     mask = batch.train_mask()
-    order = _own_first(mask)
+    order = _own_first(mask) if batch.loss_mask is not None else None  # single-turn: nothing to move
+
     def gathered(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(1, order)
+        return x if order is None else x.gather(1, order)
+
     own = gathered(mask)
     # Each estimator takes the inputs its signature declares from these.
     advantages, returns = ADVANTAGE_ESTIMATORS.call(
@@ -48,16 +50,16 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
     )
     if train.whiten_advantages:
         advantages = masked_whiten(advantages, own)
-    advantages, returns = (torch.zeros_like(x).scatter(1, order, torch.where(own, x, 0)) for x in (advantages, returns))
+    if order is not None:
+        advantages, returns = (torch.zeros_like(x).scatter(1, order, torch.where(own, x, 0))
+                               for x in (advantages, returns))
     return Targets(batch.pack_responses(advantages), batch.pack_responses(returns), kl)
 
 
 def _own_first(mask: torch.Tensor) -> torch.Tensor:
-    """int64 [B, T]: per row, the columns of its True entries in order, then the others. With a mask
-    that is a prefix of each row (every single-turn batch) it is the identity."""
-    columns = torch.arange(mask.shape[1]).expand_as(mask)
-    # A stable sort on "not own" keeps each group in column order.
-    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices if mask.numel() else columns
+    """int64 [B, T]: per row, the columns of its True entries in order, then the others (a stable
+    sort on "not own" keeps each group in column order)."""
+    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
 
 
 def after_one_pass(train: TrainSection, logprobs: LogProbs, targets: Targets,

@@ -149,3 +149,13 @@ async def _step_over_grpc(tools_core):
                                   "reward.env.name")
     finally:
         no_env.close()
+
+
+def test_preflight_names_a_missing_user_environment(tmp_path):
+    from rolefleet.reward.sources import check_sources
+
+    assert check_sources(RewardSection(env={"path": f"{USER_FILE}:step"})) == []
+    problems = check_sources(RewardSection(env={"path": f"{tmp_path}/none.py:step"}))
+    assert problems == [f"reward.env.path: {tmp_path}/none.py does not exist"]
+    assert check_sources(RewardSection(env={"path": f"{USER_FILE}:nope"})) == [
+        f"reward.env.path: {USER_FILE} defines no 'nope' at its top level"]
