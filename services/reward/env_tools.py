@@ -15,12 +15,15 @@ environment runs.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import operator
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,27 +129,35 @@ def calculator(arguments: dict) -> ToolResult:
 # --- python ---------------------------------------------------------------------------------------
 
 def python(arguments: dict, timeout_s: float = 5.0, max_output_chars: int = 2000) -> ToolResult:
-    """Run `code` in a fresh interpreter (isolated mode: no site packages' startup hooks, no user
-    paths, an empty environment, a scratch working directory) under the worker's own memory limit,
-    killed past `timeout_s`. What it prints is the result; a traceback is an error."""
+    """Run `code` in a fresh interpreter (isolated mode: no user site packages or paths, an empty
+    environment, a scratch working directory of its own, removed after) under the worker's own
+    memory limit, killed with everything it started past `timeout_s`. What it prints is the
+    result; a traceback is an error. Limits of time and memory, not a jail: the program runs as the
+    reward server's user (docs/environments.md)."""
     code, unexpected = _arguments(arguments, "code")
     if unexpected:
         return ToolResult(f"error: unexpected argument(s) {', '.join(unexpected)}; takes `code`", True)
     if not isinstance(code, str) or not code.strip():
         return ToolResult("error: `code` must be a non-empty string", True)
-    scratch = os.environ.get("TMPDIR", "/tmp")
-    try:
-        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                              env={"PATH": "/usr/bin:/bin"}, cwd=scratch, stdin=subprocess.DEVNULL,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return ToolResult(f"error: timed out after {timeout_s:g} s", True, timed_out=True)
-    except OSError as exc:
-        return ToolResult(f"error: could not run python: {exc}", True)
-    if done.returncode != 0:
-        tail = (done.stderr or "").strip().splitlines()[-3:]
-        return ToolResult(_cut("error: " + ("\n".join(tail) or f"exit code {done.returncode}"), max_output_chars), True)
-    return ToolResult(_cut(done.stdout.rstrip("\n") or "(no output)", max_output_chars))
+    with tempfile.TemporaryDirectory(prefix="rolefleet-python-tool-") as scratch:
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env={"PATH": "/usr/bin:/bin"}, cwd=scratch, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as exc:
+            return ToolResult(f"error: could not run python: {exc}", True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # Its own session: the program and anything it started go together.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return ToolResult(f"error: timed out after {timeout_s:g} s", True, timed_out=True)
+    if proc.returncode != 0:
+        tail = (stderr or "").strip().splitlines()[-3:]
+        return ToolResult(_cut("error: " + ("\n".join(tail) or f"exit code {proc.returncode}"), max_output_chars), True)
+    return ToolResult(_cut(stdout.rstrip("\n") or "(no output)", max_output_chars))
 
 
 def _cut(text: str, limit: int) -> str:
