@@ -108,6 +108,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="steps of each run; the last is the warm one timed")
     p.add_argument("--profile", action="store_true", help="one more update of each run under torch.profiler "
                    "(its op table in OUT/profiles)")
+    p.add_argument("--model-dir", help="where the random-weight models are built, or found from an earlier call "
+                   "(default: a temporary directory)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)  # a child's run
     args = p.parse_args()
     out = Path(args.out)
@@ -122,11 +124,14 @@ def main() -> None:
             [(shape, variant) for shape in args.shapes.split(",") for variant in args.variants.split(",")])
     results, models = [], {}
     out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir or tempfile.mkdtemp())
     for shape, variant in runs:
         if shape not in models:  # built on the GPU (seconds at 7B, minutes on the CPU), saved in bf16
-            with torch.device("cuda"):
-                models[shape] = make_tiny_model(Path(tempfile.mkdtemp()) / shape, shape=shape, dtype=torch.bfloat16)
-            torch.cuda.empty_cache()
+            models[shape] = model_dir / shape
+            if not (models[shape] / "tokenizer_config.json").exists():  # written last: a whole earlier build
+                with torch.device("cuda"):
+                    make_tiny_model(models[shape], shape=shape, dtype=torch.bfloat16)
+                torch.cuda.empty_cache()
         row = {"shape": shape, "variant": variant}
         try:
             done = subprocess.run([sys.executable, __file__, "--out", str(out), "--one", str(models[shape]), variant,

@@ -25,6 +25,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compile_decoder_layers, compute_dtype, decoder_layers, lm_logprobs
 from rolefleet.trainer.base import Trainer
+from rolefleet.trainer.host_memory import HostResident
 from rolefleet.trainer.lora import Adapters, merged_weights
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.sharding import full_named_parameters, shard, sharding_wanted
@@ -64,6 +65,10 @@ class PolicyTrainer(Trainer):
         super().__init__(model, policy, model, cfg, device, ranks, seed)
         self.policy, self.ref_model = policy, ref_model
         self.reference = policy
+        # Unsharded, an offloaded reference waits in pinned host memory (sharded: FSDP's offload policy).
+        self._ref_host = None
+        if ref_model is not None and cfg.ref_offload and not self.sharded:
+            self._ref_host = HostResident(ref_model, pin=device.type == "cuda")
         if ref_model is not None:
             self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
             if self.sharded:
@@ -105,17 +110,14 @@ class PolicyTrainer(Trainer):
     @contextlib.contextmanager
     def _reference_on_device(self):
         """With adapters, the reference is the policy with them switched off. With `ref_offload`, a
-        reference model lives in CPU memory and visits the GPU per use (sharded: FSDP's offload
-        policy moves each unit's shards per forward)."""
+        reference model lives in pinned host memory and visits the GPU per use, nothing copied back
+        (sharded: FSDP's offload policy moves each unit's shards per forward)."""
         if self.ref_model is None:
             with self.adapters.off():
                 yield
-        elif self.cfg.ref_offload and self.device.type == "cuda" and not self.sharded:
-            self.ref_model.to(self.device)
-            try:
+        elif self._ref_host is not None:
+            with self._ref_host.visit(self.device):
                 yield
-            finally:
-                self.ref_model.to("cpu")
         else:
             yield
 

@@ -125,9 +125,7 @@ class ActorWorker(TrainingWorker):
         else:
             ref_model = load_causal_lm(cfg.ref_model_name_or_path, self.device)
         ref_model.requires_grad_(False).eval()
-        if cfg.ref_offload:
-            ref_model.to("cpu")  # the trainer brings it to the GPU for each ComputeLogProbs
-        return ref_model
+        return ref_model  # with `ref_offload`, the trainer moves it to host memory
 
     @property
     def wire_dtype(self) -> torch.dtype:

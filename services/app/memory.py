@@ -14,6 +14,10 @@ Per GPU, a role's estimate is what it holds all the time plus the largest of its
   `gradient_checkpointing` each layer's input and one layer's), and the LM head's logits of one
   chunk (`actor.logprob_chunk_tokens`) with their gradient.
 
+A reward model (`reward.sources` of kind `model`) on each GPU of `devices.reward`: its weights in
+`reward.model_dtype` and, when it scores, one batch of `reward.model_max_tokens_per_batch` tokens
+through a layer (an inference forward keeps no layer's activations past the layer).
+
 Roles that share a GPU (`devices.colocate`) add up. The activation bytes per token and layer are
 counted from the tensors a decoder layer saves under bf16 autocast (see `activation_bytes`); the
 allocator's own slack is `ALLOCATOR_SLACK`. docs/memory.md has the formulas and how the estimate
@@ -108,6 +112,19 @@ class ModelDims:
         attention = 2 * (2 * q + 2 * 2 * kv) + 2 * q  # q, k, v before and after RoPE; the output
         mlp = 4 * 2 * i
         return norms + casts + attention + mlp
+
+    @property
+    def scorer_params(self) -> int:
+        """Parameters of the sequence-classification model of these dimensions (a reward model): the
+        LM head's place taken by a one-output score head."""
+        return self.params - (0 if self.tied else self.vocab * self.hidden) + self.hidden
+
+    def inference_bytes(self, dtype_bytes: int) -> int:
+        """Bytes a token has live at the peak of one decoder layer's forward without gradients: the
+        residual stream, its normalised copy and the layer's output (3 x hidden), q/k/v and the
+        attention output, and the MLP's gate, up, activation and product."""
+        h, kv, i, q = self.hidden, self.kv_dim, self.intermediate, self.heads * self.head_dim
+        return dtype_bytes * (3 * h + 2 * q + 2 * kv + 4 * i)
 
     def linear_layers(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of a decoder layer, by its transformers name."""
@@ -274,6 +291,28 @@ def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate
     return Estimate("critic", gpu, held=held, phases={"update": update}, host=host)
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def reward_estimate(cfg: RoleFleetConfig, gpu: str, read=None) -> Estimate:
+    """The reward models of `reward.sources` on one of the reward's GPUs (each its own dimensions,
+    `read(path)`: `ModelDims.read` by default): every model's weights are held, and one scores at a
+    time (the scorer's lock), so the largest batch is the phase."""
+    read = read or ModelDims.read
+    r = cfg.reward
+    nbytes = DTYPE_BYTES[r.model_dtype]
+    held, score = [], []
+    for source in r.scoring_sources():
+        if source.kind != "model":
+            continue
+        dims = read(source.path)
+        held.append(Part(f"reward model {source.name!r} weights ({r.model_dtype})", nbytes * dims.scorer_params))
+        score.append(Part(f"reward model {source.name!r}: one batch of {r.model_max_tokens_per_batch} tokens "
+                          "through a layer", r.model_max_tokens_per_batch * dims.inference_bytes(nbytes)))
+    phases = {"score": [max(score, key=lambda p: p.bytes)]} if score else {}
+    return Estimate("reward", gpu, held=held, phases=phases)
+
+
 @dataclass
 class GpuPlan:
     gpu: str
@@ -298,13 +337,15 @@ def plan(cfg: RoleFleetConfig, capacity: Optional[float] = None) -> list[GpuPlan
     GPU; None: not known here)."""
     by_gpu: dict[str, list[Estimate]] = {}
     models = {"actor": cfg.actor.model_name_or_path, "critic": cfg.critic.model_name_or_path}
-    builders = {"actor": actor_estimate, "critic": critic_estimate}
-    roles = ["actor", *(["critic"] if cfg.preset.uses_critic else [])]
+    builders = {"actor": actor_estimate, "critic": critic_estimate,
+                "reward": lambda cfg, _dims, gpu: reward_estimate(cfg, gpu)}  # a model of each source
+    reward_models = any(s.kind == "model" for s in cfg.reward.scoring_sources())
+    roles = ["actor", *(["critic"] if cfg.preset.uses_critic else []), *(["reward"] if reward_models else [])]
     for role in roles:
         devices = getattr(cfg.devices, role)
         if not devices:
             continue  # on the CPU: nothing to plan
-        dims = ModelDims.read(models[role])
+        dims = ModelDims.read(models[role]) if role in models else None
         for device in devices:
             node, index = split_device(device)
             gpu = f"{node}:{index}" if node else str(index)
@@ -383,6 +424,13 @@ def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[f
 def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
     """Config changes that lower this role's estimate, biggest saving first."""
     role = est.role
+    if role == "reward":
+        r = cfg.reward
+        out = [f"reward.model_max_tokens_per_batch={max(1, r.model_max_tokens_per_batch // 4)} "
+               "(one forward's activations scale with it)"] if r.model_max_tokens_per_batch > 2048 else []
+        if r.model_dtype == "float32":
+            out.append("reward.model_dtype=bfloat16 (half the weights' bytes)")
+        return [*out, "a GPU of its own in devices.reward (not shared with a trainer through devices.colocate)"]
     section = getattr(cfg, role)
     out = []
     if not section.gradient_checkpointing:

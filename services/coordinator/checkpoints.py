@@ -41,6 +41,8 @@ class PipelineCounts:
     dropped_batches: int = 0  # also what moves the data position past the steps (`batches_used`)
     regenerated_batches: int = 0
     retries: int = 0
+    refill_batches: int = 0  # batches beyond one per step (dynamic sampling); they move the data position too
+    dropped_groups: int = 0  # groups dynamic sampling left out (all their samples scored the same)
 
 
 @dataclass
@@ -55,8 +57,13 @@ class CoordinatorState:
 
     @property
     def batches_used(self) -> int:
-        """Rollout batches of the data the run has consumed: its steps' and the dropped ones."""
-        return self.step + self.counts.dropped_batches
+        """Rollout batches of the data the run has consumed: its steps', the dropped ones and the refills."""
+        return self.step + self.extra_batches
+
+    @property
+    def extra_batches(self) -> int:
+        """Batches consumed beyond one per step: batch k + extra_batches is the next step's (one each)."""
+        return self.counts.dropped_batches + self.counts.refill_batches
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self.step, "kl_coef": self.kl_coef}

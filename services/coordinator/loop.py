@@ -3,7 +3,8 @@ journal, the checkpoint they resume from, and the recovery from a lost role.
 
 Sync mode, each step one numbered call per role per phase (DESIGN "One step"):
 
-1. actor.Generate                                    -> n samples per prompt
+1. actor.Generate                                    -> n samples per prompt (`sampling.py`; with
+   train.dynamic_sampling also reward.Score, and more batches until the step has its groups)
 2-6. the step body on them (`step.py`): reward.Score | critic.ComputeValues | actor.ComputeLogProbs;
    advantages and the KL coefficient; actor.Update | critic.Update; the step's record (with an
    evaluation when due); a checkpoint when due
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rolefleet.actor.client import ActorClient
 from rolefleet.common import metrics
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, Unavailable
@@ -25,13 +25,11 @@ from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
 from rolefleet.coordinator.calls import Roles
 from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
-from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.episodes import Episodes
 from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.pipeline import Pipeline
-from rolefleet.coordinator.rollout import Rollout, first_group_id, policy_version_of, sampling_for, spent, to_batch
+from rolefleet.coordinator.sampling import sampler
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 
@@ -135,33 +133,18 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
                      clock: BusyClock, checkpointer: Checkpointer, resumed: CoordinatorState | None = None) -> None:
     body = StepBody(cfg, roles, logger, status, clock, checkpointer, resumed)
+    rollouts = sampler(cfg, body.roles.actor, body.roles.reward, body.dataset, body.episodes)
     await body.evaluate_start()
     for step in range(body.state.step + 1, cfg.train.total_steps + 1):
         await status.wait_resumed()
         if status.stop_requested:
             break
         start = time.perf_counter()
-        # 1. Rollouts from the current policy.
-        rollout = await generate_rollout(cfg, body.roles.actor, body.dataset, step, body.episodes)
+        # 1. Rollouts from the current policy (with dynamic sampling, scored as they come).
+        rollout = await rollouts.rollout(step, body.state)
         # 2-6. Score, advantages, update, record, checkpoint.
         await body.run(step, rollout, since=start, schedule=_PHASES)
     await body.save_if_stopped()
-
-
-async def generate_rollout(cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset, step: int,
-                           episodes: Episodes | None = None) -> Rollout:
-    """The rollout batch of `step`, from the policy the actor holds (one policy: the step is on-policy);
-    with `episodes`, multi-turn conversations with the environment."""
-    records = dataset.batch(step, cfg.train.prompts_per_step)
-    start, env_start = time.perf_counter(), episodes.env_s if episodes else 0.0
-    if episodes is None:
-        samples = await actor.generate([r.prompt for r in records], sampling_for(cfg, step), first_group_id(cfg, step))
-    else:
-        samples = await episodes.generate(records, sampling_for(cfg, step), first_group_id(cfg, step))
-    generate_s = spent("generate", start)
-    policy_version_of(samples)  # refuses a batch of several policies
-    env_s = episodes.env_s - env_start if episodes else 0.0
-    return Rollout(step, records, samples, to_batch(samples), generate_s, env_s=env_s)
 
 
 class _Phases(Schedule):

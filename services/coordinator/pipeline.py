@@ -143,7 +143,7 @@ class Pipeline(Schedule):
             # each batch then lags by exactly what the bound allows, whatever the timing (runs
             # repeat for a fixed seed). Backed-up queues let the update go first (generation
             # waits on them). Eager order skips this: the update overlaps the next generation.
-            ahead = min(step + self.p.max_staleness, self.cfg.train.total_steps) + self.state.counts.dropped_batches
+            ahead = min(step + self.p.max_staleness, self.cfg.train.total_steps) + self.state.extra_batches
             await self._wait(lambda n=ahead: self.generated_batches >= n or self._backed_up(),
                              "update waits (exact order)")
 
@@ -249,7 +249,7 @@ class Pipeline(Schedule):
         """What keeps batch `index` from being generated now (the call trace's name for the wait),
         or None: it is still needed (a dropped batch needs a replacement), can be trained on in
         time, and nothing downstream is backed up."""
-        step = index - self.state.counts.dropped_batches  # the step it will be trained at (if none else drops)
+        step = index - self.state.extra_batches  # the step it will be trained at (if none else drops)
         if step > self.cfg.train.total_steps:
             return "no batch left"
         if step - 1 - self.version > self.p.max_staleness:

@@ -34,6 +34,7 @@ class Rollout:
     logprobs: LogProbs | None = None  # async one-pass update: the reference's, asked for with the scores
     score_s: float = 0.0  # seconds waited for the scores after the last sample (async: the score stage's)
     env_s: float = 0.0  # multi-turn: seconds of its generation spent waiting for the environment
+    stats: dict[str, float] = field(default_factory=dict)  # the record's entries of how it was made (`dynamic/*`)
 
     @property
     def oldest_version(self) -> int:

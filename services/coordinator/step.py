@@ -44,7 +44,7 @@ from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, score_items
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import Targets, after_one_pass, step_targets
+from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets
 from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
 
@@ -121,11 +121,13 @@ class StepBody:
         # 3. Advantages and returns; the KL controller sees this step's KL.
         with self.clock.span("train computes targets"):
             require_finite(samples, reward.total, values, logprobs, self.cfg.reward.function)
-            targets = step_targets(self.cfg.preset.estimator, batch, reward.total, values, logprobs.logprobs,
+            scores, shaping = shaped_scores(t, self.cfg.sampling.max_new_tokens, batch, reward.total)
+            targets = step_targets(self.cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
                                    logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t)
             policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
         kl_coef = self.state.kl_coef
-        self.state.kl_coef = self.kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon,
+        own = batch.packed_train_mask()  # multi-turn: the model's tokens (observations have no KL)
+        self.state.kl_coef = self.kl_controller(kl_coef, targets.kl[own].mean().item(), t.kl_target, t.kl_horizon,
                                                 len(samples))
 
         # 4. Policy and value updates at once.
@@ -148,6 +150,7 @@ class StepBody:
         if self.episodes is not None:
             record.update(episode_metrics(samples))
             record["timing/env_s"] = rollout.env_s
+        record.update(shaping, **rollout.stats)
         if warming:
             record["critic_warmup"] = 1.0
         if step == 1:

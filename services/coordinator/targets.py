@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rolefleet.actor.types import ActorUpdateResult, LogProbs
-from rolefleet.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from rolefleet.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, OVERLONG
 from rolefleet.algos.functional import masked_whiten
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import TrainSection
@@ -20,6 +20,19 @@ class Targets:
     advantages: torch.Tensor  # float32 [N]
     returns: torch.Tensor     # float32 [N]
     kl: torch.Tensor          # float32 [N], per-token KL estimate to the reference
+
+
+def shaped_scores(train: TrainSection, max_new_tokens: int, batch: SequenceBatch,
+                  scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """The scores the advantages are computed from (`train.overlong`: a response's length may cost
+    it) and the record's `overlong/*` entries: the mean shaping and the share of samples it touched."""
+    o = train.overlong
+    shaped = OVERLONG.call(o.mode, scores=scores, lengths=batch.response_lengths, max_len=max_new_tokens,
+                           buffer=o.buffer_tokens, factor=o.penalty_factor)
+    if o.mode == "none":
+        return shaped, {}
+    delta = shaped - scores
+    return shaped, {"overlong/shaping_mean": delta.mean().item(), "overlong/shaped_fraction": (delta != 0).float().mean().item()}
 
 
 def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, values: torch.Tensor,

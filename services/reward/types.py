@@ -55,6 +55,12 @@ class ScoreResult:
         """Samples on which at least one source failed."""
         return sum(1 for e in self.errors if e)
 
+    def select(self, index: list[int]) -> ScoreResult:
+        """The results of the items at `index`, in that order."""
+        rows = torch.as_tensor(index, dtype=torch.int64)
+        return ScoreResult(self.total[rows], {name: s[rows] for name, s in self.sources.items()},
+                           [self.errors[i] for i in index])
+
     @classmethod
     def concat(cls, parts: list[ScoreResult]) -> ScoreResult:
         """The results of consecutive slices of one batch as one result, in item order; a source

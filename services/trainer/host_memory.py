@@ -1,4 +1,4 @@
-"""Pinned host memory for state that waits off the GPU (`<role>.offload: optimizer`).
+"""Pinned host memory for state that waits off the GPU (`<role>.offload: optimizer`, `actor.ref_offload`).
 
 torch's pinned-memory allocator rounds every allocation up to a power of two, so that freed blocks
 can be reused. For AdamW's state of a 7B model that is ruinous: 56.7 GiB of moments in tensors of
@@ -11,7 +11,9 @@ the tensors in them back to back: what is lost is the end of each slab.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -43,3 +45,34 @@ class PinnedSlabs:
             start = 0
         self._used = start + nbytes
         return self._slabs[-1][start:start + nbytes].view(dtype).view(shape)
+
+
+class HostResident:
+    """A frozen module (`actor.ref_offload`'s reference) whose weights live in pinned host memory and
+    visit a device for a use (`visit`). Nothing goes back at the end of a visit: the module never
+    changes, so its host copy stays the truth and the device copy is simply dropped. A visit costs
+    one asynchronous host-to-device transfer from pinned memory, where moving the module there and
+    back cost two through freshly allocated pageable memory (28 GiB each way at 7B)."""
+
+    def __init__(self, module: torch.nn.Module, pin: bool):
+        tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()  # tied ones once
+        slabs = PinnedSlabs(max((t.numel() * t.element_size() for t in tensors), default=1), pin=pin)
+        self._pairs = []
+        for t in tensors:
+            host = slabs.empty(t.shape, t.dtype)
+            host.copy_(t.detach())
+            t.data = host  # the device copy it replaces is freed here
+            self._pairs.append((t, host))
+        self.host_bytes = slabs.reserved_bytes
+
+    @contextlib.contextmanager
+    def visit(self, device: torch.device) -> Iterator[None]:
+        """The module's tensors on `device` inside the block (stream-ordered copies: the forwards
+        queued after them read them), back on their host copies after it."""
+        for t, host in self._pairs:
+            t.data = host.to(device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for t, host in self._pairs:
+                t.data = host

@@ -39,8 +39,11 @@ def test_offloaded_training_gives_the_weights_of_none(tiny_model_dir, offload, n
     _, base_stats, base_after, _ = trained(tiny_model_dir, "none")
     core, stats, after, _ = trained(tiny_model_dir, offload)
     assert core.worker.trainer.sharded == (offload == "params")
-    assert (after - base_after).abs().max() < 1e-5
-    assert stats[1]["loss"] == pytest.approx(base_stats[1]["loss"], abs=1e-6)
+    # On a GPU, offload=params steps AdamW with the CPU's kernels and the resident run with the GPU's:
+    # they round differently (2.7e-5 seen on an H200 after two steps at this rate).
+    tolerance = 1e-4 if torch.cuda.is_available() and offload == "params" else 1e-5
+    assert (after - base_after).abs().max() < tolerance
+    assert stats[1]["loss"] == pytest.approx(base_stats[1]["loss"], abs=tolerance / 10)
     # The gradients are freed once applied: generation and the next forwards have their memory.
     assert all(p.grad is None for p in core.worker.model.parameters())
     # The engine holds the trained weights (the weight sync read them from the offloaded trainer).

@@ -190,3 +190,51 @@ def test_the_plan_command_prints_the_parts_and_fails_when_over(tmp_path, capsys)
     assert "GPU 0:" in out and "(fits)" in out and "policy AdamW state (fp32)" in out
     assert main(["plan", str(config), "--gpu-gib", "0.0001"]) == 1
     assert "(over)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", ["tiny", "qwen2.5-7b"])
+def test_a_reward_models_count_is_the_built_classifiers(shape):
+    from transformers import LlamaForSequenceClassification
+
+    config = _llama_config(build_tokenizer(SHAPES[shape].vocab), SHAPES[shape], num_labels=1)
+    with torch.device("meta"):
+        model = LlamaForSequenceClassification(config)
+    assert ModelDims.of_config(config.to_dict()).scorer_params == sum(p.numel() for p in model.parameters())
+
+
+def reward_cfg(actor_model, reward_model, *overrides):
+    return parse_config({"model": {"model_name_or_path": actor_model},
+                         "devices": {"actor": [0], "reward": [1]},
+                         "reward": {"sources": [{"kind": "function", "function": "exact_match"},
+                                                {"kind": "model", "path": reward_model, "name": "rm"}]}},
+                        list(overrides))
+
+
+def test_a_reward_model_on_its_gpu_by_hand(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "r").mkdir()
+    cfg = reward_cfg(small_model(tmp_path / "a"), small_model(tmp_path / "r"), "reward.model_max_tokens_per_batch=100")
+    gpu = next(g for g in plan(cfg, 80 * GIB) if g.gpu == "1")
+    [est] = gpu.estimates
+    assert est.role == "reward"
+    # weights: embeddings 80 + 2 layers of 592 + final norm 8 + a score head of 8, in bf16
+    assert [p.bytes for p in est.held] == [2 * (80 + 2 * 592 + 8 + 8)]
+    # a token in a layer: 2 bytes x (3*8 residual, normed, output + 2*8 q and attention output + 2*4 k, v + 4*16 MLP)
+    assert [p.bytes for p in est.phases["score"]] == [100 * 2 * (24 + 16 + 8 + 64)]
+    assert est.total == pytest.approx((est.held[0].bytes + est.phases["score"][0].bytes) * ALLOCATOR_SLACK
+                                      + CUDA_CONTEXT)
+    # No reward model, no reward estimate.
+    no_model = parse_config({"model": {"model_name_or_path": small_model(tmp_path / "a")},
+                             "devices": {"actor": [0], "reward": [1]}}, [])
+    assert [g.gpu for g in plan(no_model, 80 * GIB)] == ["0"]
+
+
+def test_preflight_names_a_reward_model_that_does_not_fit(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "r").mkdir()
+    big = small_model(tmp_path / "r", hidden_size=4096, intermediate_size=16384, vocab_size=32000,
+                      num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32)
+    cfg = reward_cfg(small_model(tmp_path / "a"), big, "reward.model_dtype=float32")
+    problems, _ = memory_problems(cfg, ["reward"], 16 * GIB)
+    assert len(problems) == 1
+    assert problems[0].startswith("reward on GPU 1: an estimated") and "will not fit" in problems[0]
+    assert "reward.model_dtype=bfloat16" in problems[0] and "reward.model_max_tokens_per_batch=4096" in problems[0]
+    assert memory_problems(cfg, ["actor"], 16 * GIB) == ([], [])  # the actor's GPU is not the problem

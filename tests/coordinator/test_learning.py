@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
@@ -55,7 +56,10 @@ def run_demo(demo_model, out, config: str, overrides: list[str]) -> list[dict]:
     ("demo.yaml", ["pipeline.mode=async", "pipeline.max_staleness=2", "train.total_steps=60"]),
     # LoRA adapters (r=16) alone train; they take a higher rate (0.22 -> 0.36 in 50 steps, 2026-12-02).
     ("demo_grpo.yaml", ["actor.lora.rank=16", "actor.lr=1e-3", "train.total_steps=50"]),
-], ids=["ppo", "grpo", "grpo-async-1", "ppo-async-2", "grpo-lora"])
+    # The long tail's options (issue 35): dynamic sampling, and the soft overlong penalty past 6 tokens.
+    ("demo_grpo.yaml", ["train.dynamic_sampling.enabled=true", "train.overlong.mode=penalty",
+                        "sampling.max_new_tokens=8", "train.overlong.buffer_tokens=2", "train.total_steps=60"]),
+], ids=["ppo", "grpo", "grpo-async-1", "ppo-async-2", "grpo-lora", "grpo-dynamic"])
 def test_demo_learns(demo_model, tmp_path, config, overrides):
     rewards = [r["reward/mean"] for r in run_demo(demo_model, tmp_path / "run", config, overrides)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -73,3 +77,23 @@ def test_async_at_staleness_zero_learns_step_for_step_as_sync(demo_model, tmp_pa
     keys = ("reward/mean", "actor/loss", "actor/pg_loss", "policy_version")
     assert [[r[k] for k in keys] for r in stale0] == [[r[k] for k in keys] for r in sync]
     assert all(r["pipeline/version_lag/max"] == 0 for r in stale0)
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_sampling_keeps_groups_without_signal_from_the_update(demo_model, tmp_path, monkeypatch):
+    """Through the run loop: every sample an update trains on has a nonzero GRPO advantage (a group
+    whose exact-match scores all agree would have zero), and the records count what was dropped."""
+    advantages = []
+    update = InProcessActorClient.update
+
+    async def spy(self, step, policy_version, batch, targets, temperature):
+        advantages.append([a.abs().max().item() for a in torch.split(targets.advantages, batch.response_lengths.tolist())])
+        return await update(self, step, policy_version, batch, targets, temperature)
+
+    monkeypatch.setattr(InProcessActorClient, "update", spy)
+    records = run_demo(demo_model, tmp_path / "run", "demo_grpo.yaml",
+                       ["train.total_steps=2", "train.dynamic_sampling.enabled=true", "train.prompts_per_step=4"])
+    assert len(advantages) == 2 and all(a > 0 for step in advantages for a in step)
+    assert sum(r["dynamic/dropped_groups"] for r in records) > 0  # the warm-started model agrees with itself often
+    assert records[-1]["dynamic/dropped_groups_total"] == sum(r["dynamic/dropped_groups"] for r in records)
+    assert all(r["dynamic/kept_groups"] == 4 or r["dynamic/batches"] == 4 for r in records)

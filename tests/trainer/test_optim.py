@@ -68,3 +68,45 @@ def test_pinned_slabs_lay_tensors_back_to_back_in_one_power_of_two_size():
     with pytest.raises(ValueError, match="larger than the slabs"):
         slabs.empty((1 << 28,), torch.float32)
 
+
+
+def test_a_host_resident_module_visits_the_device_and_keeps_its_host_copy():
+    from rolefleet.trainer.host_memory import HostResident
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 7, bias=False))
+    model[1].weight = model[0].weight  # tied, as an LM head often is
+    model.register_buffer("freq", torch.arange(3.0))
+    x = torch.tensor([1, 5, 2])
+    before = model(x).detach().clone()
+    resident = HostResident(model, pin=False)
+    assert resident.host_bytes == 1 << 28  # one slab holds the tied weight once and the buffer
+    host_ptrs = [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
+    with resident.visit(torch.device("cpu")):
+        assert torch.equal(model(x), before)
+    # After a visit the module holds its host tensors again (on a GPU the visit's copies are dropped).
+    assert [t.data_ptr() for t in (*model.parameters(), *model.buffers())] == host_ptrs
+    assert model[1].weight is model[0].weight and torch.equal(model.freq, torch.arange(3.0))
+
+
+def test_an_offloaded_reference_gives_the_logprobs_of_a_resident_one(tiny_model_dir):
+    from rolefleet.actor.core import ActorCore
+    from rolefleet.actor.types import SamplingParams
+    from rolefleet.common.batch import SequenceBatch
+    from rolefleet.common.config import parse_config
+
+    def reference_logprobs(ref_offload):
+        cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir},
+                            "actor": {"compute_dtype": "float32", "ref_offload": ref_offload}}, [])
+        core = ActorCore(cfg.actor)
+        samples = core.generate(["1+2=", "3+4="], SamplingParams(max_new_tokens=5, n=2, seed=3))
+        batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        return core, core.compute_logprobs(batch, 1.0, include_reference=True).ref_logprobs
+
+    _, resident = reference_logprobs(False)
+    core, offloaded = reference_logprobs(True)
+    assert torch.equal(offloaded, resident)
+    ref = core.worker.trainer.ref_model
+    assert all(p.device.type == "cpu" for p in ref.parameters())  # between uses, in host memory
+    if torch.cuda.is_available():
+        assert all(p.is_pinned() for p in ref.parameters())

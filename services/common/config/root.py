@@ -89,6 +89,24 @@ class RoleFleetConfig(_Section):
                              "reward.env.name (tools, feedback) or reward.env.path")
         if rollout.max_total_tokens is None:
             rollout.max_total_tokens = rollout.max_turns * self.sampling.max_new_tokens
+        if rollout.max_turns > 1 and self.train.overlong.mode != "none":
+            # Its cap is one response's (sampling.max_new_tokens); a conversation's length is another measure.
+            raise ValueError("train.overlong.mode=penalty measures single responses against sampling.max_new_tokens; "
+                             "with actor.rollout.max_turns > 1 set it to none")
+        overlong = self.train.overlong
+        if overlong.buffer_tokens is None:
+            overlong.buffer_tokens = max(1, self.sampling.max_new_tokens // 4)
+        if overlong.mode == "penalty" and overlong.buffer_tokens > self.sampling.max_new_tokens:
+            raise ValueError(f"train.overlong.buffer_tokens={overlong.buffer_tokens} is more than "
+                             f"sampling.max_new_tokens={self.sampling.max_new_tokens}: the penalty's buffer lies "
+                             "before the cap")
+        if self.train.dynamic_sampling.enabled:
+            if self.train.samples_per_prompt < 2:
+                raise ValueError("train.dynamic_sampling compares the samples of a prompt: set "
+                                 "train.samples_per_prompt >= 2")
+            if self.pipeline.mode == "async":
+                raise ValueError("train.dynamic_sampling needs pipeline.mode sync (the async pipeline scores "
+                                 "its chunks as they stream and does not refill a batch yet)")
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")

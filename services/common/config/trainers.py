@@ -13,6 +13,28 @@ from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_
 from rolefleet.common.config.base import Endpoint, _one_of, _Section
 
 
+class OverlongSection(_Section):
+    """Responses cut at `sampling.max_new_tokens` (algos/long_tail.py)."""
+
+    mode: Literal["none", "penalty"] = Field(
+        "none", description="none: trained as if complete; penalty: DAPO's soft overlong punishment added to the "
+        "score, 0 up to max_new_tokens - buffer_tokens, falling linearly to -penalty_factor at the cap")
+    buffer_tokens: Optional[int] = Field(None, ge=1, description="penalty: the tokens before the cap over which "
+                                         "the penalty grows; default a quarter of sampling.max_new_tokens")
+    penalty_factor: float = Field(1.0, gt=0, description="penalty: its size at the cap, in reward units")
+
+
+class DynamicSamplingSection(_Section):
+    """DAPO's dynamic sampling (docs/algorithms.md, "The long tail")."""
+
+    enabled: bool = Field(False, description="drop groups whose samples all score the same (zero advantage under "
+                          "group normalization) and generate further prompts to refill the step's batch")
+    max_batches: int = Field(4, ge=1, description="at most this many batches of train.prompts_per_step prompts "
+                             "generated for one step; past it the step trains on the groups it kept (logged "
+                             "as dynamic/kept_groups)")
+    tolerance: float = Field(1e-6, ge=0, description="scores within this of each other count as equal")
+
+
 class TrainSection(_Section):
     total_steps: int = Field(20, ge=1, description="training steps of the run (each one policy update)")
     prompts_per_step: int = Field(32, ge=1, description="prompts drawn per step (each sampled "
@@ -32,6 +54,8 @@ class TrainSection(_Section):
                                      "is not updated), so advantages start from useful values; PPO, sync mode")
     rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
     connect_timeout_s: float = Field(300.0, gt=0, description="wait this long for every role to be SERVING")
+    overlong: OverlongSection = Field(default_factory=OverlongSection)
+    dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
 
     _kl = field_validator("kl_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
     _ctl = field_validator("kl_controller")(lambda cls, v: _one_of(KL_CONTROLLERS, v))
