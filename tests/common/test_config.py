@@ -215,3 +215,5 @@ def test_multi_turn_keys_are_checked_together(make_config):
         make_config("reward.env.name=tools", "reward.env.options={tools: [browser]}")
     with _pytest.raises(ConfigError, match="data.tools"):
         make_config("data.tools=[calculator]", "data.chat_template=false")
+    with _pytest.raises(ConfigError, match="train.overlong.mode=penalty measures single responses"):
+        make_config("actor.rollout.max_turns=2", "reward.env.name=tools", "train.overlong.mode=penalty")
