@@ -41,7 +41,7 @@ from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreResult
 from rolefleet.tasks import PromptRecord
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one object per conversation
 class _Conversation:
     first: Sample                  # its first turn (ids, group, version)
     context: torch.Tensor          # prompt + everything so far, int64
