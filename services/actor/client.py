@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from rolefleet.actor import wire
-from rolefleet.actor.types import ActorUpdateResult, LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import ActorUpdateResult, Continuation, LogProbs, PolicyTargets, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
@@ -23,8 +23,11 @@ if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator nev
 
 
 class ActorClient(Protocol):
-    async def generate(self, prompts: list[str], sampling: SamplingParams,
-                       first_group_id: int = 0) -> list[Sample]: ...
+    async def generate(self, prompts: list[str], sampling: SamplingParams, first_group_id: int = 0,
+                       continuations: list[Continuation] | None = None) -> list[Sample]:
+        """n samples per prompt; or, given `continuations` (and no prompts), one more turn of each
+        conversation (multi-turn rollouts)."""
+        ...
     def generate_stream(self, prompts: list[str], sampling: SamplingParams,
                         first_group_id: int = 0) -> AsyncIterator[list[Sample]]:
         """The samples of `generate`, in the same order, as they finish (a list per arrival)."""
@@ -42,8 +45,8 @@ class ActorClient(Protocol):
 class InProcessActorClient(InProcessTrainerClient):
     core: ActorCore
 
-    async def generate(self, prompts, sampling, first_group_id=0):
-        return await asyncio.to_thread(self.core.generate, prompts, sampling, first_group_id)
+    async def generate(self, prompts, sampling, first_group_id=0, continuations=None):
+        return await asyncio.to_thread(self.core.generate, prompts, sampling, first_group_id, continuations)
 
     async def generate_stream(self, prompts, sampling, first_group_id=0):
         async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling, first_group_id)):
@@ -61,12 +64,14 @@ class InProcessActorClient(InProcessTrainerClient):
 class GrpcActorClient(GrpcTrainerClient):
     stub_class = actor_pb2_grpc.ActorServiceStub
 
-    async def generate(self, prompts, sampling, first_group_id=0):
-        return [sample async for chunk in self.generate_stream(prompts, sampling, first_group_id) for sample in chunk]
+    async def generate(self, prompts, sampling, first_group_id=0, continuations=None):
+        return [sample async for chunk in self.generate_stream(prompts, sampling, first_group_id, continuations)
+                for sample in chunk]
 
-    async def generate_stream(self, prompts, sampling, first_group_id=0):
+    async def generate_stream(self, prompts, sampling, first_group_id=0, continuations=None):
         request = actor_pb2.GenerateRequest(prompts=prompts, sampling=wire.sampling_to_proto(sampling),
-                                            first_group_id=first_group_id)
+                                            first_group_id=first_group_id,
+                                            continuations=[wire.continuation_to_proto(c) for c in continuations or []])
         try:
             async for message in self.stub.Generate(request, timeout=self.timeout_s):
                 yield [wire.sample_from_proto(message)]

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.actor.turns import TurnRenderer, check_observation
 from rolefleet.actor.types import (
     SAMPLES_PER_GROUP_LIMIT,
     ActorUpdateResult,
+    Continuation,
     LogProbs,
     PolicyTargets,
     Sample,
@@ -29,6 +31,7 @@ from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import require_temperature
 from rolefleet.common.role_types import CheckpointInfo
+from rolefleet.common.stop_tokens import end_of_turn_id, merged
 from rolefleet.trainer import checkpoint, lora
 from rolefleet.trainer.role import TrainerRole
 from rolefleet.trainer.workers import WorkerGroup
@@ -48,6 +51,8 @@ class ActorCore(TrainerRole):
         super().__init__(ROLE, worker, group, versioned="policy")
         self.tokenizer, self.vocab_size, self.stop_ids = worker.tokenizer, worker.vocab_size, worker.stop_ids
         self.max_positions = worker.max_positions
+        self.turns = TurnRenderer(self.tokenizer)
+        self.end_of_turn = end_of_turn_id(self.tokenizer)  # where a multi-turn rollout's turn ends
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
         # Colocated, generation takes the trainer's lock (one model, used by one at a time); with the
         # engines apart it has its own, and only a weight sync takes both.
@@ -76,15 +81,26 @@ class ActorCore(TrainerRole):
             ids.append(torch.tensor(tokens, dtype=torch.int64))
         return ids
 
-    def generate(self, prompts: list[str], sampling: SamplingParams, first_group_id: int = 0) -> list[Sample]:
-        return [sample for chunk in self.generate_chunks(prompts, sampling, first_group_id) for sample in chunk]
+    def generate(self, prompts: list[str], sampling: SamplingParams, first_group_id: int = 0,
+                 continuations: list[Continuation] | None = None) -> list[Sample]:
+        return [sample for chunk in self.generate_chunks(prompts, sampling, first_group_id, continuations)
+                for sample in chunk]
 
-    def generate_chunks(self, prompts: list[str], sampling: SamplingParams,
-                        first_group_id: int = 0) -> Iterator[list[Sample]]:
+    def generate_chunks(self, prompts: list[str], sampling: SamplingParams, first_group_id: int = 0,
+                        continuations: list[Continuation] | None = None) -> Iterator[list[Sample]]:
         """Samples as each forward batch finishes, stamped with group ids from `first_group_id`.
-        Input is validated before the first chunk; the model stays locked until the iterator is
-        exhausted or closed."""
-        prompt_ids = self._validate_generate(prompts, sampling)
+        `continuations` (instead of prompts): conversations to continue by one turn each, whose
+        samples' prompt_ids are the context followed by the rendered observation. Input is
+        validated before the first chunk; the model stays locked until the iterator is exhausted
+        or closed."""
+        if sampling.stop_at_end_of_turn and self.end_of_turn is not None:
+            sampling = replace(sampling, stop_token_ids=merged(sampling.stop_token_ids, [self.end_of_turn]))
+        if continuations:
+            if prompts:
+                raise InvalidArgument("prompts", "give prompts or continuations, not both")
+            prompt_ids = self._validate_continuations(continuations, sampling)
+        else:
+            prompt_ids = self._validate_generate(prompts, sampling)
         if first_group_id < 0:
             raise InvalidArgument("first_group_id", f"must be >= 0, got {first_group_id}")
         if first_group_id + len(prompts) > MAX_GROUPS:  # else a sample id overflows int64 on the wire
@@ -119,6 +135,45 @@ class ActorCore(TrainerRole):
         finally:
             if held:
                 self._rollout_lock.release()
+
+    def _validate_continuations(self, continuations: list[Continuation], sampling: SamplingParams) -> list[torch.Tensor]:
+        """Each conversation's ids followed by its rendered observation, checked like prompts."""
+        self._validate_sampling(len(continuations), sampling)
+        if sampling.n != 1:
+            raise InvalidArgument("sampling.n", f"a continuation is one conversation: n must be 1, got {sampling.n}")
+        ids = []
+        for i, c in enumerate(continuations):
+            field = f"continuations[{i}]"
+            context = c.context_ids
+            if context.dim() != 1 or not context.numel():
+                raise InvalidArgument(f"{field}.context_ids", "must hold the conversation's tokens (int64 [C], C > 0)")
+            if int(context.min()) < 0 or int(context.max()) >= self.vocab_size:
+                raise InvalidArgument(f"{field}.context_ids", f"token ids must lie in [0, {self.vocab_size})")
+            check_observation(c.observation, f"{field}.observation", self.cfg.max_prompt_bytes)
+            rendered = self.turns.observation_ids(c.observation, int(context[-1]), f"{field}.observation")
+            ids.append(torch.cat([context.to(torch.int64), torch.tensor(rendered, dtype=torch.int64)]))
+        self._check_room(ids, sampling)
+        return ids
+
+    def _check_room(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> None:
+        longest, limit = max(len(p) for p in prompt_ids), self.max_positions
+        if limit is not None and longest + sampling.max_new_tokens > limit:
+            raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens after a "
+                                  f"{longest}-token prompt exceed the model's {limit} positions")
+        total = sum(len(p) for p in prompt_ids) + len(prompt_ids) * sampling.n * sampling.max_new_tokens
+        if total > self.cfg.max_tokens_per_request:
+            raise LimitExceeded("continuations", f"{total} context + new tokens exceed "
+                                f"actor.max_tokens_per_request={self.cfg.max_tokens_per_request}")
+
+    def _validate_sampling(self, sequences: int, sampling: SamplingParams) -> None:
+        sampling.validate()
+        for i, token in enumerate(sampling.stop_token_ids):
+            if token >= self.vocab_size:
+                raise InvalidArgument(f"sampling.stop_token_ids[{i}]", f"{token} is not below the model's vocabulary "
+                                      f"size {self.vocab_size}")
+        if sequences * sampling.n > self.cfg.max_sequences_per_request:
+            raise LimitExceeded("sampling.n", f"{sequences} prompts x n={sampling.n} exceed "
+                                f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         sampling.validate()

@@ -9,7 +9,7 @@ import grpc
 from rolefleet.actor import wire
 from rolefleet.actor.core import ActorCore
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.rpc.server import TrainerServicer, rpc, rpc_stream
 from rolefleet.rpc.streams import iterate_in_thread
@@ -27,10 +27,14 @@ class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):
             raise InvalidArgument("sampling", "required")
         sampling = wire.sampling_from_proto(request.sampling)
         prompts = list(request.prompts)
+        if len(request.continuations) > self.core.cfg.max_sequences_per_request:  # before decoding them
+            raise LimitExceeded("continuations", f"{len(request.continuations)} exceed "
+                                f"actor.max_sequences_per_request={self.core.cfg.max_sequences_per_request}")
+        continuations = wire.continuations_from_proto(request.continuations)
         # Validation, tokenization and generation all run off the loop; each forward batch is sent
         # as soon as it finishes.
         async for chunk in iterate_in_thread(lambda: self.core.generate_chunks(prompts, sampling,
-                                                                               request.first_group_id)):
+                                                                               request.first_group_id, continuations)):
             for sample in chunk:
                 yield wire.sample_to_proto(sample)
 

@@ -153,7 +153,7 @@ class PolicyTrainer(Trainer):
         """One optimizer step over a mini-batch (padded [b, R] targets). Each micro-batch's share is
         its part of the loss aggregation's weight (`actor.loss_agg_mode`). Also returns, for a
         one-pass update (no `old_logprobs`), this rank's (rows, (logprobs, entropy)) per micro-batch."""
-        cfg, mask = self.cfg, mb.response_mask().to(self.device)
+        cfg, mask = self.cfg, mb.train_mask().to(self.device)  # the model's tokens only (multi-turn)
         weights, stats, seen = None, {}, []
         if rollout_logprobs is not None and old_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.
@@ -161,7 +161,8 @@ class PolicyTrainer(Trainer):
             if self.ranks.first:  # mini-batch-wide statistics: once in the ranks' sum
                 stats["is_weight_mean"] = masked_mean(weights, mask)
         if rollout_logprobs is not None and self.ranks.first:
-            stats["is_masked_frac"] = 1.0 - mask.sum() / mb.response_lengths.sum().clamp(min=1).to(self.device)
+            own = mb.train_mask().sum().clamp(min=1).to(self.device)
+            stats["is_masked_frac"] = 1.0 - mask.sum() / own
         rows_of = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
                    for rows in self.micro_batches(mb)]
         # One host sync for every share: the aggregation weights of the mini-batch and of each part.

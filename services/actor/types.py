@@ -30,6 +30,7 @@ class SamplingParams:
     n: int = 1
     seed: int = -1
     stop_token_ids: tuple[int, ...] = ()  # ids that end a response besides the checkpoint's own
+    stop_at_end_of_turn: bool = False     # also the chat template's end-of-turn token (multi-turn rollouts)
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +68,32 @@ class Sample:
     response_text: str
     group_id: int = 0              # the run's id of the prompt's group (GenerateRequest.first_group_id + prompt_index)
     sample_id: int = 0             # group_id * SAMPLES_PER_GROUP_LIMIT + sample_index: unique in the run
+    # Multi-turn samples (assembled by the coordinator, `coordinator/episodes.py`): bool [R], True on
+    # the model's tokens, False on the observations between its turns; None: all the model's.
+    loss_mask: torch.Tensor | None = None
+    episode: EpisodeStats | None = None  # multi-turn samples: what the conversation did
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What one multi-turn conversation did (the step's `episode/*` metrics, docs/metrics.md)."""
+
+    turns: int = 1            # assistant turns
+    tool_calls: int = 0
+    tool_errors: int = 0      # malformed calls, unknown tools, failed tools (timeouts included)
+    tool_timeouts: int = 0
+    env_error: str = ""       # the environment failed on the conversation (it ended there)
+    env_reward: float | None = None  # sum of the environment's rewards, added to the sample's score
+    observation_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A conversation to continue by one assistant turn (multi-turn rollouts, `actor/turns.py`): its
+    tokens so far exactly as generated, and the environment's answer to render and append."""
+
+    context_ids: torch.Tensor           # int64 [C]
+    observation: list[dict[str, str]]   # {role, content} messages, at least one
 
 
 SAMPLES_PER_GROUP_LIMIT = 1 << 20  # n per prompt stays below it, so sample ids of distinct groups never meet

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from rolefleet.actor.types import ActorUpdateResult, FinishReason, LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import (
+    ActorUpdateResult,
+    Continuation,
+    FinishReason,
+    LogProbs,
+    PolicyTargets,
+    Sample,
+    SamplingParams,
+)
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.pb import actor_pb2, common_pb2
@@ -13,15 +21,26 @@ from rolefleet.common.pb import actor_pb2, common_pb2
 def sampling_to_proto(s: SamplingParams) -> actor_pb2.SamplingParams:
     return actor_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                     max_new_tokens=s.max_new_tokens, n=s.n, seed=s.seed,
-                                    stop_token_ids=list(s.stop_token_ids))
+                                    stop_token_ids=list(s.stop_token_ids), stop_at_end_of_turn=s.stop_at_end_of_turn)
 
 
 def sampling_from_proto(m: actor_pb2.SamplingParams) -> SamplingParams:
     params = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
                             max_new_tokens=m.max_new_tokens, n=m.n, seed=m.seed,
-                            stop_token_ids=tuple(m.stop_token_ids))
+                            stop_token_ids=tuple(m.stop_token_ids), stop_at_end_of_turn=m.stop_at_end_of_turn)
     params.validate("sampling")
     return params
+
+
+def continuation_to_proto(c: Continuation) -> actor_pb2.Continuation:
+    return actor_pb2.Continuation(context_ids=codec.encode(c.context_ids), observation=[
+        common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in c.observation])
+
+
+def continuations_from_proto(messages) -> list[Continuation]:
+    return [Continuation(codec.decode_as(m.context_ids, f"continuations[{i}].context_ids", torch.int64, 1),
+                         [{"role": o.role, "content": o.content} for o in m.observation])
+            for i, m in enumerate(messages)]
 
 
 def sample_to_proto(s: Sample) -> actor_pb2.GenerateResponse:

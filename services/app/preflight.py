@@ -141,13 +141,16 @@ def check_models(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
             problems.append(f"{where}: {problem}")
             continue
         positions = max_positions(path)
-        if (problem := positions_problem(cfg.sampling.max_new_tokens, path, positions)) is not None:
-            problems.append(f"sampling.max_new_tokens: {problem} ({where})")
-        elif (limit := cfg.data.max_prompt_tokens) and positions is not None \
-                and limit + cfg.sampling.max_new_tokens > positions:
+        # A multi-turn response is the whole conversation after the prompt.
+        rollout = cfg.actor.rollout
+        key, response = (("actor.rollout.max_total_tokens", rollout.max_total_tokens) if rollout.max_turns > 1
+                         else ("sampling.max_new_tokens", cfg.sampling.max_new_tokens))
+        if (problem := positions_problem(response, path, positions)) is not None:
+            problems.append(f"{key}: {problem} ({where})")
+        elif (limit := cfg.data.max_prompt_tokens) and positions is not None and limit + response > positions:
             # Known before any load: a prompt at the limit plus a full response would be refused at step 1.
-            problems.append(f"data.max_prompt_tokens: {limit} + sampling.max_new_tokens "
-                            f"{cfg.sampling.max_new_tokens} exceed the {positions} positions of model {path} ({where})")
+            problems.append(f"data.max_prompt_tokens: {limit} + {key} "
+                            f"{response} exceed the {positions} positions of model {path} ({where})")
     return problems
 
 

@@ -26,21 +26,43 @@ log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALPHABET = string.digits + string.ascii_lowercase + " +-*/=()?.,:"
+# Chat models (`chat=True`) also have what chat turns and Hermes tool calls are written with, after
+# the alphabet, so a plain model's ids are unchanged: the turn tokens (special, as in Qwen's
+# tokenizer), the tool-call tags (plain added tokens: a response's text keeps them), and the
+# characters of JSON and of the task's questions.
+CHAT_CHARACTERS = '\n{}[]"_<>|!#&;ABCDEFGHIJKLMNOPQRSTUVWXYZ'
+TURN_TOKENS = ["<|im_start|>", "<|im_end|>"]
+TOOL_TAGS = ["<tool_call>", "</tool_call>"]
+# ChatML with the tools named in a system message (their schemas would cost a character-level
+# model hundreds of positions); `tools` entries are chat-template tool schemas.
+TINY_TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t.function.name }}"
+    "{% if not loop.last %},{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int | None = None, chat: bool = False) -> PreTrainedTokenizerFast:
     """One token per character; `vocab_size` pads the vocabulary with `<extra_i>` tokens to a real
-    model's size, so embedding and LM-head shapes (and their cost) are those of that model."""
+    model's size, so embedding and LM-head shapes (and their cost) are those of that model. `chat`:
+    a chat template (`TINY_TOOL_CHAT_TEMPLATE`) and the tokens it and tool calls need."""
     tokens = [*SPECIAL_TOKENS, *ALPHABET]
+    if chat:
+        tokens += [*CHAT_CHARACTERS, *TURN_TOKENS, *TOOL_TAGS]
     if vocab_size is not None:
         tokens += [f"<extra_{i}>" for i in range(max(0, vocab_size - len(tokens)))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
     tok.decoder = decoders.Fuse()  # join characters without spaces
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": TURN_TOKENS})
+        tokenizer.add_tokens(TOOL_TAGS)  # matched whole, decoded in the text (not special)
+        tokenizer.chat_template = TINY_TOOL_CHAT_TEMPLATE
+    return tokenizer
 
 
 def _llama_config(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, **extra) -> LlamaConfig:
@@ -68,24 +90,27 @@ def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int
 
 def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: str, steps: int,
                seed: int, batch_size: int = 64, lr: float = 3e-3) -> float:
-    """Supervised steps on `task` answers (loss on answer + EOS only). Returns the last loss."""
+    """Supervised steps on `task` answers (loss on answer + EOS only; a tool task: on the assistant
+    turns of a conversation that calls the calculator, `tool_trace`). Returns the last loss."""
+    if task == "tool_arithmetic":
+        from rolefleet.app.tool_warm_start import warm_start_on_tools
+
+        return warm_start_on_tools(model, tokenizer, steps, seed, batch_size=batch_size, lr=lr)
     records = make_task(task, size=steps * batch_size, seed=seed + 1)
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        batch = rng.sample(records, min(batch_size, len(records)))
-        prompts = [tokenizer(r.prompt)["input_ids"] for r in batch]
-        answers = [tokenizer(r.ground_truth)["input_ids"] + [tokenizer.eos_token_id] for r in batch]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-            mask[i, : len(p) + len(a)] = 1
+        pairs = _answer_examples(tokenizer, rng.sample(records, min(batch_size, len(records))))
+        width = max(len(i) for i, _ in pairs)
+        ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(pairs), width), -100)
+        mask = torch.zeros((len(pairs), width), dtype=torch.long)
+        for i, (seq, trained) in enumerate(pairs):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, : len(seq)] = torch.where(torch.tensor(trained), torch.tensor(seq), -100)
+            mask[i, : len(seq)] = 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optim.zero_grad()
         loss.backward()
@@ -95,11 +120,22 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
     return loss.item()
 
 
+def _answer_examples(tokenizer, records) -> list[tuple[list[int], list[bool]]]:
+    """(ids, trained) per record: the prompt, then the answer and EOS, trained."""
+    out = []
+    for r in records:
+        prompt, answer = tokenizer(r.prompt)["input_ids"], tokenizer(r.ground_truth)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((prompt + answer, [False] * len(prompt) + [True] * len(answer)))
+    return out
+
+
 def make_tiny_model(out_dir: str | Path, task: str | None = None, warm_start_steps: int = 0,
                     hidden: int | None = None, layers: int | None = None, seed: int = 0,
-                    shape: str = "tiny", dtype: torch.dtype | None = None) -> Path:
+                    shape: str = "tiny", dtype: torch.dtype | None = None, chat: bool | None = None) -> Path:
     """Build, optionally warm-start, and save a model + tokenizer directory of the named shape
-    (hidden / layers override it) with weights in `dtype` (None: float32); returns its path. The
+    (hidden / layers override it) with weights in `dtype` (None: float32); returns its path. `chat`
+    (default: for a tool task's warm start): a chat template, the tokens of turns and tool calls,
+    512 positions, and the end-of-turn token among the generation config's eos ids. The
     weights are initialised on the default device: a benchmark builds a 7B model on its GPU in
     seconds, where the CPU takes minutes."""
     out = Path(out_dir)
@@ -107,8 +143,14 @@ def make_tiny_model(out_dir: str | Path, task: str | None = None, warm_start_ste
     dims = dataclasses.replace(dims, hidden=hidden or dims.hidden, layers=layers or dims.layers)
     if hidden and shape == "tiny":
         dims = dataclasses.replace(dims, intermediate=4 * hidden)
-    tokenizer = build_tokenizer(dims.vocab)
+    if chat is None:  # a tool task's warm start writes chat turns
+        chat = task == "tool_arithmetic"
+    if chat:  # conversations with tool calls take hundreds of characters
+        dims = dataclasses.replace(dims, positions=max(dims.positions, 512))
+    tokenizer = build_tokenizer(dims.vocab, chat=chat)
     model = build_model(tokenizer, dims, seed=seed)
+    if chat:  # as chat checkpoints list their end-of-turn token (Qwen2.5's <|im_end|>) beside eos
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     if task and warm_start_steps > 0:
         warm_start(model, tokenizer, task, warm_start_steps, seed)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,12 @@ Roles keep batches packed (no padding) and pad only at the model boundary: `mode
 right-padded [B, L] inputs, `response_positions()` says where each response token sits in them, and
 `pad_responses()` / `pack_responses()` convert per-token quantities between packed [N] and padded
 [B, R] forms for the pure RL functions, which take padded tensors plus a mask.
+
+A multi-turn response holds the model's turns and, between them, the observations the environment
+appended (tool results, its messages). `loss_mask` (bool, packed [N] like the response tokens; None:
+every token is the model's) marks the model's tokens: `train_mask()` is what every loss, KL, IS
+correction, advantage and metric reduces over, so an observation token is read as context and
+never trained on.
 """
 
 from __future__ import annotations
@@ -49,18 +55,27 @@ class SequenceBatch:
     prompt_lengths: torch.Tensor    # int64 [B]
     response_ids: torch.Tensor      # int64 [sum(response_lengths)]
     response_lengths: torch.Tensor  # int64 [B]
+    loss_mask: torch.Tensor | None = None  # bool [sum(response_lengths)]: the model's tokens; None: all
 
     @classmethod
-    def from_lists(cls, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> SequenceBatch:
+    def from_lists(cls, prompts: list[torch.Tensor], responses: list[torch.Tensor],
+                   loss_masks: list[torch.Tensor | None] | None = None) -> SequenceBatch:
+        """`loss_masks`: per response, bool [R] or None (all the model's); the batch keeps a packed
+        mask only when some response has observation tokens, so single-turn batches stay as they were."""
         if len(prompts) != len(responses):
             raise ValueError("prompts and responses differ in length")
         def cat(xs: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat([x.to(torch.int64) for x in xs]) if xs else torch.zeros(0, dtype=torch.int64)
+        mask = None
+        if loss_masks is not None and any(m is not None and not bool(m.all()) for m in loss_masks):
+            mask = torch.cat([torch.ones(len(r), dtype=torch.bool) if m is None else m.to(torch.bool)
+                              for r, m in zip(responses, loss_masks)])
         return cls(
             prompt_ids=cat(prompts),
             prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
             response_ids=cat(responses),
             response_lengths=torch.tensor([len(r) for r in responses], dtype=torch.int64),
+            loss_mask=mask,
         )
 
     def __len__(self) -> int:
@@ -76,10 +91,17 @@ class SequenceBatch:
     def responses(self) -> list[torch.Tensor]:
         return list(torch.split(self.response_ids, self.response_lengths.tolist()))
 
+    def loss_masks(self) -> list[torch.Tensor | None]:
+        """Each response's bool [R] mask (None when the batch has none)."""
+        if self.loss_mask is None:
+            return [None] * len(self)
+        return list(torch.split(self.loss_mask, self.response_lengths.tolist()))
+
     def select(self, index: torch.Tensor | list[int]) -> SequenceBatch:
         idx = torch.as_tensor(index, dtype=torch.int64).tolist()
-        prompts, responses = self.prompts(), self.responses()
-        return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx])
+        prompts, responses, masks = self.prompts(), self.responses(), self.loss_masks()
+        return SequenceBatch.from_lists([prompts[i] for i in idx], [responses[i] for i in idx],
+                                        [masks[i] for i in idx])
 
     def micro_batches(self, max_tokens: int, packed: bool = False, multiple_of: int = 1) -> list[torch.Tensor]:
         """Row groups within `max_tokens`: the sum of their prompt+response lengths when `packed`
@@ -170,6 +192,20 @@ class SequenceBatch:
         width = int(self.response_lengths.max()) if len(self) else 0
         return torch.arange(width)[None, :] < self.response_lengths[:, None]
 
+    def train_mask(self) -> torch.Tensor:
+        """bool [B, R_max]: the tokens losses, advantages and metrics reduce over: the real response
+        tokens the model produced (observation tokens of a multi-turn response are out)."""
+        mask = self.response_mask()
+        if self.loss_mask is not None:
+            mask = mask & self.pad_responses(self.loss_mask, fill=False)
+        return mask
+
+    def packed_train_mask(self) -> torch.Tensor:
+        """bool [N]: `train_mask` packed like the response tokens."""
+        if self.loss_mask is None:
+            return torch.ones(self.num_response_tokens, dtype=torch.bool)
+        return self.loss_mask
+
     def pad_responses(self, packed: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Packed per-token values [N] -> right-padded [B, R_max]."""
         rows, within = self._response_index
@@ -187,12 +223,15 @@ class SequenceBatch:
     # --- wire -----------------------------------------------------------------------------------
 
     def to_proto(self) -> common_pb2.SequenceBatch:
-        return common_pb2.SequenceBatch(
+        msg = common_pb2.SequenceBatch(
             prompt_ids=codec.encode(self.prompt_ids),
             prompt_lengths=codec.encode(self.prompt_lengths),
             response_ids=codec.encode(self.response_ids),
             response_lengths=codec.encode(self.response_lengths),
         )
+        if self.loss_mask is not None:
+            msg.loss_mask.CopyFrom(codec.encode(self.loss_mask.to(torch.bool)))
+        return msg
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SequenceBatch, field: str = "batch",
@@ -207,7 +246,13 @@ class SequenceBatch:
         def ints(name: str) -> torch.Tensor:
             return codec.decode_as(getattr(msg, name), f"{field}.{name}", torch.int64, ndim=1)
 
-        batch = cls(*(ints(n) for n in ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")))
+        mask = None
+        if msg.HasField("loss_mask"):
+            if limits is not None:  # a mask has one entry per response token: no larger than the tokens
+                codec.declared_numel(msg.loss_mask, f"{field}.loss_mask")
+            mask = _decode_mask(msg.loss_mask, f"{field}.loss_mask")
+        batch = cls(*(ints(n) for n in ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")),
+                    loss_mask=mask)
         batch.validate(field)
         return batch
 
@@ -245,6 +290,11 @@ class SequenceBatch:
                 raise InvalidArgument(f"{field}.{name}_ids", "token ids must be >= 0")
             if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
                 raise InvalidArgument(f"{field}.{name}_ids", f"token id {int(ids.max())} >= vocab size {vocab_size}")
+        if self.loss_mask is not None:
+            if self.loss_mask.dtype != torch.bool or self.loss_mask.dim() != 1 \
+                    or self.loss_mask.numel() != self.response_ids.numel():
+                raise InvalidArgument(f"{field}.loss_mask", f"must be bool [{self.response_ids.numel()}] (one per "
+                                      f"response token), got {self.loss_mask.dtype} {list(self.loss_mask.shape)}")
 
     def per_token(self, msg: common_pb2.Tensor, field: str) -> torch.Tensor:
         """Decode a packed per-response-token float tensor and check it matches this batch."""
@@ -279,6 +329,20 @@ VALUE_RANGES: dict[str, tuple[float, float, str]] = {
     # room for raw reward scales while keeping A x ratio (at most e^20) far from float32 overflow.
     "target": (-1e6, 1e6, "|advantage|, |return| and |value| <= 1e6"),
 }
+
+
+def _decode_mask(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
+    """A packed loss mask: bool, or integers that are all 0 or 1, of rank 1."""
+    tensor = codec.decode(msg, field)
+    if tensor.dim() != 1:
+        raise InvalidArgument(f"{field}.shape", f"expected 1 dimension, got shape {list(tensor.shape)}")
+    if tensor.dtype.is_floating_point:
+        raise InvalidArgument(f"{field}.dtype", f"expected bool (or 0/1 integers), got {msg.dtype}")
+    if tensor.dtype != torch.bool:
+        if tensor.numel() and bool(((tensor != 0) & (tensor != 1)).any()):
+            raise InvalidArgument(field, "values must be 0 or 1")
+        tensor = tensor != 0
+    return tensor
 
 
 def mini_batches(batch_size: int, num_mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:

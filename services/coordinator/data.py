@@ -85,7 +85,8 @@ class PromptDataset:
             records = records if records is not None else make_task(cfg.task, cfg.size, seed)
             prompts = [RawPrompt(f"{source} #{i}", r.prompt, r.ground_truth, r.extra) for i, r in enumerate(records)]
         # Chat messages mean a chat template unless told otherwise (and then they are refused).
-        chat = cfg.chat_template if cfg.chat_template is not None else any(p.is_chat for p in prompts)
+        chat = cfg.chat_template if cfg.chat_template is not None else (any(p.is_chat for p in prompts)
+                                                                         or bool(cfg.tools))
         tokenizer = None
         if chat or cfg.max_prompt_tokens is not None:
             key = "data.chat_template" if chat else "data.max_prompt_tokens"
@@ -93,7 +94,7 @@ class PromptDataset:
                 raise DataError(f"{key}: needs the actor model's tokenizer, and no model was given")
             tokenizer = load_tokenizer(tokenizer_path, key)
         renderer = PromptRenderer(tokenizer, tokenizer_path or "", chat_template=chat,
-                                  max_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong)
+                                  max_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong, tools=cfg.tools)
         rendered = renderer.render_all(prompts)
         if not rendered.records:
             raise DataError(f"data.max_prompt_tokens: every one of the {len(prompts)} prompts of {source} is "

@@ -23,6 +23,7 @@ from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.algos import pass_at_k
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.episodes import episode_metrics
 from rolefleet.reward.types import ScoreItem, ScoreResult
 from rolefleet.tasks import PromptRecord
 
@@ -124,4 +125,6 @@ def eval_record(samples: list[Sample], result: ScoreResult, prompts: int, n: int
     }
     if n > 1:
         record[f"eval/pass@{n}"] = pass_at_k(correct, n).item()
+    if any(s.episode is not None for s in samples):  # multi-turn: how the conversations went
+        record.update(episode_metrics(samples, prefix="eval/episode"))
     return record

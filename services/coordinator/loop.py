@@ -133,7 +133,7 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
                      clock: BusyClock, checkpointer: Checkpointer, resumed: CoordinatorState | None = None) -> None:
     body = StepBody(cfg, roles, logger, status, clock, checkpointer, resumed)
-    rollouts = sampler(cfg, body.roles.actor, body.roles.reward, body.dataset)
+    rollouts = sampler(cfg, body.roles.actor, body.roles.reward, body.dataset, body.episodes)
     await body.evaluate_start()
     for step in range(body.state.step + 1, cfg.train.total_steps + 1):
         await status.wait_resumed()

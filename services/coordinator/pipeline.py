@@ -168,12 +168,16 @@ class Pipeline(Schedule):
         records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
         sampling = sampling_for(self.cfg, index)
         chunk = min(self.cfg.actor.rollout.batch_size, len(records) * sampling.n)
-        attempt = 0
+        attempt, episodes = 0, self.body.episodes
+        env_start = episodes.env_s if episodes else 0.0
         while True:
             start, samples, pending, scoring = time.perf_counter(), [], [], []
+            # Multi-turn: finished conversations stream while longer ones go on.
+            stream = (episodes.stream(records, sampling, first_group_id(self.cfg, index)) if episodes else
+                      self.roles.actor.generate_stream([r.prompt for r in records], sampling,
+                                                       first_group_id(self.cfg, index)))
             try:
-                async for part in self.roles.actor.generate_stream([r.prompt for r in records], sampling,
-                                                                   first_group_id(self.cfg, index)):
+                async for part in stream:
                     pending += part
                     if len(pending) >= chunk:
                         scoring.append(self._score_soon(records, pending))
@@ -190,7 +194,8 @@ class Pipeline(Schedule):
                 attempt += 1
         seconds = spent("generate", start)
         self.busy["generate"] += seconds
-        return Rollout(index, records, samples, to_batch(samples), seconds, scoring=scoring)
+        env_s = episodes.env_s - env_start if episodes else 0.0
+        return Rollout(index, records, samples, to_batch(samples), seconds, scoring=scoring, env_s=env_s)
 
     def _score_soon(self, records: list[PromptRecord], samples: list[Sample]) -> asyncio.Future:
         """Reward scores (and critic values) of a streamed chunk, started now."""

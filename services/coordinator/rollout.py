@@ -33,6 +33,7 @@ class Rollout:
     values: CriticValues | None = None  # None with no critic, or not asked for yet
     logprobs: LogProbs | None = None  # async one-pass update: the reference's, asked for with the scores
     score_s: float = 0.0  # seconds waited for the scores after the last sample (async: the score stage's)
+    env_s: float = 0.0  # multi-turn: seconds of its generation spent waiting for the environment
     stats: dict[str, float] = field(default_factory=dict)  # the record's entries of how it was made (`dynamic/*`)
 
     @property
@@ -49,7 +50,10 @@ def spent(phase: str, since: float) -> float:
 
 
 def to_batch(samples: list[Sample]) -> SequenceBatch:
-    return SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    """The samples as a packed batch; multi-turn samples bring their loss masks."""
+    masks = [s.loss_mask for s in samples]
+    return SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                    masks if any(m is not None for m in masks) else None)
 
 
 def score_items(records: list[PromptRecord], samples: list[Sample]) -> list[ScoreItem]:

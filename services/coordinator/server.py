@@ -100,7 +100,8 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
         # Replicated even when one: replicas may be added while the run goes (coordinator/scaling.py).
         # It holds no training state: a call it loses to a restart is repeated, not rolled back.
         reward=WaitsForRestart(ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
-                               "reward", cfg.reward.restart_wait_s, "reward.restart_wait_s"),
+                               "reward", cfg.reward.restart_wait_s, "reward.restart_wait_s",
+                               methods=("score", "step")),  # an environment's turn is as repeatable
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
     )
 

@@ -38,6 +38,7 @@ from rolefleet.coordinator.calls import Retries, Roles
 from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.episodes import Episodes, episode_metrics, with_env_rewards
 from rolefleet.coordinator.evaluation import Evaluator
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, score_items
@@ -81,11 +82,26 @@ class StepBody:
         self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps)
         self.roles = self.retries.wrap(roles)
         self.kl_controller = KL_CONTROLLERS.get(cfg.train.kl_controller)
+        # Multi-turn rollouts: conversations with the reward role's environment, in both modes.
+        self.episodes = Episodes(cfg, self.roles.actor, self.roles.reward) if cfg.actor.rollout.max_turns > 1 \
+            else None
+
+    def eval_generate(self):
+        """What evaluation generates with: the actor's Generate, or (multi-turn) whole conversations
+        of the held-out records (the evaluator's prompts are its records' prompts, in order)."""
+        if self.episodes is None or self.evaluator is None:
+            return self.roles.actor.generate
+        records = self.evaluator.records
+
+        async def conversations(prompts, sampling, first_group_id=0):
+            return await self.episodes.generate(records, sampling, first_group_id)
+
+        return conversations
 
     async def evaluate_start(self) -> None:
         """0. The starting policy on the held-out prompts, as the record of step 0 (not resumed)."""
         if self.evaluator is not None and self.state.step == 0:
-            await self.evaluator.before_training(self.logger, self.status, self.roles.actor.generate,
+            await self.evaluator.before_training(self.logger, self.status, self.eval_generate(),
                                                  self.roles.reward.score)
 
     async def run(self, step: int, rollout: Rollout, since: float, schedule: Schedule = NOTHING_ADDED) -> dict:
@@ -98,6 +114,7 @@ class StepBody:
         # 2. Scores, values and logprobs at once: the three roles do not wait on each other.
         start = time.perf_counter()
         reward, critic_values, logprobs = await self._scored(rollout, one_pass)
+        reward = with_env_rewards(reward, samples)  # multi-turn: what the environment rewarded
         score_s = rollout.score_s + time.perf_counter() - start
         values = critic_values.values if critic_values else torch.zeros(batch.num_response_tokens)
 
@@ -109,7 +126,8 @@ class StepBody:
                                    logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t)
             policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
         kl_coef = self.state.kl_coef
-        self.state.kl_coef = self.kl_controller(kl_coef, targets.kl.mean().item(), t.kl_target, t.kl_horizon,
+        own = batch.packed_train_mask()  # multi-turn: the model's tokens (observations have no KL)
+        self.state.kl_coef = self.kl_controller(kl_coef, targets.kl[own].mean().item(), t.kl_target, t.kl_horizon,
                                                 len(samples))
 
         # 4. Policy and value updates at once.
@@ -129,6 +147,9 @@ class StepBody:
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
                              seconds)
         record["kl_coef"] = kl_coef
+        if self.episodes is not None:
+            record.update(episode_metrics(samples))
+            record["timing/env_s"] = rollout.env_s
         record.update(shaping, **rollout.stats)
         if warming:
             record["critic_warmup"] = 1.0
@@ -138,7 +159,7 @@ class StepBody:
         if self.evaluator is not None and self.evaluator.due(step):
             # Async mode: in the train stage, so the next update waits for it, while generation goes
             # on within the bound and takes the rollout engine in turns with it (evaluation.py).
-            record.update(await self.evaluator.run(step, self.roles.actor.generate, self.roles.reward.score))
+            record.update(await self.evaluator.run(step, self.eval_generate(), self.roles.reward.score))
         record.update(self.clock.fractions())
         self.logger.log(record)
         self.status.record_step(record, actor_result.model_version)

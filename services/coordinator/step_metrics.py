@@ -29,8 +29,8 @@ def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], 
                 samples: list[Sample], reward: ScoreResult, values: torch.Tensor, logprobs: LogProbs,
                 targets: Targets, seconds: dict[str, float]) -> dict:
     rollout_logprobs = torch.cat([s.logprobs for s in samples])
-    mismatch_mean, mismatch_max = logprob_mismatch(logprobs.logprobs, rollout_logprobs,
-                                                   torch.ones_like(rollout_logprobs))
+    own = batch.packed_train_mask()  # multi-turn: the model's tokens (observations are no samples of it)
+    mismatch_mean, mismatch_max = logprob_mismatch(logprobs.logprobs, rollout_logprobs, own.float())
     lengths = batch.response_lengths.float()
     scores = reward.total
     record = {
@@ -42,8 +42,8 @@ def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], 
         # samples a source failed on (they got reward.fallback_score for it).
         **{f"reward/{name}/mean": mean for name, mean in reward.source_means().items()},
         "reward/errors": reward.failed,
-        "kl": targets.kl.mean().item(),
-        "entropy": logprobs.entropy.mean().item(),
+        "kl": targets.kl[own].mean().item(),
+        "entropy": logprobs.entropy[own].mean().item(),
         **_stats("response_length", lengths),
         "response_length/clip_ratio": sum(s.finish_reason == FinishReason.LENGTH for s in samples) / len(samples),
         **_stats("advantage", targets.advantages),

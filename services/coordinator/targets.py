@@ -41,18 +41,38 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
     """scores [B]; values, logprobs, ref_logprobs packed [N]; group_ids [B]. Without the policy's
     logprobs (a one-pass update computes them; `RoleFleetConfig.one_pass_update` asks for no KL
     penalty) the KL is 0 until `after_one_pass` fills it in."""
-    mask = batch.response_mask()
     kl = torch.zeros_like(ref_logprobs) if logprobs is None else kl_to_reference(train, logprobs, ref_logprobs)
+    if batch.loss_mask is not None:
+        kl = kl * batch.loss_mask  # an observation token is no action of the policy: no KL, no reward
     token_rewards = batch.pad_responses(-kl_coef * kl)
     token_rewards[torch.arange(len(batch)), batch.response_lengths - 1] += scores
+    # The estimators see each response's own tokens side by side: in a multi-turn response the
+    # model's turns are one trajectory, the observations between them are no steps of it (GAE
+    # bootstraps a turn's last token from the next turn's first value, not from an observation).
+    mask = batch.train_mask()
+    order = _own_first(mask) if batch.loss_mask is not None else None  # single-turn: nothing to move
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        return x if order is None else x.gather(1, order)
+
+    own = gathered(mask)
     # Each estimator takes the inputs its signature declares from these.
     advantages, returns = ADVANTAGE_ESTIMATORS.call(
-        estimator, token_rewards=token_rewards, values=batch.pad_responses(values), mask=mask, group_ids=group_ids,
-        gamma=train.gamma, lam=train.lam, norm_by_std=train.norm_adv_by_std,
+        estimator, token_rewards=gathered(token_rewards), values=gathered(batch.pad_responses(values)), mask=own,
+        group_ids=group_ids, gamma=train.gamma, lam=train.lam, norm_by_std=train.norm_adv_by_std,
     )
     if train.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, own)
+    if order is not None:
+        advantages, returns = (torch.zeros_like(x).scatter(1, order, torch.where(own, x, 0))
+                               for x in (advantages, returns))
     return Targets(batch.pack_responses(advantages), batch.pack_responses(returns), kl)
+
+
+def _own_first(mask: torch.Tensor) -> torch.Tensor:
+    """int64 [B, T]: per row, the columns of its True entries in order, then the others (a stable
+    sort on "not own" keeps each group in column order)."""
+    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
 
 
 def after_one_pass(train: TrainSection, logprobs: LogProbs, targets: Targets,

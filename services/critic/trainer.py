@@ -49,9 +49,12 @@ class ValueTrainer(Trainer):
             tokens = mb.token_index(rows)
             with self.autocast():
                 values = self.model(mb.select(rows), self.device, self.packed)
+            # Observation tokens of a multi-turn response are no state of the model's: not fitted.
             loss, stats = self.value_loss(values, old_values[tokens].to(self.device), returns[tokens].to(self.device),
-                                          torch.ones_like(values, dtype=torch.bool), self.cfg.value_clip)
+                                          own[tokens].to(self.device), self.cfg.value_clip)
             return loss, {"vf_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"]}
 
-        micro = [(rows, len(mb.token_index(rows)) / mb.num_response_tokens) for rows in self.micro_batches(mb)]
+        own = mb.packed_train_mask()
+        total = max(int(own.sum()), 1)
+        micro = [(rows, int(own[mb.token_index(rows)].sum()) / total) for rows in self.micro_batches(mb)]
         return self.optimizer_step(micro, micro_loss, {"vf_loss": 0.0, "vf_clipfrac": 0.0})

@@ -9,9 +9,9 @@ import torch
 
 from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
-from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
+from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.common.role_types import RoleStatus
-from rolefleet.reward.types import ScoreItem, ScoreResult
+from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreItem, ScoreResult
 from rolefleet.rpc.roles import GrpcRoleClient, call
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator nev
 
 class RewardClient(Protocol):
     async def score(self, items: list[ScoreItem]) -> ScoreResult: ...
+    async def step(self, items: list[EnvItem]) -> list[EnvOutcome]:
+        """The environment's answer to each conversation's last assistant turn (multi-turn rollouts)."""
+        ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def close(self) -> None: ...
 
@@ -30,6 +33,9 @@ class InProcessRewardClient:
 
     async def score(self, items: list[ScoreItem]) -> ScoreResult:
         return await asyncio.to_thread(self.core.score, items)
+
+    async def step(self, items: list[EnvItem]) -> list[EnvOutcome]:
+        return await asyncio.to_thread(self.core.step, items)
 
     async def status(self, include_digest=False):
         return self.core.status(include_digest)
@@ -49,6 +55,26 @@ class GrpcRewardClient(GrpcRoleClient):
         ])
         response = await call(self.stub.Score(request, timeout=self.timeout_s))
         return from_proto(response, len(items))
+
+    async def step(self, items: list[EnvItem]) -> list[EnvOutcome]:
+        request = reward_pb2.EnvStepRequest(items=[
+            reward_pb2.EnvStepItem(prompt=i.prompt, ground_truth=i.ground_truth,
+                                   extra_json=ScoreItem("", "", "", i.extra).extra_json(),
+                                   messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                             for m in i.messages])
+            for i in items
+        ])
+        response = await call(self.stub.Step(request, timeout=self.timeout_s))
+        if len(response.outcomes) != len(items):
+            raise RoleFleetError(f"reward server answered {len(response.outcomes)} environment outcomes for "
+                                 f"{len(items)} conversations")
+        return [outcome_from_proto(o) for o in response.outcomes]
+
+
+def outcome_from_proto(o: reward_pb2.EnvStepOutcome) -> EnvOutcome:
+    return EnvOutcome(observation=[{"role": m.role, "content": m.content} for m in o.observation], done=o.done,
+                      reward=o.reward if o.has_reward else None, tool_calls=o.tool_calls, tool_errors=o.tool_errors,
+                      tool_timeouts=o.tool_timeouts, error=o.error)
 
 
 def from_proto(response: reward_pb2.ScoreResponse, n: int) -> ScoreResult:

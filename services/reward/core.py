@@ -11,11 +11,12 @@ import torch
 
 from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
-from rolefleet.common.errors import InvalidArgument, LimitExceeded
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.role_types import RoleStatus
+from rolefleet.reward.environments import Environment
 from rolefleet.reward.sandbox_worker import FLOAT32_MAX, Outcome
 from rolefleet.reward.sources import Source, build_sources
-from rolefleet.reward.types import ScoreItem, ScoreResult
+from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreItem, ScoreResult
 
 ROLE = "reward"
 log = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ class RewardCore:
     def __init__(self, cfg: RewardSection):
         self.cfg = cfg
         self.sources, self.pool = build_sources(cfg)
+        try:
+            # Multi-turn rollouts' environment: its own worker pool, limits and metrics.
+            self.env = Environment(cfg.env) if cfg.env.enabled else None
+        except BaseException:
+            self._close_sources()
+            raise
         # Sources run side by side (a reward model on its GPU while workers run user functions).
         self._threads = ThreadPoolExecutor(len(self.sources), thread_name_prefix="reward-source") \
             if len(self.sources) > 1 else None
@@ -48,7 +55,17 @@ class RewardCore:
         self._count(result, len(items))
         return result
 
-    def _check_sizes(self, items: list[ScoreItem]) -> None:
+    def step(self, items: list[EnvItem]) -> list[EnvOutcome]:
+        """The environment's answer to each conversation's last assistant turn (`reward.env`)."""
+        if self.env is None:
+            raise FailedPrecondition("this reward server has no environment: set reward.env.name or reward.env.path")
+        self._check_sizes(items)
+        for i, item in enumerate(items):
+            if not item.messages or item.messages[-1]["role"] != "assistant":
+                raise InvalidArgument(f"items[{i}].messages", "must end with the assistant turn to answer")
+        return self.env.step(items)
+
+    def _check_sizes(self, items: list[ScoreItem] | list[EnvItem]) -> None:
         if not items:
             raise InvalidArgument("items", "no items to score")
         if len(items) > self.cfg.max_items_per_request:
@@ -74,6 +91,11 @@ class RewardCore:
     def close(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.env is not None:
+            self.env.close()
+        self._close_sources()
+
+    def _close_sources(self) -> None:
         if self.pool is not None:
             self.pool.close()
         for source in self.sources:

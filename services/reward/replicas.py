@@ -90,6 +90,24 @@ class ReplicatedRewardClient:
             raise
         return results[0] if len(results) == 1 else merge(results)
 
+    async def step(self, items: list):
+        """The environment's answers (`RewardClient.step`), the items spread over the replicas like a
+        Score's; a shard whose replica fails transiently goes to the next one (no hedging: an
+        environment's turn may run tools, which are not worth running twice)."""
+        async def shard(part: list, first: int) -> list:
+            reasons = []
+            for index in [first, *(i for i in self._by_preference(self._live()) if i != first)]:
+                try:
+                    self.calls[index] += 1
+                    return await self.clients[index].step(part)
+                except TRANSIENT as exc:
+                    self._mark_down(index, exc)
+                    reasons.append(f"replica {index}: {exc}")
+            raise Unavailable(f"no reward replica answered Step ({'; '.join(reasons)})")
+
+        parts = await asyncio.gather(*(shard(items[a:b], first) for a, b, first in self._shards(len(items))))
+        return [outcome for part in parts for outcome in part]
+
     async def status(self, include_digest: bool = False) -> RoleStatus:
         """The status of the first replica that answers, healthy ones first."""
         reasons = []

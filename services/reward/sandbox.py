@@ -85,8 +85,8 @@ class _Slot:
     """One worker process, (re)started on demand, and the server's end of its connection. Used by
     one thread at a time (the pool hands slots out through a queue)."""
 
-    def __init__(self, init: dict, closed: threading.Event):
-        self.init = init
+    def __init__(self, init: dict, closed: threading.Event, timeout_key: str = "reward.user_timeout_s"):
+        self.init, self.timeout_key = init, timeout_key
         self.closed = closed
         self.proc: Optional[subprocess.Popen] = None
         self.conn = None
@@ -143,7 +143,7 @@ class _Slot:
         try:
             return self._next(timeout_s)
         except _Lost as lost:
-            raise WorkerFailed(f"timed out after {timeout_s:g} s (reward.user_timeout_s), its worker killed "
+            raise WorkerFailed(f"timed out after {timeout_s:g} s ({self.timeout_key}), its worker killed "
                                "and replaced" if lost.timed_out else f"its worker died ({lost.how}) and was "
                                "replaced") from None
 
@@ -190,12 +190,17 @@ class _Slot:
 class SandboxPool:
     """`run(key, items, batched)` -> one Outcome per item, computed by `workers` processes."""
 
-    def __init__(self, targets: dict[str, Target], workers: int, timeout_s: float, memory_mb: int):
+    def __init__(self, targets: dict[str, Target], workers: int, timeout_s: float, memory_mb: int,
+                 section: str = "reward.user"):
+        """`section`: the prefix of the config keys of the limits, named in errors (`reward.env`:
+        reward.env.timeout_s, reward.env.memory_mb)."""
         self.workers, self.timeout_s = workers, timeout_s
         self._closed = threading.Event()
-        init = {"memory_mb": memory_mb,
+        init = {"memory_mb": memory_mb, "memory_key": f"{section}_memory_mb" if section == "reward.user"
+                else f"{section}.memory_mb",
                 "targets": {k: (t.kind, t.where, t.attr, t.options) for k, t in targets.items()}}
-        self._all = [_Slot(init, self._closed) for _ in range(workers)]
+        timeout_key = f"{section}_timeout_s" if section == "reward.user" else f"{section}.timeout_s"
+        self._all = [_Slot(init, self._closed, timeout_key) for _ in range(workers)]
         self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         self._revivals: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -228,10 +233,17 @@ class SandboxPool:
         futures = [self._threads.submit(self._run_part, key, part, batched) for part in parts]
         return [outcome for f in futures for outcome in f.result()]
 
-    def _run_part(self, key: str, rows: list[tuple], batched: bool) -> list[Outcome]:
+    def step(self, key: str, rows: Sequence[tuple]) -> list[Any]:
+        """An environment's answers (dicts, or a str saying why there is none) to `rows` of
+        (prompt, messages, ground_truth, extra), computed like single-sample reward calls."""
+        parts = _split(list(rows), self.workers * PARTS_PER_WORKER)
+        futures = [self._threads.submit(self._run_part, key, part, False, "step") for part in parts]
+        return [outcome for f in futures for outcome in f.result()]
+
+    def _run_part(self, key: str, rows: list[tuple], batched: bool, op: str = "each") -> list[Outcome]:
         slot = self._idle.get()
         try:
-            return self._batch(slot, key, rows) if batched else self._each(slot, key, rows)
+            return self._batch(slot, key, rows) if batched else self._each(slot, key, rows, op)
         finally:
             if slot.proc is None and not self._closed.is_set():
                 # Its worker was killed or died on the last sample: replace it now, between
@@ -252,7 +264,7 @@ class SandboxPool:
         finally:
             self._idle.put(slot)
 
-    def _each(self, slot: _Slot, key: str, rows: list[tuple]) -> list[Outcome]:
+    def _each(self, slot: _Slot, key: str, rows: list[tuple], op: str = "each") -> list[Outcome]:
         outcomes: list[Outcome] = []
         while len(outcomes) < len(rows):
             rest = rows[len(outcomes):]
@@ -261,7 +273,7 @@ class SandboxPool:
             except WorkerFailed as e:
                 return outcomes + [str(e)] * len(rest)
             try:
-                slot.send(("each", key, rest))
+                slot.send((op, key, rest))
                 for _ in rest:
                     outcomes.append(slot.receive(self.timeout_s))
             except WorkerFailed as e:  # the sample in flight; the rest go to the replacement

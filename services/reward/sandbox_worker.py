@@ -13,9 +13,12 @@ Protocol (pickled tuples over a multiprocessing Connection; each request gets it
   server -> worker  ("load", key, None)            ("ok", load error or None) back
                     ("each", key, rows)            one ("ok", outcome) back per row, as each finishes
                     ("batch", key, rows)           one ("ok", [outcome per row] or why none) back
+                    ("step", key, rows)            an environment's turn: one ("ok", step dict or why
+                                                   none) back per row, as each finishes
   worker -> server  ("fatal", message)             instead of a reply; the worker exits (MemoryError)
 A row is (prompt, response, ground_truth, extra); an outcome is a float score or a str saying why
-the row has none. Targets load on request, so a worker that replaces a crashed one loads only what
+the row has none. An environment's row is (prompt, messages, ground_truth, extra) and its outcome a
+dict checked by `as_step` (or a str saying why there is none). Targets load on request, so a worker that replaces a crashed one loads only what
 the next call needs.
 """
 
@@ -92,9 +95,12 @@ class _Fatal(Exception):
     """The worker must not go on (its memory may be held by what the function left behind)."""
 
 
+_MEMORY_KEY = ["reward.user_memory_mb"]  # the config key of the limit, named in errors (set by `serve`)
+
+
 def _raised(exc: BaseException, memory_mb: int) -> str:
     if isinstance(exc, MemoryError):
-        raise _Fatal(f"ran out of memory (MemoryError, over reward.user_memory_mb={memory_mb})")
+        raise _Fatal(f"ran out of memory (MemoryError, over {_MEMORY_KEY[0]}={memory_mb})")
     return one_line(f"raised {type(exc).__name__}: {exc}")
 
 
@@ -118,6 +124,55 @@ def call_batch(fn: Callable, options: dict, rows: list[tuple], memory_mb: int) -
     return [as_score(v) for v in values]
 
 
+_STEP_KEYS = {"observation", "done", "reward", "tool_calls", "tool_errors", "tool_timeouts"}
+_MAX_OBSERVATION_CHARS = 1 << 20
+
+
+def as_step(value: Any) -> Union[dict, str]:
+    """An environment's answer as a plain dict (observation: a list of {role, content} messages,
+    done, reward: float or None, the tool counts), or why it is malformed."""
+    if not isinstance(value, dict):
+        return f"returned {one_line(repr(value))}, not a dict with observation and done"
+    if unknown := sorted(str(k) for k in set(value) - _STEP_KEYS):
+        return f"returned unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_STEP_KEYS))}"
+    done = value.get("done")
+    if not isinstance(done, bool):
+        return f"returned done={one_line(repr(done))}, not a bool"
+    observation = value.get("observation")
+    if isinstance(observation, str):
+        observation = [{"role": "user", "content": observation}]
+    if observation is None:
+        observation = []
+    if not isinstance(observation, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in observation):
+        return "returned an observation that is not a str or a list of {role: str, content: str} messages"
+    if not done and not observation:
+        return "returned done=False with no observation to continue with"
+    if sum(len(m["content"]) for m in observation) > _MAX_OBSERVATION_CHARS:
+        return f"returned an observation longer than {_MAX_OBSERVATION_CHARS} characters"
+    reward = value.get("reward")
+    if reward is not None:
+        reward = as_score(reward)
+        if isinstance(reward, str):
+            return f"reward: {reward}"
+    counts = {}
+    for key in ("tool_calls", "tool_errors", "tool_timeouts"):
+        count = value.get(key, 0)
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < 2**31:
+            return f"returned {key}={one_line(repr(count))}, not a count"
+        counts[key] = count
+    return {"observation": [{"role": m["role"], "content": m["content"]} for m in observation], "done": done,
+            "reward": reward, **counts}
+
+
+def call_step(fn: Callable, options: dict, row: tuple, memory_mb: int) -> Union[dict, str]:
+    try:
+        return as_step(fn(*row, **options))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the environment's failure is this row's outcome
+        return _raised(exc, memory_mb)
+
+
 def _limit_memory(memory_mb: int) -> None:
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
@@ -129,6 +184,7 @@ def _limit_memory(memory_mb: int) -> None:
 def serve(conn: Connection) -> int:
     init = conn.recv()
     memory_mb, targets = init["memory_mb"], init["targets"]
+    _MEMORY_KEY[0] = init.get("memory_key", _MEMORY_KEY[0])
     exit_with_parent(3, "reward sandbox worker")  # one stuck in a function outlives a killed server
     _limit_memory(memory_mb)
     conn.send(("ok", None))
@@ -146,8 +202,9 @@ def serve(conn: Connection) -> int:
                 conn.send(("ok", call_batch(fn, options, rows, memory_mb)))
             else:
                 fn, options = functions[key]
+                call = call_step if op == "step" else call_each
                 for row in rows:
-                    conn.send(("ok", call_each(fn, options, row, memory_mb)))
+                    conn.send(("ok", call(fn, options, row, memory_mb)))
         except _Fatal as fatal:
             conn.send(("fatal", str(fatal)))
             return 1
@@ -161,7 +218,7 @@ def _load_target(functions: dict, key: str, target: tuple, memory_mb: int) -> st
         error = one_line(f"{type(exc).__name__}: {exc}")
         # The address-space limit shows as a MemoryError, or as a shared library that cannot be mapped.
         if isinstance(exc, MemoryError) or "failed to map" in error or "Cannot allocate memory" in error:
-            error += f" (over reward.user_memory_mb={memory_mb}?)"
+            error += f" (over {_MEMORY_KEY[0]}={memory_mb}?)"
         return error
     return None
 

@@ -10,9 +10,9 @@ import grpc
 
 from rolefleet.common import codec
 from rolefleet.common.errors import InvalidArgument
-from rolefleet.common.pb import reward_pb2, reward_pb2_grpc
+from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.reward.core import RewardCore
-from rolefleet.reward.types import ScoreItem, ScoreResult
+from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreItem, ScoreResult
 from rolefleet.rpc.server import RoleServicer, rpc
 
 
@@ -28,6 +28,21 @@ class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):
                  for n, i in enumerate(request.items)]
         result = await asyncio.to_thread(self.core.score, items)
         return to_proto(result)
+
+
+    @rpc
+    async def Step(self, request: reward_pb2.EnvStepRequest, context):
+        items = [EnvItem(i.prompt, i.ground_truth, [{"role": m.role, "content": m.content} for m in i.messages],
+                         _extra(n, i.extra_json)) for n, i in enumerate(request.items)]
+        outcomes = await asyncio.to_thread(self.core.step, items)
+        return reward_pb2.EnvStepResponse(outcomes=[outcome_to_proto(o) for o in outcomes])
+
+
+def outcome_to_proto(o: EnvOutcome) -> reward_pb2.EnvStepOutcome:
+    return reward_pb2.EnvStepOutcome(
+        observation=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in o.observation],
+        done=o.done, has_reward=o.reward is not None, reward=o.reward or 0.0, tool_calls=o.tool_calls,
+        tool_errors=o.tool_errors, tool_timeouts=o.tool_timeouts, error=o.error)
 
 
 # Dataset columns nest a few levels. Deeper JSON overflows the recursion of the parser, or later of

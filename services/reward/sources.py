@@ -173,6 +173,10 @@ def check_sources(cfg: Any) -> list[str]:
                 problems.append(f"reward.sources[{i}].path: {problem}")
         elif spec.kind == "model" and (problem := model_problem(spec.path)) is not None:
             problems.append(f"reward.sources[{i}].path: {problem}")
+    if reward.env.path:  # a user environment: the same checks as a user reward function's file
+        file, _, fn = reward.env.path.rpartition(":")
+        if (problem := _user_file_problem(file, fn)) is not None:
+            problems.append(f"reward.env.path: {problem}")
     return problems
 
 

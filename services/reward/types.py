@@ -74,3 +74,33 @@ class ScoreResult:
     def source_means(self) -> dict[str, float]:
         """Each source's mean over the samples it scored; a source that scored none is left out."""
         return {name: s.nanmean().item() for name, s in self.sources.items() if not s.isnan().all()}
+
+
+@dataclass(frozen=True)
+class EnvItem:
+    """One conversation whose last assistant turn the environment answers (`messages`: after the
+    prompt, the assistant turns and the observations between them, as {role, content} dicts)."""
+
+    prompt: str
+    ground_truth: str
+    messages: list[dict[str, str]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def size(self) -> int:
+        texts = (self.prompt, self.ground_truth, ScoreItem("", "", "", self.extra).extra_json(),
+                 *(m["content"] for m in self.messages))
+        return sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
+
+
+@dataclass(frozen=True)
+class EnvOutcome:
+    """The environment's answer to one conversation's turn. `error`: the environment itself failed
+    on it (raised, timed out, ran out of memory, answered malformed): the episode ends there."""
+
+    observation: list[dict[str, str]]
+    done: bool
+    reward: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    error: str = ""

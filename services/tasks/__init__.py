@@ -53,8 +53,15 @@ def arithmetic_chat(size: int, seed: int) -> list[PromptRecord]:
     return records
 
 
+def _tool_arithmetic(size: int, seed: int) -> list[PromptRecord]:
+    from rolefleet.tasks.tools import tool_arithmetic  # the task's module imports this one
+
+    return tool_arithmetic(size, seed)
+
+
 TASKS: dict[str, Callable[[int, int], list[PromptRecord]]] = {"addition": addition,
-                                                              "arithmetic_chat": arithmetic_chat}
+                                                              "arithmetic_chat": arithmetic_chat,
+                                                              "tool_arithmetic": _tool_arithmetic}
 
 
 def make_task(name: str, size: int, seed: int) -> list[PromptRecord]:

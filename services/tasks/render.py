@@ -13,6 +13,8 @@ cutting the rendered text would break.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -49,7 +51,9 @@ class PromptRenderer:
     """Applies `data.chat_template` and `data.max_prompt_tokens` / `data.overlong` to records."""
 
     def __init__(self, tokenizer: Any, model: str, *, chat_template: bool, max_tokens: Optional[int] = None,
-                 overlong: str = "filter"):
+                 overlong: str = "filter", tools: Sequence[str] = ()):
+        """`tools`: names of built-in tools (`data.tools`) whose schemas go to the chat template as
+        `tools=`; a template that ignores them gets them described in a system message instead."""
         if overlong not in OVERLONG:
             raise ValueError(f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG)}")
         if chat_template and getattr(tokenizer, "chat_template", None) is None:
@@ -59,6 +63,8 @@ class PromptRenderer:
         self.tokenizer, self.model = tokenizer, model
         self.chat_template, self.max_tokens, self.overlong = chat_template, max_tokens, overlong
         self._bos_to_strip = _bos_added_by(tokenizer) if chat_template else None
+        self.tools = tool_schemas(tools)
+        self._tools_in_template = bool(self.tools) and chat_template and _template_shows_tools(tokenizer, self.tools)
 
     def render_all(self, prompts: list[RawPrompt]) -> Rendered:
         texts = [self.render(p.prompt, p.where) for p in prompts]
@@ -94,8 +100,13 @@ class PromptRenderer:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if last_content is not None:
             messages = [*messages[:-1], {**messages[-1], "content": last_content}]
+        tools = {}
+        if self._tools_in_template:
+            tools = {"tools": self.tools}
+        elif self.tools:
+            messages = with_tools_described(messages, self.tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
         except Exception as e:  # noqa: BLE001 - a template raises whatever its author chose
             raise DataError(f"data.chat_template: {where}: the chat template of {self.model} refused this "
                             f"prompt: {e}") from None
@@ -136,6 +147,36 @@ class PromptRenderer:
             return content[starts[drop]:] if drop < len(starts) else None
         ids = self.tokenizer(content, add_special_tokens=False)["input_ids"]
         return self.tokenizer.decode(ids[drop:]) if drop < len(ids) else None
+
+
+def tool_schemas(names: Sequence[str]) -> list[dict]:
+    """The JSON schemas (chat-template `tools=` form) of built-in tools, by name."""
+    from rolefleet.reward.env_tools import TOOL_SCHEMAS  # standard library only: no model code
+
+    return [TOOL_SCHEMAS[n] for n in names]
+
+
+def with_tools_described(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The documented fallback for a chat template that ignores `tools=` (SmolLM2's, Llama 2's):
+    the tools and the Hermes call format described in a system message (before the conversation,
+    or prepended to its own system message)."""
+    described = ("You can call these tools. To call one, answer with <tool_call>{\"name\": ..., \"arguments\": "
+                 "{...}}</tool_call> and wait for its result.\nTools:\n"
+                 + "\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{described}"}, *messages[1:]]
+    return [{"role": "system", "content": described}, *messages]
+
+
+def _template_shows_tools(tokenizer: Any, tools: list[dict]) -> bool:
+    """Whether the chat template renders `tools=` (its text changes with them)."""
+    probe = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        shown = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, tools=tools)
+    except Exception:  # noqa: BLE001 - a template that refuses tools= does not show them
+        return False
+    return shown != plain
 
 
 def _bos_added_by(tokenizer: Any) -> Optional[str]:

@@ -198,3 +198,22 @@ def test_roles_sharing_gpus_must_say_so():
     cfg = parse_config(BASE, ["devices.actor=[0, 1]", "devices.critic=[1]", "devices.colocate=[[actor, critic]]"])
     assert cfg.devices.colocate == [["actor", "critic"]]
     parse_config(BASE, ["devices.actor=[0]", "devices.critic=['node1:0']"])  # another node's GPU 0
+
+
+def test_multi_turn_keys_are_checked_together(make_config):
+    import pytest as _pytest
+
+    from rolefleet.common.config import ConfigError
+
+    with _pytest.raises(ConfigError, match="max_turns > 1 needs an environment"):
+        make_config("actor.rollout.max_turns=3")
+    cfg = make_config("actor.rollout.max_turns=3", "reward.env.name=tools", "sampling.max_new_tokens=10")
+    assert cfg.actor.rollout.max_total_tokens == 30  # max_turns x max_new_tokens by default
+    with _pytest.raises(ConfigError, match="not both"):
+        make_config("reward.env.name=tools", "reward.env.path=x.py:step")
+    with _pytest.raises(ConfigError, match="unknown tool"):
+        make_config("reward.env.name=tools", "reward.env.options={tools: [browser]}")
+    with _pytest.raises(ConfigError, match="data.tools"):
+        make_config("data.tools=[calculator]", "data.chat_template=false")
+    with _pytest.raises(ConfigError, match="train.overlong.mode=penalty measures single responses"):
+        make_config("actor.rollout.max_turns=2", "reward.env.name=tools", "train.overlong.mode=penalty")

@@ -127,6 +127,18 @@ def test_the_prompt_limit_and_the_response_must_fit_the_positions_together(make_
     assert "data.max_prompt_tokens: 100 + sampling.max_new_tokens 32 exceed the 128 positions of model" in message
 
 
+@pytest.mark.multiturn
+def test_a_whole_conversation_must_fit_the_positions(make_config, gpus):
+    multi = ("actor.rollout.max_turns=3", "reward.env.name=feedback", "sampling.max_new_tokens=32")
+    assert problems(make_config(*multi, "actor.rollout.max_total_tokens=127")) == ""
+    message = problems(make_config(*multi))  # 3 x 32 = 96: fits; with a 40-token prompt limit it does not
+    assert message == ""
+    message = problems(make_config(*multi, "data.max_prompt_tokens=40"))
+    assert "data.max_prompt_tokens: 40 + actor.rollout.max_total_tokens 96 exceed the 128 positions" in message
+    message = problems(make_config(*multi, "actor.rollout.max_total_tokens=200"))
+    assert "actor.rollout.max_total_tokens: 200 plus at least one prompt token exceeds the 128 positions" in message
+
+
 def test_positions_are_read_from_a_cached_hub_model_too(make_config, hub_cache, tiny_model_dir, gpus):
     cache_model(hub_cache, "someorg/somemodel", tiny_model_dir)
     message = problems(make_config("model.model_name_or_path=someorg/somemodel", "sampling.max_new_tokens=500"))

@@ -184,3 +184,30 @@ def test_a_replica_added_mid_run_gets_shards_and_a_retired_one_finishes_its_call
             client.retire("c:1")
 
     run(scenario())
+
+
+class FakeEnvReplica(FakeReplica):
+    """Answers each conversation with its prompt as the observation."""
+
+    async def step(self, items):
+        self.shards.append([int(i.prompt) for i in items])
+        if self.down:
+            raise Unavailable(f"{self.name} is down")
+        from rolefleet.reward.types import EnvOutcome
+        return [EnvOutcome([{"role": "tool", "content": f"{self.name}:{i.prompt}"}], done=False) for i in items]
+
+
+@pytest.mark.multiturn
+def test_environment_steps_spread_over_replicas_and_move_off_a_failed_one():
+    from rolefleet.reward.types import EnvItem
+
+    a, b = FakeEnvReplica("a"), FakeEnvReplica("b", down=True)
+    client = ReplicatedRewardClient([a, b], min_shard_items=1)
+    items = [EnvItem(str(k), "t", [{"role": "assistant", "content": "x"}]) for k in range(6)]
+    outcomes = run(client.step(items))
+    # In item order, every one answered by the live replica (b's share moved to a).
+    assert [o.observation[0]["content"] for o in outcomes] == [f"a:{k}" for k in range(6)]
+    assert client.failures[1] == 1
+    b.down = a.down = True
+    with pytest.raises(Unavailable, match="no reward replica answered Step"):
+        run(client.step(items))

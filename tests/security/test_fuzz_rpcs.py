@@ -264,6 +264,11 @@ REFERENCE = reward_pb2.ScoreRequest(items=[
 ])
 
 
+ENV_REFERENCE = reward_pb2.EnvStepRequest(items=[reward_pb2.EnvStepItem(
+    prompt="p", ground_truth="42", messages=[common_pb2.ChatMessage(
+        role="assistant", content='<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')])])
+
+
 class Scorer:
     """The reward role under fuzzing: stateless, so each refusal is followed by the reference request,
     which must score exactly as it did at the start."""
@@ -288,7 +293,8 @@ class Scorer:
 @pytest.fixture(scope="module")
 def reward():
     core = RewardCore(RewardSection(sources=REWARD_SOURCES, max_items_per_request=MAX_ITEMS,
-                                    max_item_bytes=MAX_ITEM_BYTES, user_workers=1, user_timeout_s=5.0))
+                                    max_item_bytes=MAX_ITEM_BYTES, user_workers=1, user_timeout_s=5.0,
+                                    env={"name": "tools", "workers": 1, "timeout_s": 5.0}))
     served = ServedRole("reward", lambda server: reward_server.add_to_server(core, server))
     try:
         yield Scorer(served)
@@ -316,6 +322,34 @@ score_requests = st.one_of(
     st.lists(score_items, max_size=4),
     st.integers(MAX_ITEMS + 1, 64).map(lambda k: [reward_pb2.ScoreItem(prompt="1+1=", response="2")] * k),
 ).map(lambda items: reward_pb2.ScoreRequest(items=items))
+
+
+env_messages = st.lists(st.builds(common_pb2.ChatMessage, role=st.one_of(st.sampled_from(["assistant", "tool", "user"]),
+                                                                        weird_text),
+                                  content=st.one_of(score_texts, st.sampled_from([
+                                      "<tool_call>", "<tool_call>{}</tool_call>", '<tool_call>{"name": 1}</tool_call>',
+                                      '<tool_call>{"name": "calculator", "arguments": {"expression": "9**9**9"}}'
+                                      '</tool_call>', '<tool_call>{"name": "python", "arguments": "x"}</tool_call>']))),
+                        max_size=3)
+env_requests = st.lists(st.builds(reward_pb2.EnvStepItem, prompt=score_texts, ground_truth=score_texts,
+                                  extra_json=extra_jsons, messages=env_messages), max_size=3).map(
+    lambda items: reward_pb2.EnvStepRequest(items=items))
+
+
+@pytest.mark.multiturn
+def test_reward_step(reward):
+    assert call(reward.stub.Step, ENV_REFERENCE).replies[0].outcomes[0].observation[0].content == "42"
+
+    @settings(FUZZ, max_examples=40)
+    @given(env_requests)
+    def fuzz(request):
+        outcome = call(reward.stub.Step, request)
+        reward.check(outcome, reward_pb2.EnvStepRequest, "Step")
+        if outcome.ok:  # an outcome per conversation; a bad turn is an error outcome, never a failed call
+            [reply] = outcome.replies
+            assert len(reply.outcomes) == len(request.items)
+
+    fuzz()
 
 
 def test_reward_score(reward):
@@ -384,6 +418,7 @@ METHODS = {
         Method("CriticService", "ComputeValues", critic_pb2.ComputeValuesRequest,
                lambda t: critic_pb2.ComputeValuesRequest(batch=GOOD_BATCH.to_proto()))]),
     "reward": [Method("RewardService", "Score", reward_pb2.ScoreRequest, lambda r: REFERENCE),
+               Method("RewardService", "Step", reward_pb2.EnvStepRequest, lambda r: ENV_REFERENCE),
                Method("RewardService", "GetStatus", common_pb2.GetStatusRequest,
                       lambda r: common_pb2.GetStatusRequest(include_weights_digest=True))],
     "coordinator": [Method("CoordinatorService", "GetRunStatus", coordinator_pb2.GetRunStatusRequest,

@@ -30,6 +30,9 @@ class DataSection(_Section):
                                             "extra; default: every column but the prompt and answer ones")
     chat_template: Optional[bool] = Field(None, description="render prompts with the tokenizer chat template "
                                           "of the actor's model; default: when the prompts are chat messages")
+    tools: list[Literal["calculator", "python"]] = Field(default_factory=list, description="tools shown to the "
+                                                         "model: passed as `tools=` to the chat template (multi-turn "
+                                                         "rollouts with reward.env.name=tools; docs/environments.md)")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="prompt length limit in tokens, after "
                                              "the chat template; default: none")
     overlong: Literal["filter", "truncate", "error"] = Field(
@@ -48,6 +51,8 @@ class DataSection(_Section):
             raise ValueError(f"data.path {self.path} is not a file")
         if self.path:
             file_format(self.path, self.format)  # an unknown extension without data.format is an error now
+        if self.tools and self.chat_template is False:
+            raise ValueError("data.tools are rendered by the chat template: data.chat_template must not be false")
         if self.prompt_key == self.answer_key:
             raise ValueError(f"data.prompt_key and data.answer_key name the same column {self.prompt_key!r}")
         return self

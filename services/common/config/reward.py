@@ -14,6 +14,45 @@ from rolefleet.common.config.app_checks import check_reward_options, known_rewar
 from rolefleet.common.config.base import Endpoint, _Section
 
 
+class EnvSection(_Section):
+    """The environment of multi-turn rollouts (`actor.rollout.max_turns` > 1), served by the reward
+    role in its own sandbox worker processes (docs/environments.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: Optional[Literal["tools", "feedback"]] = Field(None, description="a built-in environment: tools "
+                                                         "(runs the model's <tool_call>s: calculator, python), "
+                                                         "feedback (a wrong answer is told so and answered again)")
+    path: Optional[str] = Field(None, description="a user environment instead: path/to/file.py:function, "
+                                "`step(prompt, messages, ground_truth, extra)` returning a dict")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the built-in "
+                                    "(tools: tools, python_timeout_s, max_output_chars; feedback: max_attempts, "
+                                    "message)")
+    workers: int = Field(2, ge=1, description="worker processes running the environment")
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one conversation's turn in a worker; past it "
+                             "the worker is killed and replaced, and that conversation ends (counted)")
+    memory_mb: int = Field(2048, ge=0, description="address-space limit of each environment worker (RLIMIT_AS); "
+                           "0: none")
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvSection:
+        if self.name and self.path:
+            raise ValueError("set reward.env.name (a built-in) or reward.env.path (a user file), not both")
+        if self.path:
+            file, _, fn = self.path.rpartition(":")
+            if not file or not fn.isidentifier():
+                raise ValueError(f"reward.env.path {self.path!r} is not of the form path/to/file.py:function")
+            if self.options:
+                raise ValueError("reward.env.options are for built-in environments")
+        if self.name == "tools" and (unknown := set(self.options.get("tools", [])) - {"calculator", "python"}):
+            raise ValueError(f"reward.env.options.tools: unknown tool(s) {', '.join(sorted(unknown))}; "
+                             "built-in tools: calculator, python")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name or self.path)
+
+
 class RewardSection(Endpoint):
     class Source(_Section):
         """One entry of `reward.sources`. Keys other than these are options of a built-in function
@@ -97,6 +136,7 @@ class RewardSection(Endpoint):
                                   "every replica) went away is repeated once it answers again, for up to this many "
                                   "seconds; the trainers do not roll back (the reward holds no training state); "
                                   "past it the run fails naming this key")
+    env: EnvSection = Field(default_factory=EnvSection, description="the environment of multi-turn rollouts")
     score_delay_s: float = Field(0.0, ge=0, le=600, description="seconds each Score call waits before "
                                  "scoring: a stand-in for a slower reward (a reward model) in benchmarks and tests")
 

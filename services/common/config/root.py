@@ -83,6 +83,16 @@ class RoleFleetConfig(_Section):
         if self.eval.enabled and self.data.path and not (self.eval.path or self.eval.task):
             raise ValueError("eval.path: evaluation of a run on a prompt file (data.path) needs held-out prompts of "
                              "its own: set eval.path (or eval.task), or eval.every=0")
+        rollout = self.actor.rollout
+        if rollout.max_turns > 1 and not self.reward.env.enabled:
+            raise ValueError("actor.rollout.max_turns > 1 needs an environment to answer the turns: set "
+                             "reward.env.name (tools, feedback) or reward.env.path")
+        if rollout.max_total_tokens is None:
+            rollout.max_total_tokens = rollout.max_turns * self.sampling.max_new_tokens
+        if rollout.max_turns > 1 and self.train.overlong.mode != "none":
+            # Its cap is one response's (sampling.max_new_tokens); a conversation's length is another measure.
+            raise ValueError("train.overlong.mode=penalty measures single responses against sampling.max_new_tokens; "
+                             "with actor.rollout.max_turns > 1 set it to none")
         overlong = self.train.overlong
         if overlong.buffer_tokens is None:
             overlong.buffer_tokens = max(1, self.sampling.max_new_tokens // 4)
@@ -142,7 +152,8 @@ class RoleFleetConfig(_Section):
         return DataSection(task=None if e.path else (e.task or d.task), path=e.path, format=e.format,
                            prompt_key=e.prompt_key or d.prompt_key, answer_key=e.answer_key or d.answer_key,
                            extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
-                           chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong,
+                           chat_template=d.chat_template, tools=d.tools, max_prompt_tokens=d.max_prompt_tokens,
+                           overlong=d.overlong,
                            shuffle=False, size=e.max_prompts)
 
     def roles(self) -> list[str]:

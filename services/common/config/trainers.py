@@ -186,6 +186,14 @@ class RolloutSection(_Section):
                                    "generate and the others only train (on GPUs devices.rollout says it)")
     sync_bucket_mb: int = Field(256, ge=1, description="split placement: MiB of weights per broadcast "
                                 "from the trainers to the rollout workers (vllm: into its engines)")
+    max_turns: int = Field(1, ge=1, le=64, description="assistant turns per sample: above 1, each turn is "
+                           "answered by the environment (reward.env: tool results, its messages) and the "
+                           "conversation continues until the environment says done, a turn hits "
+                           "sampling.max_new_tokens, or the limits (docs/environments.md)")
+    max_total_tokens: Optional[int] = Field(None, ge=1, description="multi-turn: response tokens of a "
+                                            "whole conversation (the model's turns and the observations between "
+                                            "them); each turn's budget is what is left; default max_turns x "
+                                            "sampling.max_new_tokens")
     profile_generates: list[int] = Field(default_factory=list, description="generations of each generating "
                                          "worker process to run under torch.profiler (1: its first), as "
                                          "actor.profile_updates: actor-generate<N>-rank<R>.* in actor.profile_dir "

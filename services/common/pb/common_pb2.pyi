@@ -17,16 +17,26 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SequenceBatch(_message.Message):
-    __slots__ = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")
+    __slots__ = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths", "loss_mask")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: Tensor
     prompt_lengths: Tensor
     response_ids: Tensor
     response_lengths: Tensor
-    def __init__(self, prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    loss_mask: Tensor
+    def __init__(self, prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_lengths: _Optional[_Union[Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoleStatus(_message.Message):
     __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken", "instance_id", "devices", "workers")

@@ -7,6 +7,50 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EnvStepItem(_message.Message):
+    __slots__ = ("prompt", "ground_truth", "extra_json", "messages")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    ground_truth: str
+    extra_json: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_json: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class EnvStepRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[EnvStepItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[EnvStepItem, _Mapping]]] = ...) -> None: ...
+
+class EnvStepOutcome(_message.Message):
+    __slots__ = ("observation", "done", "has_reward", "reward", "tool_calls", "tool_errors", "tool_timeouts", "error")
+    OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    HAS_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    observation: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    done: bool
+    has_reward: bool
+    reward: float
+    tool_calls: int
+    tool_errors: int
+    tool_timeouts: int
+    error: str
+    def __init__(self, observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., done: _Optional[bool] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., tool_timeouts: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class EnvStepResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[EnvStepOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[EnvStepOutcome, _Mapping]]] = ...) -> None: ...
+
 class ScoreItem(_message.Message):
     __slots__ = ("prompt", "response", "ground_truth", "extra_json")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class RewardServiceStub:
                 request_serializer=rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rolefleet_dot_v1_dot_common__pb2.RoleStatus.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/rolefleet.v1.RewardService/Step',
+                request_serializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -62,6 +67,14 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """Multi-turn rollouts: the environment's answer to each conversation's last assistant turn
+        (reward.env; docs/environments.md). Stateless: each item carries the whole conversation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.FromString,
                     response_serializer=rolefleet_dot_v1_dot_common__pb2.RoleStatus.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +148,33 @@ class RewardService:
             '/rolefleet.v1.RewardService/GetStatus',
             rolefleet_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
             rolefleet_dot_v1_dot_common__pb2.RoleStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.RewardService/Step',
+            rolefleet_dot_v1_dot_reward__pb2.EnvStepRequest.SerializeToString,
+            rolefleet_dot_v1_dot_reward__pb2.EnvStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,65 @@
+"""Continuing a conversation by one assistant turn (multi-turn rollouts, docs/environments.md).
+
+What came before is never tokenized again: a conversation travels as the token ids the prompt, the
+model's turns and the earlier observations already are, and only the environment's new messages
+are rendered, as the chat template writes them after an assistant turn, together with the header
+of the next assistant turn (the generation prompt). Re-tokenizing the whole text instead would
+train on ids the model never sampled wherever a tokenizer merges differently across a boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
+
+# A stand-in assistant message: the template's text after it is what follows an assistant turn.
+_MARKER = "RoleFleetTurnProbe"
+_BASE = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": _MARKER}]
+MAX_OBSERVATION_MESSAGES = 64
+
+
+class TurnRenderer:
+    """Renders observations with the tokenizer's chat template, as the text that follows an
+    assistant turn, and tokenizes that text alone."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def observation_ids(self, observation: list[dict[str, str]], after: int, field: str) -> list[int]:
+        """The ids to append to a context whose last token is `after` (the turn's stop token): the
+        template's text after an assistant message, less that stop token's own text when the
+        template writes it there (the context has it already)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise FailedPrecondition("the actor's tokenizer has no chat template: multi-turn rollouts render the "
+                                     "environment's observations with it (give the model one)")
+        try:
+            text = self.tokenizer.apply_chat_template([*_BASE, *observation], add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - a template raises whatever its author chose
+            raise InvalidArgument(field, f"the chat template refused the observation: {exc}") from None
+        if not isinstance(text, str) or _MARKER not in text:
+            raise InvalidArgument(field, "the chat template did not render the conversation as text")
+        tail = text.split(_MARKER, 1)[1]
+        ended_with = self.tokenizer.convert_ids_to_tokens(after)
+        if isinstance(ended_with, str) and ended_with and tail.startswith(ended_with):
+            tail = tail[len(ended_with):]
+        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise InvalidArgument(field, "renders to no tokens")
+        return ids
+
+
+def check_observation(messages: list[dict[str, str]], field: str, max_bytes: int) -> None:
+    """Messages to render: at least one, each a role and content of strings, within `max_bytes`."""
+    if not messages:
+        raise InvalidArgument(field, "no messages: a continuation appends the environment's answer")
+    if len(messages) > MAX_OBSERVATION_MESSAGES:
+        raise InvalidArgument(field, f"{len(messages)} messages, at most {MAX_OBSERVATION_MESSAGES}")
+    size = 0
+    for j, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not m["role"] or not isinstance(m.get("content"), str):
+            raise InvalidArgument(f"{field}[{j}]", "needs a role and a content (strings)")
+        size += len(m["content"].encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise LimitExceeded(field, f"{size} bytes exceed actor.max_prompt_bytes={max_bytes}")
