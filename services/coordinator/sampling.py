@@ -19,7 +19,7 @@ from rolefleet.algos import informative_groups
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.episodes import Episodes
+from rolefleet.coordinator.episodes import Episodes, with_env_rewards
 from rolefleet.coordinator.rollout import (
     Rollout,
     first_group_id,
@@ -85,7 +85,9 @@ class DynamicSampling(OneBatch):
             start = time.perf_counter()
             scores = await self.reward.score(score_items(batch.records, batch.samples))
             generate_s, score_s = generate_s + batch.generate_s, score_s + spent("score", start)
-            shaped, _ = shaped_scores(self.cfg.train, self.cfg.sampling.max_new_tokens, batch.batch, scores.total)
+            # What the step's advantages will see: the environment's rewards added, the length shaped.
+            total = with_env_rewards(scores, batch.samples).total
+            shaped, _ = shaped_scores(self.cfg.train, self.cfg.sampling.max_new_tokens, batch.batch, total)
             signal = informative_groups(shaped, torch.tensor([s.group_id for s in batch.samples]), ds.tolerance)
             prompts = sorted({s.prompt_index for s, ok in zip(batch.samples, signal.tolist()) if ok})
             dropped += len(batch.records) - len(prompts)

@@ -3,6 +3,7 @@ reach the update, the batch is refilled from the next prompts of the data, the d
 past every batch drawn, and the drops are counted."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -124,3 +125,22 @@ def test_settings_that_cannot_work_are_refused(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         setup(*overrides)
+
+
+def test_an_environments_rewards_count_in_what_the_filter_sees():
+    """Multi-turn: the reward role scores every sample alike, the environment rewarded them
+    differently; the groups keep their signal (the step's advantages see both)."""
+    from rolefleet.actor.types import EpisodeStats
+
+    cfg, dataset, actor, reward = setup("train.dynamic_sampling.max_batches=1", varied="")
+    generate = actor.generate
+
+    async def with_episodes(prompts, sampling, first_group_id=0):
+        samples = await generate(prompts, sampling, first_group_id)
+        return [dataclasses.replace(s, episode=EpisodeStats(turns=2, env_reward=float(s.sample_index % 2)))
+                for s in samples]
+
+    actor.generate = with_episodes
+    rollout = asyncio.run(DynamicSampling(cfg, actor, reward, dataset).rollout(1, CoordinatorState(0, 0.0)))
+    assert rollout.stats["dynamic/kept_groups"] == 6
+    assert "env" not in rollout.reward.sources  # the step body adds the environment's rewards, once
