@@ -13,7 +13,7 @@ from rolefleet.critic.core import CriticCore
 
 def critic(model_dir, *overrides):
     cfg = parse_config({"model": {"model_name_or_path": str(model_dir)}, "algorithm": "ppo",
-                        "critic": {"compute_dtype": "float32", "lr": 1e-2, "lora": {"rank": 4}}}, list(overrides))
+                        "critic": {"compute_dtype": "float32", "lr": 1e-3, "lora": {"rank": 4}}}, list(overrides))
     return CriticCore(cfg.critic)
 
 
@@ -39,7 +39,7 @@ def test_only_the_adapters_and_the_head_train_and_the_values_learn(tiny_model_di
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     b = batch()
     start = ((core.compute_values(b) - torch.linspace(-1, 1, b.num_response_tokens)) ** 2).mean().item()
-    assert fit(core, b, 6) < start / 2
+    assert fit(core, b, 10) < start / 3  # 0.385 to 0.047 on the CPU, falling at every step
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     state = core.worker.trainer.optimizer.state
     assert state and {id(p) for p in state} <= {id(p) for p in model.parameters() if p.requires_grad}
