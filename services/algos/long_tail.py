@@ -1,15 +1,19 @@
 """The long tail of responses: what happens to samples cut at the length cap (`train.overlong`) and
 which groups carry a learning signal at all (`train.dynamic_sampling`).
 
-Overlong modes take per-sample scores (and what their signature asks of lengths and the cap) and
-return the scores the advantages are computed from.
+Overlong modes take per-sample scores (and what their signature asks of lengths, the cap and which
+responses were cut at it) and return (scores, keep): the scores the advantages are computed from,
+and which samples the policy's update trains on. A sample not kept still counts in its group's
+statistics, as in DAPO's overlong filtering; its tokens get no gradient.
 
-- none:    scores unchanged: a response cut at the cap is trained as if complete.
+- none:    scores unchanged, every sample kept: a response cut at the cap is trained as if complete.
+- filter:  responses cut at the cap (`truncated`) are not trained on: their ending is unknown, and
+           training on them as if finished teaches that an unfinished answer scores what it scored.
 - penalty: DAPO's soft overlong punishment, added to the score. With L the response length, C the
            cap and W the buffer: 0 for L <= C - W, (C - W - L) / W in the buffer (down to -1 at the
            cap), times `factor`. Continuous, so the penalty grows as the response nears the cap.
 
-Shapes: scores, lengths [B].
+Shapes: scores, lengths, truncated [B]; keep [B] bool.
 """
 
 from __future__ import annotations
@@ -22,14 +26,20 @@ OVERLONG: Registry = Registry("overlong handling")
 
 
 @OVERLONG.register("none")
-def overlong_none(scores: torch.Tensor) -> torch.Tensor:
-    return scores
+def overlong_none(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return scores, torch.ones_like(scores, dtype=torch.bool)
+
+
+@OVERLONG.register("filter")
+def overlong_filter(scores: torch.Tensor, truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return scores, ~truncated.bool()
 
 
 @OVERLONG.register("penalty")
 def overlong_penalty(scores: torch.Tensor, lengths: torch.Tensor, max_len: int, buffer: int,
-                     factor: float = 1.0) -> torch.Tensor:
-    return scores + factor * soft_overlong_penalty(lengths, max_len, buffer)
+                     factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return (scores + factor * soft_overlong_penalty(lengths, max_len, buffer),
+            torch.ones_like(scores, dtype=torch.bool))
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ never trained on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -199,6 +199,14 @@ class SequenceBatch:
         if self.loss_mask is not None:
             mask = mask & self.pad_responses(self.loss_mask, fill=False)
         return mask
+
+    def with_rows_trained(self, keep: torch.Tensor) -> SequenceBatch:
+        """This batch with the tokens of the rows not in `keep` ([B] bool) out of the loss mask: what
+        a policy update is given so that those responses get no gradient (`train.overlong: filter`)."""
+        if bool(keep.all()):
+            return self
+        rows = keep.bool().repeat_interleave(self.response_lengths)
+        return replace(self, loss_mask=self.packed_train_mask() & rows)
 
     def packed_train_mask(self) -> torch.Tensor:
         """bool [N]: `train_mask` packed like the response tokens."""

@@ -29,7 +29,7 @@ from rolefleet.coordinator.rollout import (
     spent,
     to_batch,
 )
-from rolefleet.coordinator.targets import shaped_scores
+from rolefleet.coordinator.targets import shaped_scores, truncated
 from rolefleet.reward.client import RewardClient
 from rolefleet.reward.types import ScoreResult
 
@@ -87,7 +87,8 @@ class DynamicSampling(OneBatch):
             generate_s, score_s = generate_s + batch.generate_s, score_s + spent("score", start)
             # What the step's advantages will see: the environment's rewards added, the length shaped.
             total = with_env_rewards(scores, batch.samples).total
-            shaped, _ = shaped_scores(self.cfg.train, self.cfg.sampling.max_new_tokens, batch.batch, total)
+            shaped, _, _ = shaped_scores(self.cfg.train, self.cfg.sampling.max_new_tokens, batch.batch, total,
+                                         truncated(batch.samples))
             signal = informative_groups(shaped, torch.tensor([s.group_id for s in batch.samples]), ds.tolerance)
             prompts = sorted({s.prompt_index for s, ok in zip(batch.samples, signal.tolist()) if ok})
             dropped += len(batch.records) - len(prompts)

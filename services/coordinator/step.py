@@ -31,6 +31,7 @@ import torch
 
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample
 from rolefleet.algos import KL_CONTROLLERS
+from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
@@ -44,7 +45,7 @@ from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, score_items
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
-from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets
+from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets, truncated
 from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
 
@@ -121,7 +122,8 @@ class StepBody:
         # 3. Advantages and returns; the KL controller sees this step's KL.
         with self.clock.span("train computes targets"):
             require_finite(samples, reward.total, values, logprobs, self.cfg.reward.function)
-            scores, shaping = shaped_scores(t, self.cfg.sampling.max_new_tokens, batch, reward.total)
+            scores, trained, shaping = shaped_scores(t, self.cfg.sampling.max_new_tokens, batch, reward.total,
+                                                     truncated(samples))
             targets = step_targets(self.cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
                                    logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t)
             policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
@@ -133,7 +135,8 @@ class StepBody:
         # 4. Policy and value updates at once.
         await schedule.before_update(step)
         start = time.perf_counter()
-        actor_result, critic_result = await self._updates(step, rollout, policy_targets, targets, critic_values, warming)
+        actor_result, critic_result = await self._updates(step, rollout, batch.with_rows_trained(trained),
+                                                          policy_targets, targets, critic_values, warming)
         update_s = time.perf_counter() - start
         if one_pass:
             logprobs, targets = after_one_pass(t, logprobs, targets, actor_result)
@@ -182,16 +185,19 @@ class StepBody:
                                          reference_only=one_pass) if r.logprobs is None else _given(r.logprobs),
         )
 
-    async def _updates(self, step: int, rollout: Rollout, policy: PolicyTargets, targets: Targets,
-                       values: CriticValues | None, warming: bool) -> tuple[UpdateResult, UpdateResult | None]:
+    async def _updates(self, step: int, rollout: Rollout, policy_batch: SequenceBatch, policy: PolicyTargets,
+                       targets: Targets, values: CriticValues | None,
+                       warming: bool) -> tuple[UpdateResult, UpdateResult | None]:
         """actor.Update | critic.Update. During the critic's warm-up the policy waits, and the actor
         numbers its own steps from the first one it applies. `Update` carries the version of the
         batch's oldest sample (sync mode: its only one), which the actor checks against its bound;
-        the critic's, the version that computed the values (its fence)."""
+        the critic's, the version that computed the values (its fence). `policy_batch`: the rollout's
+        batch with what the policy must not learn from out of its loss mask (`train.overlong: filter`);
+        the critic fits every response."""
         warmup, r = self.cfg.train.critic_warmup_steps, rollout
         return await asyncio.gather(
             _given(UpdateResult(step=step, model_version=r.oldest_version, stats={})) if warming else
-            self.roles.actor.update(step - warmup, r.oldest_version, r.batch, policy, self.cfg.sampling.temperature),
+            self.roles.actor.update(step - warmup, r.oldest_version, policy_batch, policy, self.cfg.sampling.temperature),
             self.roles.critic.update(step, r.batch, targets.returns, values.values, values.model_version)
             if self.roles.critic else _given(None),
         )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rolefleet.actor.types import ActorUpdateResult, LogProbs
+from rolefleet.actor.types import ActorUpdateResult, FinishReason, LogProbs, Sample
 from rolefleet.algos import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, OVERLONG
 from rolefleet.algos.functional import masked_whiten
 from rolefleet.common.batch import SequenceBatch
@@ -22,17 +22,25 @@ class Targets:
     kl: torch.Tensor          # float32 [N], per-token KL estimate to the reference
 
 
-def shaped_scores(train: TrainSection, max_new_tokens: int, batch: SequenceBatch,
-                  scores: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """The scores the advantages are computed from (`train.overlong`: a response's length may cost
-    it) and the record's `overlong/*` entries: the mean shaping and the share of samples it touched."""
+def truncated(samples: list[Sample]) -> torch.Tensor:
+    """bool [B]: the responses cut at the length cap."""
+    return torch.tensor([smp.finish_reason == FinishReason.LENGTH for smp in samples], dtype=torch.bool)
+
+
+def shaped_scores(train: TrainSection, max_new_tokens: int, batch: SequenceBatch, scores: torch.Tensor,
+                  truncated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """`train.overlong` on a batch (`truncated` [B] bool: the responses cut at the cap): the scores
+    the advantages are computed from, which samples the policy's update trains on ([B] bool), and
+    the record's `overlong/*` entries."""
     o = train.overlong
-    shaped = OVERLONG.call(o.mode, scores=scores, lengths=batch.response_lengths, max_len=max_new_tokens,
-                           buffer=o.buffer_tokens, factor=o.penalty_factor)
+    shaped, keep = OVERLONG.call(o.mode, scores=scores, lengths=batch.response_lengths, truncated=truncated,
+                                 max_len=max_new_tokens, buffer=o.buffer_tokens, factor=o.penalty_factor)
     if o.mode == "none":
-        return shaped, {}
+        return shaped, keep, {}
     delta = shaped - scores
-    return shaped, {"overlong/shaping_mean": delta.mean().item(), "overlong/shaped_fraction": (delta != 0).float().mean().item()}
+    return shaped, keep, {"overlong/shaping_mean": delta.mean().item(),
+                          "overlong/shaped_fraction": (delta != 0).float().mean().item(),
+                          "overlong/filtered_fraction": (~keep).float().mean().item()}
 
 
 def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, values: torch.Tensor,

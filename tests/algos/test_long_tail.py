@@ -25,10 +25,15 @@ def test_the_soft_penalty_against_a_float64_reference():
 
 def test_overlong_modes_through_the_registry():
     scores, lengths = torch.tensor([1.0, 0.0, 1.0]), torch.tensor([3, 9, 10])
-    assert torch.equal(OVERLONG.call("none", scores=scores, lengths=lengths, max_len=10, buffer=2), scores)
-    shaped = OVERLONG.call("penalty", scores=scores, lengths=lengths, max_len=10, buffer=2, factor=0.5)
-    assert shaped.tolist() == [1.0, -0.25, 0.5]
-    with pytest.raises(KeyError, match="valid: none, penalty"):
+    truncated = torch.tensor([False, False, True])
+    given = dict(scores=scores, lengths=lengths, truncated=truncated, max_len=10, buffer=2)
+    shaped, keep = OVERLONG.call("none", **given)
+    assert torch.equal(shaped, scores) and keep.tolist() == [True, True, True]
+    shaped, keep = OVERLONG.call("penalty", **given, factor=0.5)
+    assert shaped.tolist() == [1.0, -0.25, 0.5] and keep.all()
+    shaped, keep = OVERLONG.call("filter", **given)  # the scores stay, for the group's statistics
+    assert torch.equal(shaped, scores) and keep.tolist() == [True, True, False]
+    with pytest.raises(KeyError, match="valid: filter, none, penalty"):
         OVERLONG.get("clip")
 
 

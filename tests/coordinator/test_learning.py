@@ -98,3 +98,31 @@ def test_dynamic_sampling_keeps_groups_without_signal_from_the_update(demo_model
     assert sum(r["dynamic/dropped_groups"] for r in records) > 0  # the warm-started model agrees with itself often
     assert records[-1]["dynamic/dropped_groups_total"] == sum(r["dynamic/dropped_groups"] for r in records)
     assert all(r["dynamic/kept_groups"] == 4 or r["dynamic/batches"] == 4 for r in records)
+
+
+@pytest.mark.timeout(300)
+def test_the_overlong_filter_keeps_cut_responses_out_of_the_policy_update(demo_model, tmp_path, monkeypatch):
+    """`train.overlong.mode: filter`: the actor's update gets the step's batch with the responses cut
+    at the cap out of its loss mask (masked tokens get no gradient: tests/actor/test_loss_mask.py)."""
+    from rolefleet.actor.types import FinishReason
+
+    cut, trained = [], []
+    generate, update = InProcessActorClient.generate, InProcessActorClient.update
+
+    async def spy_generate(self, prompts, sampling, first_group_id=0):
+        samples = await generate(self, prompts, sampling, first_group_id)
+        cut.append([s.finish_reason == FinishReason.LENGTH for s in samples])
+        return samples
+
+    async def spy_update(self, step, policy_version, batch, targets, temperature):
+        trained.append([bool(m.any()) for m in torch.split(batch.packed_train_mask(), batch.response_lengths.tolist())])
+        return await update(self, step, policy_version, batch, targets, temperature)
+
+    monkeypatch.setattr(InProcessActorClient, "generate", spy_generate)
+    monkeypatch.setattr(InProcessActorClient, "update", spy_update)
+    records = run_demo(demo_model, tmp_path / "run", "demo_grpo.yaml",
+                       ["train.total_steps=2", "train.prompts_per_step=4", "sampling.max_new_tokens=2",
+                        "train.overlong.mode=filter"])
+    assert len(trained) == 2 and any(any(c) for c in cut) and not all(all(c) for c in cut)
+    assert trained == [[not c for c in step] for step in cut]
+    assert [r["overlong/filtered_fraction"] for r in records] == [sum(c) / len(c) for c in cut]

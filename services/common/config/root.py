@@ -91,8 +91,8 @@ class RoleFleetConfig(_Section):
             rollout.max_total_tokens = rollout.max_turns * self.sampling.max_new_tokens
         if rollout.max_turns > 1 and self.train.overlong.mode != "none":
             # Its cap is one response's (sampling.max_new_tokens); a conversation's length is another measure.
-            raise ValueError("train.overlong.mode=penalty measures single responses against sampling.max_new_tokens; "
-                             "with actor.rollout.max_turns > 1 set it to none")
+            raise ValueError(f"train.overlong.mode={self.train.overlong.mode} measures single responses against "
+                             "sampling.max_new_tokens; with actor.rollout.max_turns > 1 set it to none")
         overlong = self.train.overlong
         if overlong.buffer_tokens is None:
             overlong.buffer_tokens = max(1, self.sampling.max_new_tokens // 4)

@@ -16,9 +16,10 @@ from rolefleet.common.config.base import Endpoint, _one_of, _Section
 class OverlongSection(_Section):
     """Responses cut at `sampling.max_new_tokens` (algos/long_tail.py)."""
 
-    mode: Literal["none", "penalty"] = Field(
-        "none", description="none: trained as if complete; penalty: DAPO's soft overlong punishment added to the "
-        "score, 0 up to max_new_tokens - buffer_tokens, falling linearly to -penalty_factor at the cap")
+    mode: Literal["none", "filter", "penalty"] = Field(
+        "none", description="none: trained as if complete; filter: responses cut at the cap get no gradient in the "
+        "policy's update (they still count in their group's statistics); penalty: DAPO's soft overlong punishment "
+        "added to the score, 0 up to max_new_tokens - buffer_tokens, falling linearly to -penalty_factor at the cap")
     buffer_tokens: Optional[int] = Field(None, ge=1, description="penalty: the tokens before the cap over which "
                                          "the penalty grows; default a quarter of sampling.max_new_tokens")
     penalty_factor: float = Field(1.0, gt=0, description="penalty: its size at the cap, in reward units")
