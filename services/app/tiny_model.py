@@ -88,6 +88,21 @@ def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape, seed: int
     return LlamaForCausalLM(_llama_config(tokenizer, shape))
 
 
+def padded_examples(examples: list[tuple[list[int], list[bool]]], pad_id: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Supervised examples (token ids, which of them are trained) as right-padded (input_ids,
+    labels: -100 where not trained, attention_mask) [B, L]."""
+    width = max(len(seq) for seq, _ in examples)
+    ids = torch.full((len(examples), width), pad_id)
+    labels = torch.full((len(examples), width), -100)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (seq, trained) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, : len(seq)] = torch.where(torch.tensor(trained), torch.tensor(seq), -100)
+        mask[i, : len(seq)] = 1
+    return ids, labels, mask
+
+
 def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: str, steps: int,
                seed: int, batch_size: int = 64, lr: float = 3e-3) -> float:
     """Supervised steps on `task` answers (loss on answer + EOS only; a tool task: on the assistant
@@ -103,14 +118,7 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
         pairs = _answer_examples(tokenizer, rng.sample(records, min(batch_size, len(records))))
-        width = max(len(i) for i, _ in pairs)
-        ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
-        labels = torch.full((len(pairs), width), -100)
-        mask = torch.zeros((len(pairs), width), dtype=torch.long)
-        for i, (seq, trained) in enumerate(pairs):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, : len(seq)] = torch.where(torch.tensor(trained), torch.tensor(seq), -100)
-            mask[i, : len(seq)] = 1
+        ids, labels, mask = padded_examples(pairs, tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optim.zero_grad()
         loss.backward()

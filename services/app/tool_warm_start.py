@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rolefleet.actor.turns import TurnRenderer
+from rolefleet.app.tiny_model import padded_examples
 from rolefleet.common.stop_tokens import end_of_turn_id
 from rolefleet.tasks import PromptRecord, make_task
 from rolefleet.tasks.render import PromptRenderer
@@ -61,14 +62,7 @@ def warm_start_on_tools(model: torch.nn.Module, tokenizer: Any, steps: int, seed
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for _ in range(steps):
         examples = tool_examples(tokenizer, rng.sample(records, min(batch_size, len(records))), tool_share, rng)
-        width = max(len(ids) for ids, _ in examples)
-        ids = torch.full((len(examples), width), pad)
-        labels = torch.full((len(examples), width), -100)
-        mask = torch.zeros((len(examples), width), dtype=torch.long)
-        for i, (seq, trained) in enumerate(examples):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, : len(seq)] = torch.where(torch.tensor(trained), torch.tensor(seq), -100)
-            mask[i, : len(seq)] = 1
+        ids, labels, mask = padded_examples(examples, pad)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
             loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
         optim.zero_grad()
