@@ -294,18 +294,17 @@ def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def reward_estimate(cfg: RoleFleetConfig, gpu: str, read=None) -> Estimate:
-    """The reward models of `reward.sources` on one of the reward's GPUs (each its own dimensions,
-    `read(path)`: `ModelDims.read` by default): every model's weights are held, and one scores at a
-    time (the scorer's lock), so the largest batch is the phase."""
-    read = read or ModelDims.read
+def reward_estimate(cfg: RoleFleetConfig, gpu: str) -> Estimate:
+    """The reward models of `reward.sources` on one of the reward's GPUs (each of its own
+    dimensions): every model's weights are held, and one scores at a time (the scorer's lock), so
+    the largest batch is the phase."""
     r = cfg.reward
     nbytes = DTYPE_BYTES[r.model_dtype]
     held, score = [], []
     for source in r.scoring_sources():
         if source.kind != "model":
             continue
-        dims = read(source.path)
+        dims = ModelDims.read(source.path)
         held.append(Part(f"reward model {source.name!r} weights ({r.model_dtype})", nbytes * dims.scorer_params))
         score.append(Part(f"reward model {source.name!r}: one batch of {r.model_max_tokens_per_batch} tokens "
                           "through a layer", r.model_max_tokens_per_batch * dims.inference_bytes(nbytes)))
