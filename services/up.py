@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,19 +31,13 @@ from rolefleet.rpc.roles import fetch_status
 from rolefleet.rpc.run_files import RUN_TOKEN_FILE
 from rolefleet.rpc.server import StartupError
 from rolefleet.trainer.nodes import layout_for
+from rolefleet.trainer.workers import free_port
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 STATUS_TIMEOUT_S = 30.0
 STOP_GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    """A loopback port free now: where a spanning role's node processes meet its server."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec

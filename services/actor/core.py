@@ -103,8 +103,8 @@ class ActorCore(TrainerRole):
             prompt_ids = self._validate_generate(prompts, sampling)
         if first_group_id < 0:
             raise InvalidArgument("first_group_id", f"must be >= 0, got {first_group_id}")
-        if first_group_id + len(prompts) > MAX_GROUPS:  # else a sample id overflows int64 on the wire
-            raise InvalidArgument("first_group_id", f"{first_group_id} + {len(prompts)} prompts exceed {MAX_GROUPS} "
+        if first_group_id + len(prompt_ids) > MAX_GROUPS:  # else a sample id overflows int64 on the wire
+            raise InvalidArgument("first_group_id", f"{first_group_id} + {len(prompt_ids)} prompts exceed {MAX_GROUPS} "
                                   f"groups: sample ids (group_id * {SAMPLES_PER_GROUP_LIMIT} + sample_index) are int64")
         return (with_ids(chunk, first_group_id) for chunk in self._locked_chunks(prompt_ids, sampling))
 

@@ -155,13 +155,13 @@ class PolicyTrainer(Trainer):
         one-pass update (no `old_logprobs`), this rank's (rows, (logprobs, entropy)) per micro-batch."""
         cfg, mask = self.cfg, mb.train_mask().to(self.device)  # the model's tokens only (multi-turn)
         weights, stats, seen = None, {}, []
+        own = mask.sum().clamp(min=1)  # the model's tokens, before the correction may drop some
         if rollout_logprobs is not None and old_logprobs is not None:
             # Before the micro-batches: the correction may drop tokens, which changes the divisor.
             weights, mask = self.is_correction(old_logprobs, rollout_logprobs, mask, cfg.is_threshold)
             if self.ranks.first:  # mini-batch-wide statistics: once in the ranks' sum
                 stats["is_weight_mean"] = masked_mean(weights, mask)
         if rollout_logprobs is not None and self.ranks.first:
-            own = mb.train_mask().sum().clamp(min=1).to(self.device)
             stats["is_masked_frac"] = 1.0 - mask.sum() / own
         rows_of = [(rows, _rows_of(rows.to(self.device), int(mb.response_lengths[rows].max())))
                    for rows in self.micro_batches(mb)]

@@ -256,8 +256,12 @@ class SequenceBatch:
 
         mask = None
         if msg.HasField("loss_mask"):
-            if limits is not None:  # a mask has one entry per response token: no larger than the tokens
-                codec.declared_numel(msg.loss_mask, f"{field}.loss_mask")
+            if limits is not None:  # a mask has one entry per response token: checked before it is decoded
+                declared = codec.declared_numel(msg.loss_mask, f"{field}.loss_mask")
+                responses = codec.declared_numel(msg.response_ids, f"{field}.response_ids")
+                if declared != responses:
+                    raise InvalidArgument(f"{field}.loss_mask", f"declares {declared} entries for {responses} "
+                                          "response tokens")
             mask = _decode_mask(msg.loss_mask, f"{field}.loss_mask")
         batch = cls(*(ints(n) for n in ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")),
                     loss_mask=mask)

@@ -50,11 +50,15 @@ class ValueTrainer(Trainer):
             with self.autocast():
                 values = self.model(mb.select(rows), self.device, self.packed)
             # Observation tokens of a multi-turn response are no state of the model's: not fitted.
+            fitted = torch.ones_like(values, dtype=torch.bool) if own is None else own[tokens].to(self.device)
             loss, stats = self.value_loss(values, old_values[tokens].to(self.device), returns[tokens].to(self.device),
-                                          own[tokens].to(self.device), self.cfg.value_clip)
+                                          fitted, self.cfg.value_clip)
             return loss, {"vf_loss": loss.detach(), "vf_clipfrac": stats["vf_clipfrac"]}
 
-        own = mb.packed_train_mask()
-        total = max(int(own.sum()), 1)
-        micro = [(rows, int(own[mb.token_index(rows)].sum()) / total) for rows in self.micro_batches(mb)]
+        own = mb.loss_mask  # None: every response token is the model's (single-turn)
+        if own is None:
+            micro = [(rows, len(mb.token_index(rows)) / mb.num_response_tokens) for rows in self.micro_batches(mb)]
+        else:
+            total = max(int(own.sum()), 1)
+            micro = [(rows, int(own[mb.token_index(rows)].sum()) / total) for rows in self.micro_batches(mb)]
         return self.optimizer_step(micro, micro_loss, {"vf_loss": 0.0, "vf_clipfrac": 0.0})

@@ -132,6 +132,10 @@ def _init(rank: int, world: int, store: dist.Store, layout: NodeLayout, cpu_tens
     _layout, _address = layout, address
     if torch.cuda.is_available():
         torch.cuda.set_device(layout.local_index(rank))  # the node's GPUs are all visible; its i-th rank drives the i-th
+    # The group's own store waits (a subgroup's first NCCL id, a barrier) get the collectives' time:
+    # torch sets that on a store it makes itself, not on one it is given, which would keep the
+    # rendezvous timeout (train.connect_timeout_s, 300 s) while a rank compiles its first update.
+    store.set_timeout(COLLECTIVE_TIMEOUT)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
 

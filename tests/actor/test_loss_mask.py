@@ -111,3 +111,14 @@ def test_single_turn_targets_are_unchanged_by_the_reordering():
                                          norm_by_std=True)
     assert torch.equal(got.advantages, batch.pack_responses(masked_whiten(adv, batch.response_mask())))
     assert torch.equal(got.returns, batch.pack_responses(ret))
+
+
+def test_a_mask_declaring_more_entries_than_tokens_is_refused_before_it_is_decoded():
+    from rolefleet.common import codec
+    from rolefleet.common.batch import BatchLimits
+
+    msg = SequenceBatch.from_lists([torch.tensor([1])], [torch.tensor([4, 5, 6])]).to_proto()
+    msg.loss_mask.CopyFrom(codec.encode(torch.ones(3, dtype=torch.bool)))
+    msg.loss_mask.shape[0] = 1 << 40  # the bytes stay 3: only a check of the declared size catches it first
+    with pytest.raises(InvalidArgument, match=r"batch.loss_mask.*declares 1099511627776 entries for 3"):
+        SequenceBatch.from_proto(msg, limits=BatchLimits("actor", max_sequences=8, max_tokens=64))
