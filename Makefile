@@ -57,7 +57,7 @@ tools: $(TOOLS)/bin/helm
 
 # Two test processes: an end-to-end test leaves a core idle while it waits on its role servers, so a
 # second process fills it (on the 2-core CI machine: 18 minutes in one process, 11 in two, both cores
-# then near fully busy, so a third gains nothing there; 11 with the multinode and multiturn tests of
+# then near fully busy, so a third gains nothing there; 10 with the multinode and multiturn tests of
 # 2026-12-02). TEST_WORKERS=N for a bigger machine.
 TEST_WORKERS ?= 2
 
