@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.actor.turns import TurnRenderer, check_observation
+from rolefleet.actor.turns import TurnRenderer, check_observation, with_no_room
 from rolefleet.actor.types import (
     SAMPLES_PER_GROUP_LIMIT,
     ActorUpdateResult,
@@ -95,10 +95,12 @@ class ActorCore(TrainerRole):
         or closed."""
         if sampling.stop_at_end_of_turn and self.end_of_turn is not None:
             sampling = replace(sampling, stop_token_ids=merged(sampling.stop_token_ids, [self.end_of_turn]))
+        room: list[bool] = []
         if continuations:
             if prompts:
                 raise InvalidArgument("prompts", "give prompts or continuations, not both")
-            prompt_ids = self._validate_continuations(continuations, sampling)
+            context_ids, room = self._validate_continuations(continuations, sampling)
+            prompt_ids = [ids for ids, fits in zip(context_ids, room) if fits]
         else:
             prompt_ids = self._validate_generate(prompts, sampling)
         if first_group_id < 0:
@@ -106,7 +108,10 @@ class ActorCore(TrainerRole):
         if first_group_id + len(prompt_ids) > MAX_GROUPS:  # else a sample id overflows int64 on the wire
             raise InvalidArgument("first_group_id", f"{first_group_id} + {len(prompt_ids)} prompts exceed {MAX_GROUPS} "
                                   f"groups: sample ids (group_id * {SAMPLES_PER_GROUP_LIMIT} + sample_index) are int64")
-        return (with_ids(chunk, first_group_id) for chunk in self._locked_chunks(prompt_ids, sampling))
+        chunks = self._locked_chunks(prompt_ids, sampling) if prompt_ids else iter(())
+        if not all(room):
+            chunks = with_no_room(chunks, context_ids, room, self.worker.rollout_version)
+        return (with_ids(chunk, first_group_id) for chunk in chunks)
 
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
         """The engine's chunks, under the rollout lock until it has made the request's last sample:
@@ -136,8 +141,12 @@ class ActorCore(TrainerRole):
             if held:
                 self._rollout_lock.release()
 
-    def _validate_continuations(self, continuations: list[Continuation], sampling: SamplingParams) -> list[torch.Tensor]:
-        """Each conversation's ids followed by its rendered observation, checked like prompts."""
+    def _validate_continuations(self, continuations: list[Continuation],
+                                sampling: SamplingParams) -> tuple[list[torch.Tensor], list[bool]]:
+        """Each conversation's ids followed by its rendered observation, checked like prompts, and
+        whether it has room for `sampling.max_new_tokens` more under the model's positions. A full
+        conversation is no bad input (a long observation can fill it): it gets an empty turn
+        (`with_no_room`) rather than failing the request's other conversations."""
         self._validate_sampling(len(continuations), sampling)
         if sampling.n != 1:
             raise InvalidArgument("sampling.n", f"a continuation is one conversation: n must be 1, got {sampling.n}")
@@ -152,8 +161,14 @@ class ActorCore(TrainerRole):
             check_observation(c.observation, f"{field}.observation", self.cfg.max_prompt_bytes)
             rendered = self.turns.observation_ids(c.observation, int(context[-1]), f"{field}.observation")
             ids.append(torch.cat([context.to(torch.int64), torch.tensor(rendered, dtype=torch.int64)]))
-        self._check_room(ids, sampling)
-        return ids
+        limit = self.max_positions
+        if limit is not None and sampling.max_new_tokens >= limit:  # room for no conversation at all
+            raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens leave no room "
+                                  f"for a conversation within the model's {limit} positions")
+        has_room = [limit is None or len(i) + sampling.max_new_tokens <= limit for i in ids]
+        if fitting := [i for i, room in zip(ids, has_room) if room]:
+            self._check_room(fitting, sampling)
+        return ids, has_room
 
     def _check_room(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> None:
         longest, limit = max(len(p) for p in prompt_ids), self.max_positions

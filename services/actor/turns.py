@@ -9,8 +9,13 @@ train on ids the model never sampled wherever a tokenizer merges differently acr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
+import torch
+
+from rolefleet.actor.types import FinishReason, Sample
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 
 # A stand-in assistant message: the template's text after it is what follows an assistant turn.
@@ -63,3 +68,16 @@ def check_observation(messages: list[dict[str, str]], field: str, max_bytes: int
         size += len(m["content"].encode("utf-8", errors="surrogatepass"))
     if size > max_bytes:
         raise LimitExceeded(field, f"{size} bytes exceed actor.max_prompt_bytes={max_bytes}")
+
+
+def with_no_room(chunks: Iterator[list[Sample]], context_ids: list[torch.Tensor], room: list[bool],
+                 version: int) -> Iterator[list[Sample]]:
+    """The engine's chunks for the conversations that had room (numbered among themselves),
+    renumbered in the request's order, then one chunk of an empty turn for each conversation
+    without room: `finish_reason` LENGTH at no tokens, which ends it (coordinator/episodes.py)."""
+    index = [i for i, fits in enumerate(room) if fits]
+    for chunk in chunks:
+        yield [replace(s, prompt_index=index[s.prompt_index]) for s in chunk]
+    yield [Sample(prompt_index=i, sample_index=0, prompt_ids=ids, response_ids=torch.zeros(0, dtype=torch.int64),
+                  logprobs=torch.zeros(0), finish_reason=FinishReason.LENGTH, policy_version=version,
+                  response_text="") for i, (ids, fits) in enumerate(zip(context_ids, room)) if not fits]

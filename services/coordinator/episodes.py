@@ -12,7 +12,8 @@ Each round, for every conversation still open:
 
 A conversation ends when the environment says done (or fails on it), a turn ends without its stop
 token (it hit sampling.max_new_tokens: no finished message to answer), `max_turns` turns are made,
-or no room is left under `actor.rollout.max_total_tokens`. Finished conversations are handed on at once, while the others
+or no room is left under `actor.rollout.max_total_tokens` or the model's positions (an observation
+too long for them ends its conversation alone, as does one over `actor.max_prompt_bytes`). Finished conversations are handed on at once, while the others
 go on, so the reward scores short conversations while long ones still run.
 
 A finished conversation is one sample: the prompt, then every turn and observation as its response,
@@ -99,6 +100,7 @@ class Episodes:
     def __init__(self, cfg: RoleFleetConfig, actor: ActorClient, reward: RewardClient):
         self.actor, self.reward = actor, reward
         self.max_turns, self.max_total = cfg.actor.rollout.max_turns, cfg.actor.rollout.max_total_tokens
+        self.max_observation_bytes = cfg.actor.max_prompt_bytes  # what the actor takes in one observation
         self.env_s = 0.0  # seconds spent waiting for the environment (the step's timing/env_s)
 
     async def generate(self, records: list[PromptRecord], sampling: SamplingParams,
@@ -141,6 +143,10 @@ class Episodes:
         self.env_s += seconds
         metrics.STAGE_SECONDS.labels("coordinator", "environment").inc(seconds)
         for conversation, outcome in zip(conversations, outcomes):
+            if (size := _bytes(outcome.observation)) > self.max_observation_bytes:
+                # Too large for the actor to take: the conversation ends here, not the request.
+                outcome = replace(outcome, observation=[], error=f"the observation's {size} bytes exceed "
+                                  f"actor.max_prompt_bytes={self.max_observation_bytes}")
             conversation.answered(outcome)
             if not conversation.done:
                 conversation.messages += outcome.observation
@@ -160,13 +166,19 @@ class Episodes:
             for c, turn in zip(group, sorted(turns, key=lambda s: s.prompt_index)):
                 observation = turn.prompt_ids[len(c.context):]
                 room = self.max_total - c.response_tokens - len(observation)
-                if room <= 0:  # the observation alone fills the budget: the conversation ends before it
+                # The observation fills the budget, or the model's positions (the actor's empty turn):
+                # the conversation ends before it.
+                if room <= 0 or not len(turn.response_ids):
                     c.done = True
                     continue
                 if len(turn.response_ids) > room:  # cut to the budget: a turn that hit its limit
                     turn = replace(turn, response_ids=turn.response_ids[:room], logprobs=turn.logprobs[:room],
                                    finish_reason=FinishReason.LENGTH)
                 c.took(turn, observation)
+
+
+def _bytes(messages: list[dict[str, str]]) -> int:
+    return sum(len(m.get("content", "").encode("utf-8", errors="surrogatepass")) for m in messages)
 
 
 def _text(prompt) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.turns import TurnRenderer
-from rolefleet.actor.types import Continuation, SamplingParams
+from rolefleet.actor.types import Continuation, FinishReason, SamplingParams
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 
@@ -92,6 +92,24 @@ def test_a_bad_continuation_is_refused_naming_the_field(actor, change, sampling,
     with pytest.raises(error) as e:
         actor.generate([], SamplingParams(**sampling), 0, [continuation(actor, **change)])
     assert e.value.field == field
+
+
+def test_a_conversation_without_room_gets_an_empty_turn_and_the_others_go_on(actor):
+    """An observation that fills the model's positions ends its conversation alone: it is answered
+    with no tokens (finish_reason LENGTH), in its place among the request's samples."""
+    positions = actor.max_positions
+    long = continuation(actor, observation=[{"role": "tool", "content": " 7" * positions}])
+    samples = actor.generate([], SamplingParams(max_new_tokens=3, seed=1), 5, [continuation(actor), long, continuation(actor)])
+    samples.sort(key=lambda s: s.prompt_index)  # the empty turns come last, after the engine's chunks
+    assert [s.prompt_index for s in samples] == [0, 1, 2] and [s.group_id for s in samples] == [5, 6, 7]
+    full = samples[1]
+    assert full.finish_reason == FinishReason.LENGTH and not len(full.response_ids) and not len(full.logprobs)
+    assert len(full.prompt_ids) > positions - 3
+    for s in (samples[0], samples[2]):
+        assert 1 <= len(s.response_ids) <= 3
+    # Every conversation full: nothing is generated, each answered so.
+    (alone,) = actor.generate([], SamplingParams(max_new_tokens=3), 0, [long])
+    assert alone.finish_reason == FinishReason.LENGTH and not len(alone.response_ids)
 
 
 def test_prompts_and_continuations_together_are_refused(actor):

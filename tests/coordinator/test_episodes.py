@@ -187,6 +187,31 @@ def test_an_environment_failure_ends_only_its_conversation(chat_model_dir):
     assert samples[1].loss_mask is None  # one turn: like any single-turn sample
 
 
+def test_an_observation_too_long_for_the_actor_ends_only_its_conversation(actor, chat_model_dir):
+    """Longer than the model's positions (the actor answers an empty turn) or over
+    actor.max_prompt_bytes (never sent): that conversation ends on its last turn; the others go on."""
+    too_many_tokens = [{"role": "tool", "content": " 7" * actor.max_positions}]
+    too_many_bytes = [{"role": "tool", "content": "x" * 5000}]
+
+    class Oversized(ScriptedEnv):
+        async def step(self, items):
+            self.asked.append(items)
+            if len(items[0].messages) > 1:
+                return [EnvOutcome([], done=True) for _ in items]
+            return [EnvOutcome(o, done=False) for o in (OBSERVATION, too_many_tokens, too_many_bytes)]
+
+    cfg = config(chat_model_dir, "actor.max_prompt_bytes=4096", f"actor.rollout.max_total_tokens={4 * actor.max_positions}")
+    episodes = Episodes(cfg, InProcessActorClient(actor), Oversized())
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=tuple(range(actor.vocab_size)), seed=SEED)
+    samples = run(episodes, [PromptRecord(PROMPT, "42")] * 3, sampling)
+    ok, tokens, size = samples
+    assert ok.episode.turns == 2 and ok.loss_mask is not None and not ok.episode.env_error
+    for cut in (tokens, size):  # ended on its first turn: no observation in its response
+        assert cut.episode.turns == 1 and cut.loss_mask is None and len(cut.response_ids) == 1
+    assert not tokens.episode.env_error
+    assert size.episode.env_error == "the observation's 5000 bytes exceed actor.max_prompt_bytes=4096"
+
+
 def test_a_turn_cut_off_by_max_new_tokens_is_not_answered(chat_model_dir):
     env = ScriptedEnv(*[EnvOutcome(OBSERVATION, done=False)] * 10)
     (sample,) = run(scripted(config(chat_model_dir), env), [PromptRecord(PROMPT, "42")], SamplingParams(max_new_tokens=2))
