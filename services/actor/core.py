@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rolefleet.actor.turns import TurnRenderer, check_observation, with_no_room
+from rolefleet.actor.turns import TurnRenderer, check_observation, whole_responses, with_no_room
 from rolefleet.actor.types import (
     SAMPLES_PER_GROUP_LIMIT,
     ActorUpdateResult,
@@ -111,6 +111,8 @@ class ActorCore(TrainerRole):
         chunks = self._locked_chunks(prompt_ids, sampling) if prompt_ids else iter(())
         if not all(room):
             chunks = with_no_room(chunks, context_ids, room, self.worker.rollout_version)
+        if any(c.resume_from for c in continuations or ()):
+            chunks = whole_responses(chunks, continuations, self.tokenizer)
         return (with_ids(chunk, first_group_id) for chunk in chunks)
 
     def _locked_chunks(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> Iterator[list[Sample]]:
@@ -158,6 +160,14 @@ class ActorCore(TrainerRole):
                 raise InvalidArgument(f"{field}.context_ids", "must hold the conversation's tokens (int64 [C], C > 0)")
             if int(context.min()) < 0 or int(context.max()) >= self.vocab_size:
                 raise InvalidArgument(f"{field}.context_ids", f"token ids must lie in [0, {self.vocab_size})")
+            if c.resume_from:  # partial rollouts: generate on, nothing appended
+                if not 0 < c.resume_from <= len(context):
+                    raise InvalidArgument(f"{field}.resume_from", f"must lie in [1, {len(context)}] (where the "
+                                          f"response began in context_ids), got {c.resume_from}")
+                if c.observation:
+                    raise InvalidArgument(f"{field}.observation", "a resumed response takes no observation")
+                ids.append(context.to(torch.int64))
+                continue
             check_observation(c.observation, f"{field}.observation", self.cfg.max_prompt_bytes)
             rendered = self.turns.observation_ids(c.observation, int(context[-1]), f"{field}.observation")
             ids.append(torch.cat([context.to(torch.int64), torch.tensor(rendered, dtype=torch.int64)]))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rolefleet.actor.types import FinishReason, Sample
+from rolefleet.actor.types import Continuation, FinishReason, Sample
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 
 # A stand-in assistant message: the template's text after it is what follows an assistant turn.
@@ -81,3 +81,19 @@ def with_no_room(chunks: Iterator[list[Sample]], context_ids: list[torch.Tensor]
     yield [Sample(prompt_index=i, sample_index=0, prompt_ids=ids, response_ids=torch.zeros(0, dtype=torch.int64),
                   logprobs=torch.zeros(0), finish_reason=FinishReason.LENGTH, policy_version=version,
                   response_text="") for i, (ids, fits) in enumerate(zip(context_ids, room)) if not fits]
+
+
+def whole_responses(chunks: Iterator[list[Sample]], continuations: list[Continuation],
+                    tokenizer: Any) -> Iterator[list[Sample]]:
+    """Resumed responses (`Continuation.resume_from`) get the text of the whole response, decoded
+    from its ids in one piece, as the engines decode one: the pieces' texts joined would break a
+    character whose bytes two pieces split."""
+    for chunk in chunks:
+        out = []
+        for s in chunk:
+            c = continuations[s.prompt_index]
+            if c.resume_from:
+                ids = torch.cat([c.context_ids[c.resume_from:].to(torch.int64), s.response_ids])
+                s = replace(s, response_text=tokenizer.decode(ids.tolist(), skip_special_tokens=True))
+            out.append(s)
+        yield out

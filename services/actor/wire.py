@@ -34,12 +34,12 @@ def sampling_from_proto(m: actor_pb2.SamplingParams) -> SamplingParams:
 
 def continuation_to_proto(c: Continuation) -> actor_pb2.Continuation:
     return actor_pb2.Continuation(context_ids=codec.encode(c.context_ids), observation=[
-        common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in c.observation])
+        common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in c.observation], resume_from=c.resume_from)
 
 
 def continuations_from_proto(messages) -> list[Continuation]:
     return [Continuation(codec.decode_as(m.context_ids, f"continuations[{i}].context_ids", torch.int64, 1),
-                         [{"role": o.role, "content": o.content} for o in m.observation])
+                         [{"role": o.role, "content": o.content} for o in m.observation], m.resume_from)
             for i, m in enumerate(messages)]
 
 

@@ -54,6 +54,8 @@ class CoordinatorState:
     kl_coef: float
     data: dict[str, Any] | None = None  # PromptDataset.state_dict(); None in the checkpoint of step 0
     counts: PipelineCounts = field(default_factory=PipelineCounts)
+    # Partial rollouts: the groups carried into the next step, their responses so far (`partial.py`).
+    carried: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def batches_used(self) -> int:
@@ -70,6 +72,8 @@ class CoordinatorState:
         if self.data is not None:
             out["data"] = self.data
         out["counts"] = asdict(self.counts)
+        if self.carried:
+            out["carried"] = self.carried
         return out
 
     @classmethod
@@ -77,7 +81,7 @@ class CoordinatorState:
         """Also what earlier versions wrote: the sync loop's {step, kl_coef, data} (no counts), the
         async pipeline's with its counts, the checkpoint of step 0 without data. ValueError naming
         the key for anything else."""
-        step, kl_coef, data, counts = (state.get(k) for k in ("step", "kl_coef", "data", "counts"))
+        step, kl_coef, data, counts, carried = (state.get(k) for k in ("step", "kl_coef", "data", "counts", "carried"))
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step: {step!r} is not a step number")
         if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool):
@@ -89,7 +93,11 @@ class CoordinatorState:
         if not isinstance(counts, dict) or set(counts) - known or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
             raise ValueError(f"counts: {counts!r} are not the counts {sorted(known)}")
-        return cls(step, float(kl_coef), data, PipelineCounts(**counts))
+        carried = carried or []
+        if not isinstance(carried, list) or not all(isinstance(g, dict) and {"batch", "prompt", "responses"} <= set(g)
+                                                    for g in carried):
+            raise ValueError("carried: not a list of carried groups ({batch, prompt, responses})")
+        return cls(step, float(kl_coef), data, PipelineCounts(**counts), carried)
 
 
 class Checkpointer:

@@ -20,6 +20,7 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.episodes import Episodes, with_env_rewards
+from rolefleet.coordinator.partial import PartialRollouts
 from rolefleet.coordinator.rollout import (
     Rollout,
     first_group_id,
@@ -123,8 +124,11 @@ def _joined(step: int, parts: list[tuple[Rollout, ScoreResult, list[int]]], gene
 
 
 def sampler(cfg: RoleFleetConfig, actor: ActorClient, reward: RewardClient, dataset: PromptDataset,
-            episodes: Episodes | None = None) -> OneBatch:
-    """Sync mode's way to a step's rollout (`train.dynamic_sampling`; `episodes`: multi-turn)."""
+            episodes: Episodes | None = None) -> OneBatch | PartialRollouts:
+    """Sync mode's way to a step's rollout (`train.dynamic_sampling`, `pipeline.partial_rollouts`;
+    `episodes`: multi-turn)."""
+    if cfg.pipeline.partial_rollouts.enabled:
+        return PartialRollouts(cfg, actor, dataset)
     if cfg.train.dynamic_sampling.enabled:
         return DynamicSampling(cfg, actor, reward, dataset, episodes)
     return OneBatch(cfg, actor, dataset, episodes)

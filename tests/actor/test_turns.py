@@ -87,6 +87,9 @@ def test_a_continuation_generates_after_the_rendered_observation(actor):
     ({"context_ids": torch.tensor([], dtype=torch.int64)}, {}, InvalidArgument, "continuations[0].context_ids"),
     ({}, {"n": 2}, InvalidArgument, "sampling.n"),
     ({}, {"max_new_tokens": 600}, InvalidArgument, "sampling.max_new_tokens"),
+    ({"resume_from": 3}, {}, InvalidArgument, "continuations[0].observation"),
+    ({"observation": [], "resume_from": 10**4}, {}, InvalidArgument, "continuations[0].resume_from"),
+    ({"observation": [], "resume_from": -1}, {}, InvalidArgument, "continuations[0].resume_from"),
 ])
 def test_a_bad_continuation_is_refused_naming_the_field(actor, change, sampling, error, field):
     with pytest.raises(error) as e:
@@ -110,6 +113,18 @@ def test_a_conversation_without_room_gets_an_empty_turn_and_the_others_go_on(act
     # Every conversation full: nothing is generated, each answered so.
     (alone,) = actor.generate([], SamplingParams(max_new_tokens=3), 0, [long])
     assert alone.finish_reason == FinishReason.LENGTH and not len(alone.response_ids)
+
+
+def test_a_resumed_response_generates_on_with_nothing_appended(actor):
+    """Partial rollouts: a response cut at a token budget is generated on from its tokens as they
+    are; the sample's text is the whole response's, decoded in one piece."""
+    (first,) = actor.generate([PROMPT], SamplingParams(max_new_tokens=3, seed=1))
+    context = torch.cat([first.prompt_ids, first.response_ids])
+    (on,) = actor.generate([], SamplingParams(max_new_tokens=4, seed=2), 0,
+                           [Continuation(context, [], resume_from=len(first.prompt_ids))])
+    assert torch.equal(on.prompt_ids, context) and 1 <= len(on.response_ids) <= 4
+    whole = torch.cat([first.response_ids, on.response_ids]).tolist()
+    assert on.response_text == actor.tokenizer.decode(whole, skip_special_tokens=True)
 
 
 def test_prompts_and_continuations_together_are_refused(actor):
@@ -170,10 +185,14 @@ def test_generate_with_continuations_over_grpc(actor):
             client = GrpcActorClient(address, 60.0)
             try:
                 c = continuation(actor)
-                (sample,) = await client.generate([], SamplingParams(max_new_tokens=2, seed=3), 0, [c])
-                (local,) = actor.generate([], SamplingParams(max_new_tokens=2, seed=3), 0, [c])
-                assert torch.equal(sample.prompt_ids, local.prompt_ids) and torch.equal(sample.response_ids,
-                                                                                          local.response_ids)
+                resumed = continuation(actor, observation=[], resume_from=20)  # partial rollouts
+                for c in (c, resumed):
+                    (sample,) = await client.generate([], SamplingParams(max_new_tokens=2, seed=3), 0, [c])
+                    (local,) = actor.generate([], SamplingParams(max_new_tokens=2, seed=3), 0, [c])
+                    assert torch.equal(sample.prompt_ids, local.prompt_ids) and torch.equal(sample.response_ids,
+                                                                                              local.response_ids)
+                    assert sample.response_text == local.response_text
+                assert torch.equal(sample.prompt_ids, resumed.context_ids)
             finally:
                 await client.close()
             async with grpc.aio.insecure_channel(address) as channel:

@@ -60,7 +60,10 @@ def run_demo(demo_model, out, config: str, overrides: list[str]) -> list[dict]:
     # The long tail's options (issue 35): dynamic sampling, and the soft overlong penalty past 6 tokens.
     ("demo_grpo.yaml", ["train.dynamic_sampling.enabled=true", "train.overlong.mode=penalty",
                         "sampling.max_new_tokens=8", "train.overlong.buffer_tokens=2", "train.total_steps=60"]),
-], ids=["ppo", "grpo", "grpo-async-1", "ppo-async-2", "grpo-lora", "grpo-dynamic"])
+    # Partial rollouts: 2 tokens a step of the 4-token responses; a cut one ends in the next step.
+    ("demo_grpo.yaml", ["pipeline.partial_rollouts.enabled=true", "pipeline.partial_rollouts.token_budget=2",
+                        "train.total_steps=60"]),
+], ids=["ppo", "grpo", "grpo-async-1", "ppo-async-2", "grpo-lora", "grpo-dynamic", "grpo-partial"])
 def test_demo_learns(demo_model, tmp_path, config, overrides):
     rewards = [r["reward/mean"] for r in run_demo(demo_model, tmp_path / "run", config, overrides)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -126,3 +129,31 @@ def test_the_overlong_filter_keeps_cut_responses_out_of_the_policy_update(demo_m
     assert len(trained) == 2 and any(any(c) for c in cut) and not all(all(c) for c in cut)
     assert trained == [[not c for c in step] for step in cut]
     assert [r["overlong/filtered_fraction"] for r in records] == [sum(c) / len(c) for c in cut]
+
+
+@pytest.mark.timeout(300)
+def test_partial_rollouts_train_each_sample_once_within_the_bound(demo_model, tmp_path, monkeypatch):
+    """Through the run loop: responses cut at the budget are carried into the next step and trained
+    there; the journal holds every trained sample once; each update is told the version of its
+    oldest token (the actor checks it against the bound) and gets every token's rollout logprob for
+    its importance-sampling correction."""
+    from rolefleet.coordinator.journal import FILENAME, Journal
+
+    updates = []
+    update = InProcessActorClient.update
+
+    async def spy(self, step, policy_version, batch, targets, temperature):
+        updates.append((step, policy_version, targets.rollout_logprobs, batch.num_response_tokens))
+        return await update(self, step, policy_version, batch, targets, temperature)
+
+    monkeypatch.setattr(InProcessActorClient, "update", spy)
+    records = run_demo(demo_model, tmp_path / "run", "demo_grpo.yaml",
+                       ["train.total_steps=4", "train.prompts_per_step=8", "pipeline.partial_rollouts.enabled=true",
+                        "pipeline.partial_rollouts.token_budget=1"])
+    with Journal(tmp_path / "run" / FILENAME) as journal:
+        trained = journal.trained_sample_ids()
+    assert len(trained) == len(set(trained)) == sum(r["partial/trained_groups"] for r in records) * 8
+    assert any(r["partial/older_token_frac"] > 0 for r in records)  # carried responses were trained
+    assert [version for _, version, _, _ in updates] == [step - 1 - r["partial/max_lag"]
+                                                         for (step, *_), r in zip(updates, records)]
+    assert all(logprobs is not None and len(logprobs) == tokens for _, _, logprobs, tokens in updates)

@@ -22,6 +22,18 @@ class CoordinatorSection(Endpoint):
     http_port: int = Field(0, ge=0, le=65535, description="HTTP control plane port; 0 picks a free one")
 
 
+class PartialRolloutsSection(_Section):
+    """Partial rollouts (docs/algorithms.md, "The long tail"; `coordinator/partial.py`)."""
+
+    enabled: bool = Field(False, description="sync mode: a step generates at most token_budget tokens of each "
+                          "response; responses cut there are carried into the next step and generated on by its "
+                          "policy (their tokens keep the rollout logprobs and policy versions that made them), and "
+                          "each step trains on the groups whose responses have all finished. A response carried "
+                          "pipeline.max_staleness times generates to its end in the next step")
+    token_budget: Optional[int] = Field(None, ge=1, description="tokens each response generates per step; "
+                                        "default a quarter of sampling.max_new_tokens")
+
+
 class PipelineSection(_Section):
     """How the coordinator schedules the stages (docs/architecture.md, "The asynchronous pipeline")."""
 
@@ -45,6 +57,7 @@ class PipelineSection(_Section):
                                              "eager = updates never wait for generation (on a split actor the "
                                              "next batch generates while this one trains), lags vary with "
                                              "timing within the bound")
+    partial_rollouts: PartialRolloutsSection = Field(default_factory=PartialRolloutsSection)
     retries: int = Field(2, ge=0, description="repeats of a role call that failed transiently (UNAVAILABLE, "
                          "a deadline), with backoff, in both modes; every call is safe to repeat. A trainer's "
                          "call is repeated only while it still holds the run's updates (a restarted one: the "
@@ -52,13 +65,13 @@ class PipelineSection(_Section):
 
     @property
     def lagged(self) -> bool:
-        """Whether updates may train on samples of an older policy."""
-        return self.mode == "async" and self.max_staleness > 0
+        """Whether updates may train on samples of an older policy (async mode, partial rollouts)."""
+        return (self.mode == "async" or self.partial_rollouts.enabled) and self.max_staleness > 0
 
     @property
     def staleness_bound(self) -> int:
-        """Versions a trained batch may lag the actor by (sync: none)."""
-        return self.max_staleness if self.mode == "async" else 0
+        """Versions a trained batch may lag the actor by (sync: none, unless responses are carried)."""
+        return self.max_staleness if self.mode == "async" or self.partial_rollouts.enabled else 0
 
 
 DeviceList = list[Union[int, str]]

@@ -107,6 +107,21 @@ class RoleFleetConfig(_Section):
             if self.pipeline.mode == "async":
                 raise ValueError("train.dynamic_sampling needs pipeline.mode sync (the async pipeline scores "
                                  "its chunks as they stream and does not refill a batch yet)")
+        partial = self.pipeline.partial_rollouts
+        if partial.token_budget is None:
+            partial.token_budget = max(1, self.sampling.max_new_tokens // 4)
+        if partial.enabled:
+            for refused, why in ((self.pipeline.mode == "async", "pipeline.mode async (sync mode only)"),
+                                 (self.pipeline.max_staleness == 0, "pipeline.max_staleness=0 (no response could "
+                                  "be carried into a later step)"),
+                                 (self.train.dynamic_sampling.enabled, "train.dynamic_sampling (not yet)"),
+                                 (rollout.max_turns > 1, "actor.rollout.max_turns > 1 (a conversation is "
+                                  "carried whole, not cut)")):
+                if refused:
+                    raise ValueError(f"pipeline.partial_rollouts does not combine with {why}")
+            if partial.token_budget >= self.sampling.max_new_tokens:
+                raise ValueError(f"pipeline.partial_rollouts.token_budget={partial.token_budget} cuts nothing below "
+                                 f"sampling.max_new_tokens={self.sampling.max_new_tokens}")
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")

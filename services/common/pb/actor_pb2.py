@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rolefleet/v1/actor.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"\xa9\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x1b\n\x13stop_at_end_of_turn\x18\x08 \x01(\x08\"i\n\x0c\x43ontinuation\x12)\n\x0b\x63ontext_ids\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x0bobservation\x18\x02 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\"\x9d\x01\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.rolefleet.v1.SamplingParams\x12\x16\n\x0e\x66irst_group_id\x18\x03 \x01(\x03\x12\x31\n\rcontinuations\x18\x04 \x03(\x0b\x32\x1a.rolefleet.v1.Continuation\"\xc3\x02\n\x10GenerateResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12(\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.rolefleet.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x15\n\rresponse_text\x18\x08 \x01(\t\x12\x10\n\x08group_id\x18\t \x01(\x03\x12\x11\n\tsample_id\x18\n \x01(\x03\"\x8c\x01\n\x16\x43omputeLogProbsRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12\x19\n\x11include_reference\x18\x02 \x01(\x08\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x16\n\x0ereference_only\x18\x04 \x01(\x08\"\xac\x01\n\x17\x43omputeLogProbsResponse\x12&\n\x08logprobs\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cref_logprobs\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"\xad\x02\n\x12\x41\x63torUpdateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12(\n\nadvantages\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cold_logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12*\n\x0cref_logprobs\x18\x07 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x10rollout_logprobs\x18\x08 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"\xb3\x01\n\x13\x41\x63torUpdateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.rolefleet.v1.TrainStats\x12&\n\x08logprobs\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x83\x04\n\x0c\x41\x63torService\x12K\n\x08Generate\x12\x1d.rolefleet.v1.GenerateRequest\x1a\x1e.rolefleet.v1.GenerateResponse0\x01\x12^\n\x0f\x43omputeLogProbs\x12$.rolefleet.v1.ComputeLogProbsRequest\x1a%.rolefleet.v1.ComputeLogProbsResponse\x12M\n\x06Update\x12 .rolefleet.v1.ActorUpdateRequest\x1a!.rolefleet.v1.ActorUpdateResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12W\n\x0eSaveCheckpoint\x12#.rolefleet.v1.SaveCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12W\n\x0eLoadCheckpoint\x12#.rolefleet.v1.LoadCheckpointRequest\x1a .rolefleet.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rolefleet/v1/actor.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"\xa9\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x1b\n\x13stop_at_end_of_turn\x18\x08 \x01(\x08\"~\n\x0c\x43ontinuation\x12)\n\x0b\x63ontext_ids\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x0bobservation\x18\x02 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\x12\x13\n\x0bresume_from\x18\x03 \x01(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.rolefleet.v1.SamplingParams\x12\x16\n\x0e\x66irst_group_id\x18\x03 \x01(\x03\x12\x31\n\rcontinuations\x18\x04 \x03(\x0b\x32\x1a.rolefleet.v1.Continuation\"\xc3\x02\n\x10GenerateResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12(\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.rolefleet.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x15\n\rresponse_text\x18\x08 \x01(\t\x12\x10\n\x08group_id\x18\t \x01(\x03\x12\x11\n\tsample_id\x18\n \x01(\x03\"\x8c\x01\n\x16\x43omputeLogProbsRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12\x19\n\x11include_reference\x18\x02 \x01(\x08\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x16\n\x0ereference_only\x18\x04 \x01(\x08\"\xac\x01\n\x17\x43omputeLogProbsResponse\x12&\n\x08logprobs\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cref_logprobs\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"\xad\x02\n\x12\x41\x63torUpdateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12(\n\nadvantages\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cold_logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12*\n\x0cref_logprobs\x18\x07 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x10rollout_logprobs\x18\x08 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"\xb3\x01\n\x13\x41\x63torUpdateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.rolefleet.v1.TrainStats\x12&\n\x08logprobs\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x83\x04\n\x0c\x41\x63torService\x12K\n\x08Generate\x12\x1d.rolefleet.v1.GenerateRequest\x1a\x1e.rolefleet.v1.GenerateResponse0\x01\x12^\n\x0f\x43omputeLogProbs\x12$.rolefleet.v1.ComputeLogProbsRequest\x1a%.rolefleet.v1.ComputeLogProbsResponse\x12M\n\x06Update\x12 .rolefleet.v1.ActorUpdateRequest\x1a!.rolefleet.v1.ActorUpdateResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12W\n\x0eSaveCheckpoint\x12#.rolefleet.v1.SaveCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12W\n\x0eLoadCheckpoint\x12#.rolefleet.v1.LoadCheckpointRequest\x1a .rolefleet.v1.CheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.actor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1638
-  _globals['_FINISHREASON']._serialized_end=1733
+  _globals['_FINISHREASON']._serialized_start=1659
+  _globals['_FINISHREASON']._serialized_end=1754
   _globals['_SAMPLINGPARAMS']._serialized_start=70
   _globals['_SAMPLINGPARAMS']._serialized_end=239
   _globals['_CONTINUATION']._serialized_start=241
-  _globals['_CONTINUATION']._serialized_end=346
-  _globals['_GENERATEREQUEST']._serialized_start=349
-  _globals['_GENERATEREQUEST']._serialized_end=506
-  _globals['_GENERATERESPONSE']._serialized_start=509
-  _globals['_GENERATERESPONSE']._serialized_end=832
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=835
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=975
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=978
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1150
-  _globals['_ACTORUPDATEREQUEST']._serialized_start=1153
-  _globals['_ACTORUPDATEREQUEST']._serialized_end=1454
-  _globals['_ACTORUPDATERESPONSE']._serialized_start=1457
-  _globals['_ACTORUPDATERESPONSE']._serialized_end=1636
-  _globals['_ACTORSERVICE']._serialized_start=1736
-  _globals['_ACTORSERVICE']._serialized_end=2251
+  _globals['_CONTINUATION']._serialized_end=367
+  _globals['_GENERATEREQUEST']._serialized_start=370
+  _globals['_GENERATEREQUEST']._serialized_end=527
+  _globals['_GENERATERESPONSE']._serialized_start=530
+  _globals['_GENERATERESPONSE']._serialized_end=853
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=856
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=996
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=999
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1171
+  _globals['_ACTORUPDATEREQUEST']._serialized_start=1174
+  _globals['_ACTORUPDATEREQUEST']._serialized_end=1475
+  _globals['_ACTORUPDATERESPONSE']._serialized_start=1478
+  _globals['_ACTORUPDATERESPONSE']._serialized_end=1657
+  _globals['_ACTORSERVICE']._serialized_start=1757
+  _globals['_ACTORSERVICE']._serialized_end=2272
 # @@protoc_insertion_point(module_scope)

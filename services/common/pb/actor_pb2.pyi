@@ -38,12 +38,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_at_end_of_turn: _Optional[bool] = ...) -> None: ...
 
 class Continuation(_message.Message):
-    __slots__ = ("context_ids", "observation")
+    __slots__ = ("context_ids", "observation", "resume_from")
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     context_ids: _common_pb2.Tensor
     observation: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
-    def __init__(self, context_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    resume_from: int
+    def __init__(self, context_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., observation: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., resume_from: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompts", "sampling", "first_group_id", "continuations")

@@ -1,0 +1,212 @@
+"""Partial rollouts (`pipeline.partial_rollouts`; docs/algorithms.md, "The long tail"): sync mode's
+step 1 without the long tail.
+
+A batch takes as long as its longest responses, while most of them end early. Here a step generates
+at most `token_budget` tokens of each response:
+
+1. the responses carried from earlier steps are generated on (actor.Generate with continuations
+   that resume them: nothing is appended and nothing is tokenized again), and the data's next batch
+   is started, all within the budget;
+2. a response that ended (its stop token, or `sampling.max_new_tokens` in all) is finished; one cut
+   at the budget is carried into the next step, where the policy of that step generates on;
+3. the step trains on every group whose responses have all finished (GRPO's statistics need the
+   whole group). If none has, the open responses are generated on again, with the same policy,
+   until one group finishes.
+
+A carried response's tokens keep the rollout logprobs and the policy version that made them
+(`Sample.token_versions`): the update's importance-sampling correction weighs each token by
+pi_train / pi_that_made_it, and the sample's `policy_version` is its first token's, so the
+staleness bound (`pipeline.max_staleness`, which the actor checks) counts from it. A response
+carried `max_staleness` times generates to its end in the next step: no sample ever exceeds the
+bound and none is dropped. Each step draws one batch of the data; every group is trained once,
+at most `max_staleness` steps after it began. The carried responses are part of the coordinator's
+checkpoint (`CoordinatorState.carried`): a resumed run generates on from where the saved one was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from rolefleet.actor.client import ActorClient
+from rolefleet.actor.rollout import derived_seed
+from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, Continuation, FinishReason, Sample, SamplingParams
+from rolefleet.common.config import RoleFleetConfig
+from rolefleet.coordinator.checkpoints import CoordinatorState
+from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, spent, to_batch
+from rolefleet.tasks import PromptRecord
+
+
+@dataclass
+class _Response:
+    """One sample's response so far: `sample` holds its ids, logprobs and text whole (its
+    `prompt_ids` the prompt's); `versions` the policy version of each of its tokens."""
+
+    sample: Sample
+    versions: torch.Tensor  # int64 [R]
+    carries: int = 0        # steps it has been carried into
+
+    def finished(self, cap: int) -> bool:
+        return self.sample.finish_reason == FinishReason.STOP or len(self.sample.response_ids) >= cap
+
+    def extended(self, piece: Sample) -> _Response:
+        """With the tokens `piece` generated on it (its text is the whole response's: the actor
+        decodes a resumed response in one piece)."""
+        s = self.sample
+        return replace(self, sample=replace(s, response_ids=torch.cat([s.response_ids, piece.response_ids]),
+                                            logprobs=torch.cat([s.logprobs, piece.logprobs]),
+                                            finish_reason=piece.finish_reason, response_text=piece.response_text),
+                       versions=torch.cat([self.versions, torch.full((len(piece.response_ids),), piece.policy_version)]))
+
+    def trained(self, prompt_index: int) -> Sample:
+        """The sample the step trains on: the version of its oldest token is its policy version."""
+        return replace(self.sample, prompt_index=prompt_index, policy_version=int(self.versions.min()),
+                       token_versions=self.versions)
+
+
+@dataclass
+class _Group:
+    batch: int              # the data batch it came from (1-based)
+    prompt: int             # its prompt's place in that batch
+    record: PromptRecord
+    responses: list[_Response]
+
+    def finished(self, cap: int) -> bool:
+        return all(r.finished(cap) for r in self.responses)
+
+
+class PartialRollouts:
+    """Sync mode's step 1 with `pipeline.partial_rollouts` (module docstring)."""
+
+    def __init__(self, cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset):
+        self.cfg, self.actor, self.dataset = cfg, actor, dataset
+        self.budget, self.cap = cfg.pipeline.partial_rollouts.token_budget, cfg.sampling.max_new_tokens
+        self.max_carries = cfg.pipeline.max_staleness
+        self.carried: list[_Group] | None = None  # read from the state at the first step (a resumed run's)
+
+    async def rollout(self, step: int, state: CoordinatorState) -> Rollout:
+        if self.carried is None:
+            self.carried = [self._group_from_dict(g) for g in state.carried]
+        start, index = time.perf_counter(), state.batches_used + 1
+        records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
+        sampling = sampling_for(self.cfg, index)
+        carried = self.carried
+        fresh, _ = await asyncio.gather(
+            self.actor.generate([r.prompt for r in records], replace(sampling, max_new_tokens=self.budget),
+                                first_group_id(self.cfg, index)),
+            self._generate_on(carried, sampling, 0))
+        groups = [*carried, *_new_groups(index, records, fresh)]
+        rounds = 1
+        while not any(g.finished(self.cap) for g in groups):  # nothing to train on yet: on with this policy
+            await self._generate_on(groups, sampling, rounds)
+            rounds += 1
+        done = [g for g in groups if g.finished(self.cap)]
+        self.carried = [g for g in groups if not g.finished(self.cap)]
+        for g in self.carried:
+            g.responses = [replace(r, carries=r.carries + (not r.finished(self.cap))) for r in g.responses]
+        state.carried = [self._group_to_dict(g) for g in self.carried]
+        generate_s = spent("generate", start)
+        samples = [r.trained(i) for i, g in enumerate(done) for r in g.responses]
+        open_responses = sum(not r.finished(self.cap) for g in self.carried for r in g.responses)
+        return Rollout(step, [g.record for g in done], samples, to_batch(samples), generate_s,
+                       stats=_stats(samples, len(done), len(self.carried), open_responses, rounds))
+
+    async def _generate_on(self, groups: list[_Group], sampling: SamplingParams, round_: int) -> None:
+        """The groups' open responses generated on, each by the budget or (carried `max_carries`
+        times) to its end: one request per token count."""
+        responses = [r for g in groups for r in g.responses if not r.finished(self.cap)]
+        pieces = await self._pieces(responses, sampling, round_)
+        extended = {id(r): r.extended(p) for r, p in zip(responses, pieces)}
+        for g in groups:
+            g.responses = [extended.get(id(r), r) for r in g.responses]
+
+    async def _pieces(self, responses: list[_Response], sampling: SamplingParams, round_: int) -> list[Sample]:
+        """What the actor generates on each response, in the order of `responses`."""
+        if not responses:
+            return []
+        by_tokens: dict[int, list[int]] = {}
+        for i, r in enumerate(responses):
+            left = self.cap - len(r.sample.response_ids)
+            by_tokens.setdefault(left if r.carries >= self.max_carries else min(self.budget, left), []).append(i)
+        seeded = replace(sampling, n=1, seed=derived_seed(sampling.seed, 1 + round_))
+        requests = [(tokens, part) for tokens, rows in by_tokens.items()
+                    for part in self._within_limits(rows, responses, tokens)]
+        answers = await asyncio.gather(*(self.actor.generate(
+            [], replace(seeded, max_new_tokens=tokens, seed=derived_seed(seeded.seed, part[0] * 100_003 + tokens)), 0,
+            [_resume(responses[i].sample) for i in part]) for tokens, part in requests))
+        out: list[Sample] = [None] * len(responses)  # type: ignore[list-item]
+        for (_, part), pieces in zip(requests, answers):
+            for piece in pieces:
+                out[part[piece.prompt_index]] = piece
+        return out
+
+    def _within_limits(self, rows: list[int], responses: list[_Response], tokens: int) -> list[list[int]]:
+        """`rows` in requests the actor takes: at most actor.max_sequences_per_request each, and
+        actor.max_tokens_per_request of context and new tokens (carried responses of several
+        steps can outnumber one step's batch)."""
+        a = self.cfg.actor
+        parts: list[list[int]] = [[]]
+        used = 0
+        for i in rows:
+            size = len(responses[i].sample.prompt_ids) + len(responses[i].sample.response_ids) + tokens
+            if parts[-1] and (len(parts[-1]) >= a.max_sequences_per_request or used + size > a.max_tokens_per_request):
+                parts.append([])
+                used = 0
+            parts[-1].append(i)
+            used += size
+        return parts
+
+    def _group_to_dict(self, g: _Group) -> dict[str, Any]:
+        return {"batch": g.batch, "prompt": g.prompt, "responses": [{
+            "sample_index": r.sample.sample_index, "prompt_ids": r.sample.prompt_ids.tolist(),
+            "response_ids": r.sample.response_ids.tolist(), "logprobs": r.sample.logprobs.tolist(),
+            "versions": r.versions.tolist(), "finish_reason": int(r.sample.finish_reason),
+            "text": r.sample.response_text, "carries": r.carries} for r in g.responses]}
+
+    def _group_from_dict(self, d: dict[str, Any]) -> _Group:
+        """A carried group of a checkpoint: its record is the data's, as the saved run drew it."""
+        record = self.dataset.batch(d["batch"], self.cfg.train.prompts_per_step)[d["prompt"]]
+        group = first_group_id(self.cfg, d["batch"]) + d["prompt"]
+        responses = []
+        for r in d["responses"]:
+            versions = torch.tensor(r["versions"], dtype=torch.int64)
+            sample = Sample(prompt_index=d["prompt"], sample_index=r["sample_index"],
+                            prompt_ids=torch.tensor(r["prompt_ids"], dtype=torch.int64),
+                            response_ids=torch.tensor(r["response_ids"], dtype=torch.int64),
+                            logprobs=torch.tensor(r["logprobs"], dtype=torch.float32),
+                            finish_reason=FinishReason(r["finish_reason"]), policy_version=int(versions.min()),
+                            response_text=r["text"], group_id=group)
+            responses.append(_Response(sample, versions, r["carries"]))
+        return _Group(d["batch"], d["prompt"], record, [replace(r, sample=_with_id(r.sample)) for r in responses])
+
+
+def _with_id(s: Sample) -> Sample:
+    return replace(s, sample_id=s.group_id * SAMPLES_PER_GROUP_LIMIT + s.sample_index)
+
+
+def _resume(s: Sample) -> Continuation:
+    return Continuation(torch.cat([s.prompt_ids, s.response_ids]), [], resume_from=len(s.prompt_ids))
+
+
+def _new_groups(index: int, records: list[PromptRecord], samples: list[Sample]) -> list[_Group]:
+    groups = [_Group(index, p, record, []) for p, record in enumerate(records)]
+    for s in sorted(samples, key=lambda s: (s.prompt_index, s.sample_index)):
+        groups[s.prompt_index].responses.append(
+            _Response(s, torch.full((len(s.response_ids),), s.policy_version, dtype=torch.int64)))
+    return groups
+
+
+def _stats(samples: list[Sample], trained: int, carried: int, open_responses: int, rounds: int) -> dict[str, float]:
+    """The step's `partial/*` record entries (docs/metrics.md)."""
+    tokens = sum(len(s.response_ids) for s in samples)
+    newest = max((int(s.token_versions.max()) for s in samples if len(s.token_versions)), default=0)
+    older = sum(int((s.token_versions < newest).sum()) for s in samples)
+    return {"partial/trained_groups": float(trained), "partial/carried_groups": float(carried),
+            "partial/carried_responses": float(open_responses), "partial/rounds": float(rounds),
+            "partial/older_token_frac": older / max(tokens, 1),
+            "partial/max_lag": float(max((newest - s.policy_version for s in samples), default=0))}
