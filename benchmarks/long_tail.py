@@ -1,0 +1,148 @@
+"""The long tail, side by side on one GPU (docs/benchmarks.md, "The long tail"): a real chat model
+(SmolLM2-135M-Instruct, `make real-model`) on `configs/smollm2_arithmetic.yaml`'s task with up to
+`--max-new-tokens` (512) new tokens at temperature 1, where most responses end early and a few run
+to the cap.
+
+Parts (`--parts`, in this order, each a run of its own):
+- `vllm`: vLLM alone generating the first step's batch (its 32 prompts x 8 samples, the same
+  tokens, the sampled token's logprob), median of 3 after a warm-up: the tail-bound baseline.
+- `sync`: GRPO through `rolefleet up` as it is (hf decode loop), `--steps` steps.
+- `partial`: the same with `pipeline.partial_rollouts` (`--budget` tokens a step, carried at most
+  `--max-staleness` steps).
+
+Each run records the median of its steps' `timing/generate_s` and `timing/step_s` (after
+`--warmup`), the actor's busy share, the samples it trained on, and the held-out greedy accuracy
+before and after (eval at step 0 and at the last step). Writes OUT/long_tail.json and prints one JSON
+line per part.
+
+    python benchmarks/long_tail.py --model runs/smollm2-135m-instruct --out OUT --parts vllm
+    python benchmarks/long_tail.py --model runs/smollm2-135m-instruct --out OUT --parts sync,partial
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_model import CONFIG, gpu_settings  # noqa: E402 - the same workload and GPU settings
+
+
+def settings(args) -> list[str]:
+    return [f"model.model_name_or_path={args.model}", f"train.total_steps={args.steps}",
+            f"train.prompts_per_step={args.prompts_per_step}", f"train.samples_per_prompt={args.samples_per_prompt}",
+            f"sampling.max_new_tokens={args.max_new_tokens}", f"actor.lr={args.lr}", f"eval.every={args.steps}",
+            f"eval.max_prompts={args.eval_prompts}", "checkpoint.at_end=false", *args.set]
+
+
+def run(args, out: Path, name: str, extra: list[str]) -> dict:
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "rolefleet.cli", "up", CONFIG, *settings(args), *gpu_settings(), *extra,
+           f"run.output_dir={run_dir}"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "timing/step_s" in r]
+    later = steps[args.warmup:] or steps
+    evals = [r for r in records if "eval/pass@1" in r]
+    groups = [r.get("partial/trained_groups", args.prompts_per_step) for r in steps]
+    return {
+        "part": name, "wall_s": time.perf_counter() - start, "steps": len(steps),
+        "generate_s": statistics.median(r["timing/generate_s"] for r in later),
+        "step_s": statistics.median(r["timing/step_s"] for r in later),
+        "update_s": statistics.median(r["timing/update_s"] for r in later),
+        "busy_actor": statistics.median(r.get("busy/actor", 0.0) for r in later),
+        "trained_samples": sum(groups) * args.samples_per_prompt,
+        "response_length": statistics.median(r["response_length/mean"] for r in later),
+        "clip_ratio": statistics.median(r["response_length/clip_ratio"] for r in later),
+        "older_token_frac": statistics.median(r.get("partial/older_token_frac", 0.0) for r in later),
+        "max_lag": max(r.get("partial/max_lag", 0.0) for r in steps),
+        "eval": [[r["step"], r["eval/pass@1"]] for r in evals],
+        "generate_s_per_step": [round(r["timing/generate_s"], 3) for r in steps],
+    }
+
+
+def vllm_alone(args) -> dict:
+    """vLLM generating the first step's batch: its prompts as the actor tokenizes them, n samples each."""
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from rolefleet.common.config import load_config
+    from rolefleet.coordinator.data import PromptDataset
+
+    cfg = load_config(CONFIG, settings(args))
+    records = PromptDataset.for_run(cfg).batch(1, args.prompts_per_step)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = [TokensPrompt(prompt_token_ids=tokenizer(r.prompt)["input_ids"]) for r in records]
+    llm = LLM(model=args.model, dtype="bfloat16", gpu_memory_utilization=0.4, generation_config="vllm",
+              skip_tokenizer_init=True)
+    # The actor's stop: the chat template's end of turn, which the imported model's eos is.
+    params = SamplingParams(n=args.samples_per_prompt, temperature=1.0, max_tokens=args.max_new_tokens, logprobs=0,
+                            stop_token_ids=[tokenizer.eos_token_id], detokenize=False)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    seconds, lengths = [], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        lengths = sorted(len(o.token_ids) for out in outputs for o in out.outputs)
+    return {"part": "vllm", "generate_s": statistics.median(seconds), "runs_s": seconds,
+            "median_length": lengths[len(lengths) // 2], "p93_length": lengths[int(0.93 * len(lengths))],
+            "at_cap": sum(n >= args.max_new_tokens for n in lengths) / len(lengths)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, help="a chat model directory (make real-model)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--parts", default="vllm,sync,partial")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--budget", type=int, default=64, help="pipeline.partial_rollouts.token_budget")
+    p.add_argument("--max-staleness", type=int, default=8, help="pipeline.max_staleness of the partial run")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--eval-prompts", type=int, default=200)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides of both runs")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Parts may run in separate invocations (vLLM's engine is best left in a process of its own):
+    # each adds to what an earlier one wrote.
+    written = out / "long_tail.json"
+    results: dict = {**(json.loads(written.read_text()) if written.exists() else {}), "settings": vars(args)}
+    parts = args.parts.split(",")
+    for part in parts:
+        if part == "vllm":
+            results[part] = vllm_alone(args)
+        elif part == "sync":
+            results[part] = run(args, out, "sync", [])
+        elif part == "partial":
+            results[part] = run(args, out, "partial", [
+                "pipeline.partial_rollouts.enabled=true", f"pipeline.partial_rollouts.token_budget={args.budget}",
+                f"pipeline.max_staleness={args.max_staleness}"])
+        else:
+            raise SystemExit(f"--parts: unknown part {part!r} (vllm, sync, partial)")
+        print(json.dumps(results[part]), flush=True)
+        written.write_text(json.dumps(results, indent=2))
+    if "partial" in results:
+        for base in ("vllm", "sync"):
+            if base in results:
+                results[f"generate_speedup_vs_{base}"] = results[base]["generate_s"] / results["partial"]["generate_s"]
+        written.write_text(json.dumps(results, indent=2))
+        print(json.dumps({k: v for k, v in results.items() if k.startswith("generate_speedup")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
