@@ -11,8 +11,9 @@ Parts (`--parts`, in this order, each a run of its own):
   `--max-staleness` steps).
 
 Each run records the median of its steps' `timing/generate_s` and `timing/step_s` (after
-`--warmup`), the actor's busy share, the samples it trained on, and the held-out greedy accuracy
-before and after (eval at step 0 and at the last step). Writes OUT/long_tail.json and prints one JSON
+`--warmup`), the GPU's mean utilization over those steps (NVML), the samples it trained on, and the
+held-out greedy accuracy before and after (eval at step 0 and at the last step; `--set eval.every=0`
+for none). Writes OUT/long_tail.json and prints one JSON
 line per part.
 
     python benchmarks/long_tail.py --model runs/smollm2-135m-instruct --out OUT --parts vllm
@@ -40,14 +41,42 @@ def settings(args) -> list[str]:
             f"eval.max_prompts={args.eval_prompts}", "checkpoint.at_end=false", *args.set]
 
 
+def gpu_busy(proc: subprocess.Popen, metrics: Path, first: int, last: int) -> float | None:
+    """While `proc` runs: the GPU's mean utilization (NVML, GPU 0, sampled every 50 ms) from when
+    the record of step `first` is written to when that of step `last` is: the steps between, without
+    the start-up. None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # noqa: BLE001 - no NVML (a CPU machine): nothing to sample
+        proc.wait()
+        return None
+    samples, marks = [], {}
+    while proc.poll() is None:
+        samples.append((time.perf_counter(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                marks.setdefault(json.loads(line)["step"], time.perf_counter())
+        time.sleep(0.05)
+    if first not in marks or last not in marks:
+        return None
+    window = [u for t, u in samples if marks[first] <= t <= marks[last]]
+    return statistics.mean(window) / 100 if window else None
+
+
 def run(args, out: Path, name: str, extra: list[str]) -> dict:
     run_dir = out / name
     cmd = [sys.executable, "-m", "rolefleet.cli", "up", CONFIG, *settings(args), *gpu_settings(), *extra,
            f"run.output_dir={run_dir}"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        # The steps after the warm-up, up to the one before the last (whose record waits for its evaluation).
+        busy = gpu_busy(proc, run_dir / "metrics.jsonl", args.warmup, max(args.warmup + 1, args.steps - 1))
     if proc.returncode != 0:
-        raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{name}: exit {proc.returncode}\n{(out / f'{name}.log').read_text()[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "timing/step_s" in r]
     later = steps[args.warmup:] or steps
@@ -59,6 +88,7 @@ def run(args, out: Path, name: str, extra: list[str]) -> dict:
         "step_s": statistics.median(r["timing/step_s"] for r in later),
         "update_s": statistics.median(r["timing/update_s"] for r in later),
         "busy_actor": statistics.median(r.get("busy/actor", 0.0) for r in later),
+        "gpu_busy": busy,
         "trained_samples": sum(groups) * args.samples_per_prompt,
         "response_length": statistics.median(r["response_length/mean"] for r in later),
         "clip_ratio": statistics.median(r["response_length/clip_ratio"] for r in later),

@@ -201,14 +201,7 @@ class ActorCore(TrainerRole):
                                 f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
-        sampling.validate()
-        for i, token in enumerate(sampling.stop_token_ids):
-            if token >= self.vocab_size:
-                raise InvalidArgument(f"sampling.stop_token_ids[{i}]", f"{token} is not below the model's vocabulary "
-                                      f"size {self.vocab_size}")
-        if len(prompts) * sampling.n > self.cfg.max_sequences_per_request:
-            raise LimitExceeded("sampling.n", f"{len(prompts)} prompts x n={sampling.n} exceed "
-                                f"actor.max_sequences_per_request={self.cfg.max_sequences_per_request}")
+        self._validate_sampling(len(prompts), sampling)
         limit = self.max_positions
         if limit is not None and 1 + sampling.max_new_tokens > limit:  # before tokenizing anything
             raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens exceed "

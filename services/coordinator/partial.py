@@ -180,13 +180,10 @@ class PartialRollouts:
                             response_ids=torch.tensor(r["response_ids"], dtype=torch.int64),
                             logprobs=torch.tensor(r["logprobs"], dtype=torch.float32),
                             finish_reason=FinishReason(r["finish_reason"]), policy_version=int(versions.min()),
-                            response_text=r["text"], group_id=group)
+                            response_text=r["text"], group_id=group,
+                            sample_id=group * SAMPLES_PER_GROUP_LIMIT + r["sample_index"])
             responses.append(_Response(sample, versions, r["carries"]))
-        return _Group(d["batch"], d["prompt"], record, [replace(r, sample=_with_id(r.sample)) for r in responses])
-
-
-def _with_id(s: Sample) -> Sample:
-    return replace(s, sample_id=s.group_id * SAMPLES_PER_GROUP_LIMIT + s.sample_index)
+        return _Group(d["batch"], d["prompt"], record, responses)
 
 
 def _resume(s: Sample) -> Continuation:
