@@ -50,15 +50,16 @@ class _Response:
     sample: Sample
     versions: torch.Tensor  # int64 [R]
     carries: int = 0        # steps it has been carried into
+    full: bool = False      # the model's positions are full: the actor answered no tokens
 
     def finished(self, cap: int) -> bool:
-        return self.sample.finish_reason == FinishReason.STOP or len(self.sample.response_ids) >= cap
+        return self.full or self.sample.finish_reason == FinishReason.STOP or len(self.sample.response_ids) >= cap
 
     def extended(self, piece: Sample) -> _Response:
         """With the tokens `piece` generated on it (its text is the whole response's: the actor
         decodes a resumed response in one piece)."""
         s = self.sample
-        return replace(self, sample=replace(s, response_ids=torch.cat([s.response_ids, piece.response_ids]),
+        return replace(self, full=not len(piece.response_ids), sample=replace(s, response_ids=torch.cat([s.response_ids, piece.response_ids]),
                                             logprobs=torch.cat([s.logprobs, piece.logprobs]),
                                             finish_reason=piece.finish_reason, response_text=piece.response_text),
                        versions=torch.cat([self.versions, torch.full((len(piece.response_ids),), piece.policy_version)]))
@@ -166,7 +167,7 @@ class PartialRollouts:
             "sample_index": r.sample.sample_index, "prompt_ids": r.sample.prompt_ids.tolist(),
             "response_ids": r.sample.response_ids.tolist(), "logprobs": r.sample.logprobs.tolist(),
             "versions": r.versions.tolist(), "finish_reason": int(r.sample.finish_reason),
-            "text": r.sample.response_text, "carries": r.carries} for r in g.responses]}
+            "text": r.sample.response_text, "carries": r.carries, "full": r.full} for r in g.responses]}
 
     def _group_from_dict(self, d: dict[str, Any]) -> _Group:
         """A carried group of a checkpoint: its record is the data's, as the saved run drew it."""
@@ -182,7 +183,7 @@ class PartialRollouts:
                             finish_reason=FinishReason(r["finish_reason"]), policy_version=int(versions.min()),
                             response_text=r["text"], group_id=group,
                             sample_id=group * SAMPLES_PER_GROUP_LIMIT + r["sample_index"])
-            responses.append(_Response(sample, versions, r["carries"]))
+            responses.append(_Response(sample, versions, r["carries"], r.get("full", False)))
         return _Group(d["batch"], d["prompt"], record, responses)
 
 

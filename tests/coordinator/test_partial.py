@@ -145,6 +145,28 @@ def test_the_carried_responses_resume_from_a_checkpoint():
     assert long.token_versions.tolist() == [0] * 4 + [1] * 4 + [2] * 2 and long.sample_id == (1 << 20) + 1
 
 
+def test_a_response_the_model_has_no_room_for_ends_where_it_is():
+    """A prompt so long that the model's positions end before the cap: the actor answers the
+    resumed response with no tokens (finish_reason LENGTH), and it trains as it stands."""
+    cfg, actor, rollouts = setup(lambda g, k: 10 if g == 0 else 2)
+    generate = actor.generate
+
+    async def full_after_6(prompts, sampling, first_group_id=0, continuations=None):
+        samples = await generate(prompts, sampling, first_group_id, continuations)
+        if continuations:
+            samples = [s if len(c.context_ids) < len(PROMPT) + 6 else
+                       Sample(s.prompt_index, 0, c.context_ids, torch.zeros(0, dtype=torch.int64), torch.zeros(0),
+                              FinishReason.LENGTH, actor.version, s.response_text)
+                       for s, c in zip(samples, continuations)]
+        return samples
+
+    actor.generate = full_after_6
+    done, state = steps(rollouts, actor, 3)
+    (group0,) = [[s for s in r.samples if s.group_id == 0] for r in done if any(s.group_id == 0 for s in r.samples)]
+    assert [len(s.response_ids) for s in group0] == [8, 8]  # 4 + 4, then no room: ended there
+    assert all(s.finish_reason == FinishReason.LENGTH for s in group0) and not state.carried
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["pipeline.mode=async"], "pipeline.mode async"),
     (["pipeline.max_staleness=0"], "max_staleness=0"),
