@@ -245,3 +245,23 @@ def test_a_checkpoint_is_due_every_so_many_minutes_of_training(make_config, monk
     off = Checkpointer(make_config("checkpoint.every_minutes=0", "checkpoint.at_end=false", "train.total_steps=100"))
     now[0] += 10_000
     assert not off.due(7) and not off.cfg.checkpoint.periodic
+
+
+def test_a_run_with_partial_rollouts_resumes_its_carried_responses(make_config, tmp_path):
+    """The responses carried past a checkpoint are in it (`coordinator.json`): a run stopped there
+    and resumed generates them on from where they were, the same run as one straight through."""
+    common = ("algorithm=grpo", "train.total_steps=6", "checkpoint.every=3", "train.samples_per_prompt=2",
+              "pipeline.partial_rollouts.enabled=true", "pipeline.partial_rollouts.token_budget=1",
+              "pipeline.max_staleness=3")
+    straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
+    _, straight_actor, _ = run(straight_cfg)
+    cfg = make_config(*common, f"run.output_dir={tmp_path / 'resumed'}")
+    run(cfg, stop_after=3)
+    saved = json.loads((cfg.run.out / "checkpoints" / "step-00000003" / "coordinator.json").read_text())
+    assert saved.get("carried")  # the test is about them: some responses were open at step 3
+    resumed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
+    status, actor, _ = run(resumed)
+    assert status.state == RunState.FINISHED and actor.digest() == straight_actor.digest()
+    ids = journal_ids(cfg)
+    assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids))
+    assert all(same_step(a, b) for a, b in zip(metrics(cfg), metrics(straight_cfg)))

@@ -158,6 +158,27 @@ def test_train_without_role_servers_fails_clearly(make_config, tmp_path):
     assert "actor at 127.0.0.1:1 was not SERVING within 1s" in output
 
 
+def test_up_with_partial_rollouts_carries_responses_between_steps(make_config, tmp_path):
+    """Real processes: responses cut at a 1-token budget are resumed over gRPC in the next step
+    (Continuation.resume_from), trained within the bound the actor is handed, each sample once."""
+    from rolefleet.coordinator.journal import FILENAME, Journal
+
+    cfg = make_config("algorithm=grpo", "train.samples_per_prompt=4", "train.prompts_per_step=4",
+                      "train.total_steps=4", "pipeline.partial_rollouts.enabled=true",
+                      "pipeline.partial_rollouts.token_budget=1", "pipeline.max_staleness=3")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    proc = rolefleet("up", str(config))
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    records = read_metrics(cfg.run.out / "metrics.jsonl")
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4]
+    assert max(r["partial/max_lag"] for r in records) > 0  # carried responses were trained later
+    assert all(r["partial/max_lag"] <= 3 for r in records)
+    with Journal(cfg.run.out / FILENAME) as journal:
+        trained = journal.trained_sample_ids()
+    assert len(trained) == len(set(trained)) == 4 * sum(r["partial/trained_groups"] for r in records)
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_critic_free_algorithms_run_without_a_critic_server(make_config, tmp_path, algorithm):
     cfg = make_config(f"algorithm={algorithm}", "train.samples_per_prompt=4", "train.prompts_per_step=4",
