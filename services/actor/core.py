@@ -51,6 +51,11 @@ class ActorCore(TrainerRole):
         super().__init__(ROLE, worker, group, versioned="policy")
         self.tokenizer, self.vocab_size, self.stop_ids = worker.tokenizer, worker.vocab_size, worker.stop_ids
         self.max_positions = worker.max_positions
+        # What one sequence may hold while generating: the vllm engine's KV cache may be sized below
+        # the model's positions (`actor.rollout.vllm.max_model_len`).
+        engine_len = cfg.rollout.vllm.max_model_len if worker.backend == "vllm" else None
+        bounds = [p for p in (self.max_positions, engine_len) if p is not None]
+        self.generate_positions = min(bounds) if bounds else None
         self.turns = TurnRenderer(self.tokenizer)
         self.end_of_turn = end_of_turn_id(self.tokenizer)  # where a multi-turn rollout's turn ends
         self.limits = BatchLimits.of(ROLE, cfg, self.max_positions)
@@ -171,7 +176,7 @@ class ActorCore(TrainerRole):
             check_observation(c.observation, f"{field}.observation", self.cfg.max_prompt_bytes)
             rendered = self.turns.observation_ids(c.observation, int(context[-1]), f"{field}.observation")
             ids.append(torch.cat([context.to(torch.int64), torch.tensor(rendered, dtype=torch.int64)]))
-        limit = self.max_positions
+        limit = self.generate_positions
         if limit is not None and sampling.max_new_tokens >= limit:  # room for no conversation at all
             raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens leave no room "
                                   f"for a conversation within the model's {limit} positions")
@@ -181,7 +186,7 @@ class ActorCore(TrainerRole):
         return ids, has_room
 
     def _check_room(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams) -> None:
-        longest, limit = max(len(p) for p in prompt_ids), self.max_positions
+        longest, limit = max(len(p) for p in prompt_ids), self.generate_positions
         if limit is not None and longest + sampling.max_new_tokens > limit:
             raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens after a "
                                   f"{longest}-token prompt exceed the model's {limit} positions")
@@ -202,7 +207,7 @@ class ActorCore(TrainerRole):
 
     def _validate_generate(self, prompts: list[str], sampling: SamplingParams) -> list[torch.Tensor]:
         self._validate_sampling(len(prompts), sampling)
-        limit = self.max_positions
+        limit = self.generate_positions
         if limit is not None and 1 + sampling.max_new_tokens > limit:  # before tokenizing anything
             raise InvalidArgument("sampling.max_new_tokens", f"{sampling.max_new_tokens} new tokens exceed "
                                   f"the model's {limit} positions")

@@ -34,9 +34,11 @@ import torch
 
 from rolefleet.actor.client import ActorClient
 from rolefleet.actor.rollout import derived_seed
+from rolefleet.actor.turns import check_observation
 from rolefleet.actor.types import Continuation, EpisodeStats, FinishReason, Sample, SamplingParams
 from rolefleet.common import metrics
 from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.reward.client import RewardClient
 from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreResult
 from rolefleet.tasks import PromptRecord
@@ -143,14 +145,21 @@ class Episodes:
         self.env_s += seconds
         metrics.STAGE_SECONDS.labels("coordinator", "environment").inc(seconds)
         for conversation, outcome in zip(conversations, outcomes):
-            if (size := _bytes(outcome.observation)) > self.max_observation_bytes:
-                # Too large for the actor to take: the conversation ends here, not the request.
-                outcome = replace(outcome, observation=[], error=f"the observation's {size} bytes exceed "
-                                  f"actor.max_prompt_bytes={self.max_observation_bytes}")
+            if not (outcome.done or outcome.error) and (problem := self._unsendable(outcome.observation)):
+                # What the actor would refuse ends this conversation here, not the whole turn request.
+                outcome = replace(outcome, observation=[], error=problem)
             conversation.answered(outcome)
             if not conversation.done:
                 conversation.messages += outcome.observation
                 conversation.pending = outcome.observation
+
+    def _unsendable(self, observation: list[dict[str, str]]) -> str:
+        """Why the actor would refuse to continue with `observation` (the checks it makes), or ''."""
+        try:
+            check_observation(observation, "observation", self.max_observation_bytes)
+        except (InvalidArgument, LimitExceeded) as exc:
+            return str(exc)
+        return ""
 
     async def _next_turns(self, conversations: list[_Conversation], sampling: SamplingParams, round_: int) -> None:
         """1. One more turn of each conversation the environment left open, each within what is left
@@ -175,10 +184,6 @@ class Episodes:
                     turn = replace(turn, response_ids=turn.response_ids[:room], logprobs=turn.logprobs[:room],
                                    finish_reason=FinishReason.LENGTH)
                 c.took(turn, observation)
-
-
-def _bytes(messages: list[dict[str, str]]) -> int:
-    return sum(len(m.get("content", "").encode("utf-8", errors="surrogatepass")) for m in messages)
 
 
 def _text(prompt) -> str:

@@ -17,15 +17,17 @@ A carried response's tokens keep the rollout logprobs and the policy version tha
 (`Sample.token_versions`): the update's importance-sampling correction weighs each token by
 pi_train / pi_that_made_it, and the sample's `policy_version` is its first token's, so the
 staleness bound (`pipeline.max_staleness`, which the actor checks) counts from it. A response
-carried `max_staleness` times generates to its end in the next step: no sample ever exceeds the
-bound and none is dropped. Each step draws one batch of the data; every group is trained once,
-at most `max_staleness` steps after it began. The carried responses are part of the coordinator's
-checkpoint (`CoordinatorState.carried`): a resumed run generates on from where the saved one was.
+begun at step j generates to its end at step j + `max_staleness` at the latest: no sample ever
+exceeds the bound and none is dropped. Each step draws one batch of the data; every group is
+trained once, at most `max_staleness` steps after it began. The carried responses are part of the
+coordinator's checkpoint (`CoordinatorState.carried`): a resumed run generates on from where the
+saved one was.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +38,7 @@ from rolefleet.actor.client import ActorClient
 from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, Continuation, FinishReason, Sample, SamplingParams
 from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, spent, to_batch
@@ -106,6 +109,7 @@ class PartialRollouts:
         while not any(g.finished(self.cap) for g in groups):  # nothing to train on yet: on with this policy
             await self._generate_on(groups, sampling, rounds)
             rounds += 1
+        version = max(s.policy_version for s in fresh)  # the policy that generated this step
         done = [g for g in groups if g.finished(self.cap)]
         self.carried = [g for g in groups if not g.finished(self.cap)]
         for g in self.carried:
@@ -115,7 +119,7 @@ class PartialRollouts:
         samples = [r.trained(i) for i, g in enumerate(done) for r in g.responses]
         open_responses = sum(not r.finished(self.cap) for g in self.carried for r in g.responses)
         return Rollout(step, [g.record for g in done], samples, to_batch(samples), generate_s,
-                       stats=_stats(samples, len(done), len(self.carried), open_responses, rounds))
+                       stats=_stats(samples, version, len(done), len(self.carried), open_responses, rounds))
 
     async def _generate_on(self, groups: list[_Group], sampling: SamplingParams, round_: int) -> None:
         """The groups' open responses generated on, each by the budget or (carried `max_carries`
@@ -138,7 +142,7 @@ class PartialRollouts:
         requests = [(tokens, part) for tokens, rows in by_tokens.items()
                     for part in self._within_limits(rows, responses, tokens)]
         answers = await asyncio.gather(*(self.actor.generate(
-            [], replace(seeded, max_new_tokens=tokens, seed=derived_seed(seeded.seed, part[0] * 100_003 + tokens)), 0,
+            [], replace(seeded, max_new_tokens=tokens, seed=derived_seed(derived_seed(seeded.seed, part[0]), tokens)), 0,
             [_resume(responses[i].sample) for i in part]) for tokens, part in requests))
         out: list[Sample] = [None] * len(responses)  # type: ignore[list-item]
         for (_, part), pieces in zip(requests, answers):
@@ -163,16 +167,33 @@ class PartialRollouts:
         return parts
 
     def _group_to_dict(self, g: _Group) -> dict[str, Any]:
-        return {"batch": g.batch, "prompt": g.prompt, "responses": [{
+        return {"batch": g.batch, "prompt": g.prompt, "group_id": g.responses[0].sample.group_id,
+                "prompt_sha": _digest(g.record.prompt), "responses": [{
             "sample_index": r.sample.sample_index, "prompt_ids": r.sample.prompt_ids.tolist(),
             "response_ids": r.sample.response_ids.tolist(), "logprobs": r.sample.logprobs.tolist(),
             "versions": r.versions.tolist(), "finish_reason": int(r.sample.finish_reason),
             "text": r.sample.response_text, "carries": r.carries, "full": r.full} for r in g.responses]}
 
     def _group_from_dict(self, d: dict[str, Any]) -> _Group:
-        """A carried group of a checkpoint: its record is the data's, as the saved run drew it."""
+        """A carried group of a checkpoint: its record is the data's, as the saved run drew it.
+        FailedPrecondition where the run's settings no longer draw it so (`train.prompts_per_step`
+        or the data changed), or where it would exceed a lowered `pipeline.max_staleness`."""
+        try:
+            return self._restored(d)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise FailedPrecondition(f"the checkpoint's carried responses (coordinator.json `carried`) cannot be "
+                                     f"read: {exc!r}") from None
+
+    def _restored(self, d: dict[str, Any]) -> _Group:
         record = self.dataset.batch(d["batch"], self.cfg.train.prompts_per_step)[d["prompt"]]
         group = first_group_id(self.cfg, d["batch"]) + d["prompt"]
+        if group != d["group_id"] or _digest(record.prompt) != d["prompt_sha"]:
+            raise FailedPrecondition(f"carried group {d['group_id']} of the checkpoint is not the run's group {group}: "
+                                     "train.prompts_per_step or the data changed since it was saved; resume with "
+                                     "the settings it was saved with")
+        if any(r["carries"] > self.max_carries for r in d["responses"]):
+            raise FailedPrecondition(f"carried group {group} has been carried more often than pipeline.max_staleness="
+                                     f"{self.max_carries} allows; resume with the bound it was saved with")
         responses = []
         for r in d["responses"]:
             versions = torch.tensor(r["versions"], dtype=torch.int64)
@@ -187,6 +208,10 @@ class PartialRollouts:
         return _Group(d["batch"], d["prompt"], record, responses)
 
 
+def _digest(prompt: Any) -> str:
+    return hashlib.sha256(str(prompt).encode("utf-8", errors="surrogatepass")).hexdigest()[:16]
+
+
 def _resume(s: Sample) -> Continuation:
     return Continuation(torch.cat([s.prompt_ids, s.response_ids]), [], resume_from=len(s.prompt_ids))
 
@@ -199,12 +224,12 @@ def _new_groups(index: int, records: list[PromptRecord], samples: list[Sample]) 
     return groups
 
 
-def _stats(samples: list[Sample], trained: int, carried: int, open_responses: int, rounds: int) -> dict[str, float]:
-    """The step's `partial/*` record entries (docs/metrics.md)."""
+def _stats(samples: list[Sample], version: int, trained: int, carried: int, open_responses: int,
+           rounds: int) -> dict[str, float]:
+    """The step's `partial/*` record entries (docs/metrics.md); `version`: the step's policy."""
     tokens = sum(len(s.response_ids) for s in samples)
-    newest = max((int(s.token_versions.max()) for s in samples if len(s.token_versions)), default=0)
-    older = sum(int((s.token_versions < newest).sum()) for s in samples)
+    older = sum(int((s.token_versions < version).sum()) for s in samples)
     return {"partial/trained_groups": float(trained), "partial/carried_groups": float(carried),
             "partial/carried_responses": float(open_responses), "partial/rounds": float(rounds),
             "partial/older_token_frac": older / max(tokens, 1),
-            "partial/max_lag": float(max((newest - s.policy_version for s in samples), default=0))}
+            "partial/max_lag": float(max((version - s.policy_version for s in samples), default=0))}

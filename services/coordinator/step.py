@@ -79,6 +79,12 @@ class StepBody:
         self.dataset = PromptDataset.for_run(cfg)
         if self.state.data is not None:  # not in the checkpoint of step 0
             self.dataset.load_state_dict(self.state.data)  # refuses prompts that changed since
+        if self.state.carried and not cfg.pipeline.partial_rollouts.enabled:
+            # Saved with partial rollouts, resumed without: those groups stay untrained (their data
+            # position is behind the run's), and are not saved again.
+            print(f"rolefleet: the checkpoint carries {len(self.state.carried)} groups of unfinished responses "
+                  "(pipeline.partial_rollouts); without it they are dropped", flush=True)
+            self.state.carried = []
         self.evaluator = Evaluator.for_run(cfg, self.dataset)
         self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps)
         self.roles = self.retries.wrap(roles)

@@ -115,6 +115,17 @@ def test_a_conversation_without_room_gets_an_empty_turn_and_the_others_go_on(act
     assert alone.finish_reason == FinishReason.LENGTH and not len(alone.response_ids)
 
 
+def test_room_is_what_the_rollout_engine_holds(actor, monkeypatch):
+    """A vllm engine's KV cache sized below the model's positions (`actor.rollout.vllm.max_model_len`)
+    bounds the room: a conversation past it gets the empty turn too."""
+    short = continuation(actor)
+    monkeypatch.setattr(actor, "generate_positions", len(short.context_ids) + 8)
+    samples = actor.generate([], SamplingParams(max_new_tokens=3, seed=1), 0, [short, continuation(actor)])
+    assert all(s.finish_reason == FinishReason.LENGTH and not len(s.response_ids) for s in samples)
+    with pytest.raises(InvalidArgument, match="sampling.max_new_tokens"):
+        actor.generate([PROMPT], SamplingParams(max_new_tokens=len(short.context_ids) + 8))
+
+
 def test_a_resumed_response_generates_on_with_nothing_appended(actor):
     """Partial rollouts: a response cut at a token budget is generated on from its tokens as they
     are; the sample's text is the whole response's, decoded in one piece."""

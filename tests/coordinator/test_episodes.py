@@ -209,7 +209,26 @@ def test_an_observation_too_long_for_the_actor_ends_only_its_conversation(actor,
     for cut in (tokens, size):  # ended on its first turn: no observation in its response
         assert cut.episode.turns == 1 and cut.loss_mask is None and len(cut.response_ids) == 1
     assert not tokens.episode.env_error
-    assert size.episode.env_error == "the observation's 5000 bytes exceed actor.max_prompt_bytes=4096"
+    assert size.episode.env_error == "observation: 5000 bytes exceed actor.max_prompt_bytes=4096"
+
+
+def test_an_observation_the_actor_would_refuse_ends_its_conversation_only_if_it_would_be_sent(chat_model_dir):
+    """Too many messages, or none while the episode goes on: the conversation ends with the reason.
+    The same observation with done set is never sent, so it is no error."""
+    many = [{"role": "tool", "content": "1"}] * 65
+
+    class Refusable(ScriptedEnv):
+        async def step(self, items):
+            self.asked.append(items)
+            if len(items[0].messages) > 1:
+                return [EnvOutcome([], done=True) for _ in items]
+            return [EnvOutcome(many, done=False), EnvOutcome([], done=False), EnvOutcome(many, done=True),
+                    EnvOutcome(OBSERVATION, done=False)]
+
+    samples = run(scripted(config(chat_model_dir), Refusable()), [PromptRecord(PROMPT, "42")] * 4, SamplingParams())
+    errors = [s.episode.env_error for s in samples]
+    assert "65 messages, at most 64" in errors[0] and "no messages" in errors[1]
+    assert errors[2:] == ["", ""] and [s.episode.turns for s in samples] == [1, 1, 1, 2]
 
 
 def test_a_turn_cut_off_by_max_new_tokens_is_not_answered(chat_model_dir):

@@ -12,6 +12,7 @@ import torch
 
 from rolefleet.actor.types import FinishReason, Sample, with_ids
 from rolefleet.common.config import parse_config
+from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.partial import PartialRollouts
@@ -165,6 +166,19 @@ def test_a_response_the_model_has_no_room_for_ends_where_it_is():
     (group0,) = [[s for s in r.samples if s.group_id == 0] for r in done if any(s.group_id == 0 for s in r.samples)]
     assert [len(s.response_ids) for s in group0] == [8, 8]  # 4 + 4, then no room: ended there
     assert all(s.finish_reason == FinishReason.LENGTH for s in group0) and not state.carried
+
+
+@pytest.mark.parametrize("changed, message", [
+    (["train.prompts_per_step=2"], "train.prompts_per_step or the data changed"),
+    (["pipeline.max_staleness=1"], "pipeline.max_staleness=1"),
+])
+def test_carried_responses_are_not_resumed_into_settings_that_would_misread_them(changed, message):
+    cfg, actor, rollouts = setup(lambda g, k: 16 if (g, k) == (4, 1) else 3)
+    _, state = steps(rollouts, actor, 3)  # group 4 (batch 2's second prompt) has been carried twice
+    saved = CoordinatorState.from_dict(state.to_dict())
+    other, actor2, resumed = setup(lambda g, k: 3, *changed)
+    with pytest.raises(FailedPrecondition, match=message):
+        steps(resumed, actor2, 1, saved)
 
 
 @pytest.mark.parametrize("overrides, message", [

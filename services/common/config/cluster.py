@@ -28,8 +28,8 @@ class PartialRolloutsSection(_Section):
     enabled: bool = Field(False, description="sync mode: a step generates at most token_budget tokens of each "
                           "response; responses cut there are carried into the next step and generated on by its "
                           "policy (their tokens keep the rollout logprobs and policy versions that made them), and "
-                          "each step trains on the groups whose responses have all finished. A response carried "
-                          "pipeline.max_staleness times generates to its end in the next step")
+                          "each step trains on the groups whose responses have all finished. A response begun at "
+                          "step j generates to its end at step j + pipeline.max_staleness at the latest")
     token_budget: Optional[int] = Field(None, ge=1, description="tokens each response generates per step; "
                                         "default a quarter of sampling.max_new_tokens")
 
@@ -40,7 +40,8 @@ class PipelineSection(_Section):
     mode: Literal["sync", "async"] = Field("sync", description="sync: one step's phases one after another; "
                                            "async: later batches generate while earlier ones are scored "
                                            "and trained on")
-    max_staleness: int = Field(1, ge=0, description="async: a batch is trained on only while the actor's "
+    max_staleness: int = Field(1, ge=0, description="async (and sync with partial_rollouts): a batch is trained "
+                               "on only while the actor's "
                                "version is at most this many updates past the version that generated "
                                "its oldest sample (0: on-policy, still streaming)")
     queue_capacity: int = Field(2, ge=1, description="async: batches each stage queue holds")
