@@ -13,8 +13,9 @@ Each round, for every conversation still open:
 A conversation ends when the environment says done (or fails on it), a turn ends without its stop
 token (it hit sampling.max_new_tokens: no finished message to answer), `max_turns` turns are made,
 or no room is left under `actor.rollout.max_total_tokens` or the model's positions (an observation
-too long for them ends its conversation alone, as does one over `actor.max_prompt_bytes`). Finished conversations are handed on at once, while the others
-go on, so the reward scores short conversations while long ones still run.
+too long for them ends its conversation alone, as does one the actor would refuse: over
+`actor.max_prompt_bytes`, too many messages, none). Finished conversations are handed on at once,
+while the others go on, so the reward scores short conversations while long ones still run.
 
 A finished conversation is one sample: the prompt, then every turn and observation as its response,
 with a loss mask (the model's tokens only), the rollout logprobs of the model's tokens (0 on the

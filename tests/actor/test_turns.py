@@ -195,9 +195,8 @@ def test_generate_with_continuations_over_grpc(actor):
         async with serving("actor", lambda server: add_to_server(actor, server)) as address:
             client = GrpcActorClient(address, 60.0)
             try:
-                c = continuation(actor)
                 resumed = continuation(actor, observation=[], resume_from=20)  # partial rollouts
-                for c in (c, resumed):
+                for c in (continuation(actor), resumed):
                     (sample,) = await client.generate([], SamplingParams(max_new_tokens=2, seed=3), 0, [c])
                     (local,) = actor.generate([], SamplingParams(max_new_tokens=2, seed=3), 0, [c])
                     assert torch.equal(sample.prompt_ids, local.prompt_ids) and torch.equal(sample.response_ids,
