@@ -6,7 +6,12 @@ to the cap.
 Parts (`--parts`, in this order, each a run of its own):
 - `vllm`: vLLM alone generating the first step's batch (its 32 prompts x 8 samples, the same
   tokens, the sampled token's logprob), median of 3 after a warm-up: the tail-bound baseline.
-- `sync`: GRPO through `rolefleet up` as it is (hf decode loop), `--steps` steps.
+- `decode`: the decode loop's step alone (CUDA graph replays of the real model) at `--rows` rows
+  and at each smaller batch that compaction would move them to, over a cache of the prompt plus
+  `--max-new-tokens` slots: milliseconds a step, median of 50.
+- `full`: GRPO through `rolefleet up` with `actor.rollout.compact=false` (the hf decode loop decodes
+  every row until the batch's last one ends), `--steps` steps.
+- `sync`: GRPO through `rolefleet up` as it is (hf decode loop, compaction on), `--steps` steps.
 - `partial`: the same with `pipeline.partial_rollouts` (`--budget` tokens a step, carried at most
   `--max-staleness` steps).
 
@@ -18,6 +23,8 @@ line per part.
 
     python benchmarks/long_tail.py --model runs/smollm2-135m-instruct --out OUT --parts vllm
     python benchmarks/long_tail.py --model runs/smollm2-135m-instruct --out OUT --parts sync,partial
+    python benchmarks/long_tail.py --model runs/smollm2-135m-instruct --out OUT --parts decode,full,sync,partial \
+        --max-new-tokens 4096 --budget 512 --set eval.every=0 actor.max_tokens_per_request=4194304
 """
 
 from __future__ import annotations
@@ -130,6 +137,39 @@ def vllm_alone(args) -> dict:
             "at_cap": sum(n >= args.max_new_tokens for n in lengths) / len(lengths)}
 
 
+def decode_steps(args) -> dict:
+    """Milliseconds of one decode step (a graph replay) at `--rows` rows and each power of two down
+    to the compaction floor, over the same cache length."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rolefleet.actor.decode import COMPACT_FLOOR, DecodeLoop, _Mode, cache_attention_on
+    from rolefleet.common.modeling import compile_decoder_layers
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
+    compile_decoder_layers(model)  # as the engine runs it with `compile_layers`
+    loop = DecodeLoop(model, torch.device("cuda"), 0, 32768, compile=True)
+    prompt = 64
+    length = -(-(prompt + args.max_new_tokens) // 128) * 128
+    mode, result, rows = _Mode(0, False, False), {}, args.rows
+    with torch.no_grad(), cache_attention_on(model):
+        root = loop._prepare(args.rows, length, mode)
+        while rows >= COMPACT_FLOOR:
+            buf = root if rows == args.rows else loop._compacted_buffers(root, rows, mode, prompt)
+            buf.cache.slot.fill_(prompt)
+            times = []
+            for _ in range(60):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                buf.graph.replay()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                buf.cache.slot.fill_(prompt)  # stay within the cache
+            result[rows] = round(1000 * statistics.median(times[10:]), 3)
+            rows //= 2
+    return {"part": "decode", "cache_slots": length, "step_ms_by_rows": result}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, help="a chat model directory (make real-model)")
@@ -140,6 +180,7 @@ def main() -> None:
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--rows", type=int, default=256, help="rows of the `decode` part's first batch")
     p.add_argument("--budget", type=int, default=64, help="pipeline.partial_rollouts.token_budget")
     p.add_argument("--max-staleness", type=int, default=8, help="pipeline.max_staleness of the partial run")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -156,6 +197,10 @@ def main() -> None:
     for part in parts:
         if part == "vllm":
             results[part] = vllm_alone(args)
+        elif part == "decode":
+            results[part] = decode_steps(args)
+        elif part == "full":
+            results[part] = run(args, out, "full", ["actor.rollout.compact=false"])
         elif part == "sync":
             results[part] = run(args, out, "sync", [])
         elif part == "partial":
@@ -163,13 +208,13 @@ def main() -> None:
                 "pipeline.partial_rollouts.enabled=true", f"pipeline.partial_rollouts.token_budget={args.budget}",
                 f"pipeline.max_staleness={args.max_staleness}"])
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (vllm, sync, partial)")
+            raise SystemExit(f"--parts: unknown part {part!r} (vllm, decode, full, sync, partial)")
         print(json.dumps(results[part]), flush=True)
         written.write_text(json.dumps(results, indent=2))
-    if "partial" in results:
-        for base in ("vllm", "sync"):
-            if base in results:
-                results[f"generate_speedup_vs_{base}"] = results[base]["generate_s"] / results["partial"]["generate_s"]
+    for faster, base in (("partial", "vllm"), ("partial", "sync"), ("partial", "full"), ("sync", "full")):
+        if faster in results and base in results:
+            results[f"generate_speedup_{faster}_vs_{base}"] = results[base]["generate_s"] / results[faster]["generate_s"]
+    if any(k.startswith("generate_speedup") for k in results):
         written.write_text(json.dumps(results, indent=2))
         print(json.dumps({k: v for k, v in results.items() if k.startswith("generate_speedup")}), flush=True)
 

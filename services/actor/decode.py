@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 ATTENTION = "rolefleet_cache"
 CHECK_EVERY = 16     # decode steps between looks at the finished flags (each look is a host sync)
 SLOT_ROUNDING = 128  # cache lengths are rounded up to this, so calls of similar widths share a graph
+COMPACT_FLOOR = 8    # fewer rows decode no faster (the step is bound by reading weights and launches)
 
 
 class UnsupportedModel(NotImplementedError):
@@ -194,16 +195,56 @@ class _Buffers:
     top_p: torch.Tensor           # fp32 [1]
     graph: torch.cuda.CUDAGraph | None = None
     graph_pool_bytes: int = 0     # device memory the capture reserved for the graph's own intermediates
+    # Smaller batches by row count, whose caches are views of this one's first rows (compaction).
+    compacted: dict[int, _Buffers] = field(default_factory=dict)
+    shares_cache: bool = False    # one of those: its cache's memory is its parent's
 
     def held_bytes(self) -> int:
-        tensors = [*self.cache.keys.values(), *self.cache.values.values(), self.out_tokens, self.out_logprobs]
-        return sum(t.numel() * t.element_size() for t in tensors) + self.graph_pool_bytes
+        tensors = [self.out_tokens, self.out_logprobs]
+        if not self.shares_cache:
+            tensors += [*self.cache.keys.values(), *self.cache.values.values()]
+        return (sum(t.numel() * t.element_size() for t in tensors) + self.graph_pool_bytes
+                + sum(child.held_bytes() for child in self.compacted.values()))
 
 
 @dataclass(frozen=True)
 class Decoded:
     tokens: torch.Tensor    # int64 [B, T] on the CPU; `pad_id` after a row's first stop token
     logprobs: torch.Tensor  # fp32 [B, T]
+
+
+class _Output:
+    """A call's tokens and logprobs by its own rows, while compaction moves them between batches:
+    each batch's columns are copied out when its rows move on (and at the end)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.origin: torch.Tensor | None = None  # the call's row of each decoding row; None: never moved
+        self.since = 0                           # the first column the current batch wrote
+        self.tokens = self.logprobs = None
+
+    def move(self, buf: _Buffers, pad_id: int, steps: int) -> torch.Tensor:
+        """Copies out `buf`'s columns; returns its rows still decoding (ascending), which move on."""
+        if self.tokens is None:
+            self.tokens = buf.out_tokens.new_full((self.rows, buf.cache.length), pad_id)
+            self.logprobs = buf.out_logprobs.new_zeros((self.rows, buf.cache.length))
+        self._copy(buf, steps)
+        keep = buf.finished.logical_not().nonzero().squeeze(1)
+        self.origin = keep if self.origin is None else self.origin[keep]
+        self.since = steps
+        return keep
+
+    def result(self, buf: _Buffers, steps: int) -> Decoded:
+        if self.tokens is None:
+            return Decoded(buf.out_tokens[:, :steps].cpu(), buf.out_logprobs[:, :steps].cpu())
+        self._copy(buf, steps)
+        return Decoded(self.tokens[:, :steps].cpu(), self.logprobs[:, :steps].cpu())
+
+    def _copy(self, buf: _Buffers, steps: int) -> None:
+        rows = self.origin if self.origin is not None else slice(None)
+        n = self.rows if self.origin is None else len(self.origin)
+        self.tokens[rows, self.since:steps] = buf.out_tokens[:n, self.since:steps]
+        self.logprobs[rows, self.since:steps] = buf.out_logprobs[:n, self.since:steps]
 
 
 class DecodeLoop:
@@ -215,15 +256,16 @@ class DecodeLoop:
     graph. `trim` frees the least recently used ones down to a budget (the trainer wants the memory)."""
 
     def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, prefill_tokens: int,
-                 compile: bool = False, keep_bytes: int = 0):
+                 compile: bool = False, keep_bytes: int = 0, compact: bool = True):
         """`compile` (`compile_layers`): the sampling runs compiled too. Eager, `sample_next` makes
         about ten passes over the [B, V] logits at every decode step (an fp32 copy, the tempered
         logits, the noise, its log, the noisy scores, the argmax, the log-sum-exp); profiled on a
         151k vocabulary at B=256 they took a quarter of the step's GPU time. Compiled, the noise is
         drawn inside the kernels that reduce over the logits: other random numbers than the eager
         function's, from the same seeded generator, captured into the step's graph like any other
-        kernel."""
+        kernel. `compact`: finished rows leave the batch (module docstring)."""
         self.model = model
+        self.compact = compact
         self.sample = compiled(sample_next) if compile else sample_next
         self.device = device
         self.pad_id = pad_id
@@ -251,7 +293,7 @@ class DecodeLoop:
         length = -(-(width + max_new_tokens) // SLOT_ROUNDING) * SLOT_ROUNDING
         mode = _Mode(top_k, top_p < 1.0, temperature == 0)
         with cache_attention_on(self.model):
-            buf = self._prepare(len(prompts), length, mode)
+            root = buf = self._prepare(len(prompts), length, mode)
             if seed >= 0:
                 torch.manual_seed(seed)  # after any graph capture, whose warm-up draws random numbers
             buf.temperature.fill_(1.0 if mode.greedy else temperature)
@@ -259,17 +301,24 @@ class DecodeLoop:
             buf.is_stop.zero_()
             buf.is_stop[torch.tensor(stop_ids, dtype=torch.int64, device=self.device)] = True
             self._prefill(buf, prompts, width, mode)
+            out = _Output(len(prompts))
             steps = 1
             check_every = CHECK_EVERY if buf.graph is not None else 1
             while steps < max_new_tokens:
-                if steps % check_every == 0 and bool(buf.finished.all()):
-                    break
+                if steps % check_every == 0:
+                    decoding = int(buf.finished.logical_not().sum())
+                    if decoding == 0:
+                        break
+                    rows = max(COMPACT_FLOOR, 1 << (decoding - 1).bit_length())
+                    if self.compact and rows <= buf.cache.batch // 2:
+                        keep = out.move(buf, self.pad_id, steps)
+                        buf = self._compacted(root, buf, keep, rows, mode)
                 if buf.graph is not None:
                     buf.graph.replay()
                 else:
                     self._step(buf, mode)
                 steps += 1
-            return Decoded(buf.out_tokens[:, :steps].cpu(), buf.out_logprobs[:, :steps].cpu())
+            return out.result(buf, steps)
 
     # --- steps --------------------------------------------------------------------------------------
 
@@ -319,7 +368,61 @@ class DecodeLoop:
         buf.cache.slot.add_(1)
         buf.step.add_(1)
 
+    def _compacted(self, root: _Buffers, buf: _Buffers, keep: torch.Tensor, rows: int, mode: _Mode) -> _Buffers:
+        """`buf`'s rows `keep` (ascending) moved to the front of the cache they share with `root`,
+        as `root`'s batch of `rows` rows (built on first use); the rows after them are finished
+        fillers that attend only to their own slot."""
+        n, slot = len(keep), int(buf.cache.slot)
+        for store in (buf.cache.keys, buf.cache.values):
+            for layer in store.values():  # slots past `slot` hold nothing yet
+                layer[:n, :, :slot] = layer[keep, :, :slot]
+        child = root.compacted.get(rows) or self._compacted_buffers(root, rows, mode, slot)
+        child.cache.first[:n] = buf.cache.first[keep]
+        child.cache.first[n:] = slot
+        child.cache.slot.copy_(buf.cache.slot)
+        child.tokens[:n] = buf.tokens[keep]
+        child.tokens[n:] = self.pad_id
+        child.positions[:n] = buf.positions[keep]
+        child.positions[n:] = 0
+        child.finished[:n] = False
+        child.finished[n:] = True
+        for name in ("step", "is_stop", "temperature", "top_p"):
+            getattr(child, name).copy_(getattr(buf, name))
+        return child
+
+    def _compacted_buffers(self, root: _Buffers, rows: int, mode: _Mode, slot: int) -> _Buffers:
+        """A batch of `rows` over views of `root`'s cache. Its graph's warm-up step writes slot
+        `slot` of those rows, which the next real step overwrites; the random numbers the warm-up
+        draws are given back, so a seeded call samples the same tokens whether or not this batch
+        was built before."""
+        long = dict(dtype=torch.int64, device=self.device)
+        cache = KVCache(rows, root.cache.length, torch.zeros(rows, **long), torch.full((1,), slot, **long),
+                        keys={layer: k[:rows] for layer, k in root.cache.keys.items()},
+                        values={layer: v[:rows] for layer, v in root.cache.values.items()})
+        child = self._buffers(cache, shares_cache=True)
+        if self.use_graphs:
+            with torch.random.fork_rng(devices=[self.device]):
+                self._capture_into(child, mode)
+        root.compacted[rows] = child
+        return child
+
     # --- buffers and graphs -------------------------------------------------------------------------
+
+    def _buffers(self, cache: KVCache, shares_cache: bool = False) -> _Buffers:
+        batch, dev = cache.batch, self.device
+        long = dict(dtype=torch.int64, device=dev)
+        return _Buffers(cache=cache, tokens=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
+                        step=torch.zeros(1, **long), finished=torch.zeros(batch, dtype=torch.bool, device=dev),
+                        is_stop=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
+                        out_tokens=torch.zeros(batch, cache.length, **long),
+                        out_logprobs=torch.zeros(batch, cache.length, dtype=torch.float32, device=dev),
+                        temperature=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev),
+                        shares_cache=shares_cache)
+
+    def _capture_into(self, buf: _Buffers, mode: _Mode) -> None:
+        reserved = torch.cuda.memory_reserved(self.device)
+        buf.graph = self._capture(buf, mode)
+        buf.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
     def _prepare(self, batch: int, length: int, mode: _Mode) -> _Buffers:
         shape = (batch, length, mode)
@@ -327,15 +430,9 @@ class DecodeLoop:
             self._states.move_to_end(shape)
             return self._states[shape]
         self.trim(self.keep_bytes)  # what is over the budget goes back to the allocator, which reuses it
-        dev = self.device
-        long = dict(dtype=torch.int64, device=dev)
-        cache = KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long))
-        buf = _Buffers(cache=cache, tokens=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
-                       step=torch.zeros(1, **long), finished=torch.zeros(batch, dtype=torch.bool, device=dev),
-                       is_stop=torch.zeros(self.vocab, dtype=torch.bool, device=dev),
-                       out_tokens=torch.zeros(batch, length, **long),
-                       out_logprobs=torch.zeros(batch, length, dtype=torch.float32, device=dev),
-                       temperature=torch.ones(1, device=dev), top_p=torch.ones(1, device=dev))
+        long = dict(dtype=torch.int64, device=self.device)
+        buf = self._buffers(KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long)))
+        cache = buf.cache
         try:  # allocates the cache's layers (the slot-0 garbage is overwritten)
             self._step(buf, mode)
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:
@@ -344,9 +441,7 @@ class DecodeLoop:
             raise UnsupportedModel(f"the decode loop failed on this model's first step: {exc}") from exc
         self._check_served(cache)
         if self.use_graphs:
-            reserved = torch.cuda.memory_reserved(dev)
-            buf.graph = self._capture(buf, mode)
-            buf.graph_pool_bytes = torch.cuda.memory_reserved(dev) - reserved
+            self._capture_into(buf, mode)
         self._states[shape] = buf
         # Older shapes over the budget go; this one stays for the rest of the call's batches and
         # until the engine sleeps, whatever its size.

@@ -62,7 +62,7 @@ class HFRolloutEngine(RolloutEngine):
         self.cfg = cfg
         self._loop = None if cfg.rollout.decode == "generate" else DecodeLoop(
             self.model, device, tokenizer.pad_token_id, cfg.max_tokens_per_micro_batch, compile=cfg.compile_layers,
-            keep_bytes=cfg.rollout.keep_decode_state_mb * 2**20)
+            keep_bytes=cfg.rollout.keep_decode_state_mb * 2**20, compact=cfg.rollout.compact)
 
     # --- weights and memory -------------------------------------------------------------------------
 

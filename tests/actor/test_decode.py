@@ -208,3 +208,55 @@ def test_a_layer_that_bypasses_the_cache_is_detected(tiny_model_dir, monkeypatch
     monkeypatch.setattr(decode.KVCache, "write", skip_layer_one)
     with pytest.raises(UnsupportedModel, match="layers used the engine's cache"):
         core.generate(["1+2="], SamplingParams(max_new_tokens=3))
+
+
+# Eight prompts x 4 samples = 32 rows; greedy, the last-but-one prompt's rows run to the cap while
+# the others stop within 3 tokens: the loop goes on with 16 rows, then 8 (COMPACT_FLOOR).
+RAGGED = ["3+4=", "12+9=", "7+7=", "19+19=", "5+", "=", "1", "+=+"]
+
+
+def test_compaction_moves_the_rows_still_decoding_and_samples_what_the_full_batch_does(tiny_model_dir):
+    compact = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    full = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.compact=false")
+    greedy = SamplingParams(max_new_tokens=24, n=4, temperature=0.0)
+    moved, kept = compact.generate(RAGGED, greedy), full.generate(RAGGED, greedy)
+    (root,) = compact.worker.engine._loop._states.values()
+    assert sorted(root.compacted) == [8, 16]
+    assert not next(iter(full.worker.engine._loop._states.values())).compacted
+    lengths = [len(s.response_ids) for s in moved]
+    assert max(lengths) == 24 and sorted(lengths)[-5] <= 3  # a long tail of four rows
+    # Greedy: the same tokens whichever batch each row decoded in, and the same logprobs.
+    assert [s.response_ids.tolist() for s in moved] == [s.response_ids.tolist() for s in kept]
+    assert [s.finish_reason for s in moved] == [s.finish_reason for s in kept]
+    assert torch.allclose(torch.cat([s.logprobs for s in moved]), torch.cat([s.logprobs for s in kept]), atol=1e-5)
+    # The smaller batches' buffers are counted with the batch they came from, not their cache again.
+    child = root.compacted[16]
+    assert child.shares_cache and child.cache.keys[0].data_ptr() == root.cache.keys[0].data_ptr()
+    assert root.held_bytes() == (sum(t.numel() * t.element_size() for t in
+                                     [*root.cache.keys.values(), *root.cache.values.values(),
+                                      root.out_tokens, root.out_logprobs])
+                                 + root.graph_pool_bytes + sum(c.held_bytes() for c in root.compacted.values()))
+
+
+def test_sampled_rows_after_compaction_keep_logprobs_of_a_plain_forward_and_seeds_repeat(tiny_model_dir):
+    """Sampling at temperature 1 (rows of one prompt end at different steps); the second call
+    reuses the smaller batches the first one built (on a GPU, their captured graphs)."""
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    sampling = SamplingParams(max_new_tokens=24, n=4, seed=11, temperature=1.0)
+    first = core.generate(RAGGED, sampling)
+    (root,) = core.worker.engine._loop._states.values()
+    assert root.compacted
+    with torch.no_grad():
+        plain, _ = lm_logprobs(core.worker.engine.model, sequences(first), core.worker.device, 1.0, 64,
+                               with_entropy=False)
+    assert torch.allclose(torch.cat([s.logprobs for s in first]), plain.cpu(), atol=1e-5)
+    eos = core.tokenizer.eos_token_id
+    for s in first:
+        assert (s.response_ids[:-1] != eos).all()
+        assert (s.finish_reason == FinishReason.STOP) == (int(s.response_ids[-1]) == eos)
+    built = dict(root.compacted)
+    again = core.generate(RAGGED, sampling)
+    assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in first]
+    assert all(root.compacted[rows] is buf for rows, buf in built.items())
+    fresh = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    assert [s.response_ids.tolist() for s in fresh.generate(RAGGED, sampling)] == [s.response_ids.tolist() for s in first]

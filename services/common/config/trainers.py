@@ -182,6 +182,9 @@ class RolloutSection(_Section):
                                       "trainer updates around them); beyond it the least recently used go back "
                                       "to the trainer before each update and are built again, graph capture "
                                       "included, at their next call")
+    compact: bool = Field(True, description="hf decode loop: once the rows still decoding fit in half of a "
+                          "batch, they go on as a smaller batch (a power of two, at least 8 rows) over the same "
+                          "KV cache, so rows that finished stop costing compute while the longest ones run on")
     vllm: VllmSection = Field(default_factory=VllmSection)
     workers: Optional[int] = Field(None, ge=1, description="CPU groups: the first N of the actor's workers only "
                                    "generate and the others only train (on GPUs devices.rollout says it)")
