@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 
+from rolefleet.actor import decode
 from rolefleet.actor.decode import UnsupportedModel, sample_next
 from rolefleet.actor.types import FinishReason, SamplingParams
 from rolefleet.common.batch import SequenceBatch
@@ -215,7 +216,15 @@ def test_a_layer_that_bypasses_the_cache_is_detected(tiny_model_dir, monkeypatch
 RAGGED = ["3+4=", "12+9=", "7+7=", "19+19=", "5+", "=", "1", "+=+"]
 
 
-def test_compaction_moves_the_rows_still_decoding_and_samples_what_the_full_batch_does(tiny_model_dir):
+@pytest.fixture
+def check_every_step(monkeypatch):
+    """The finished flags looked at every step on a GPU too (as on the CPU), so the batches the
+    rows move through are the same on both."""
+    monkeypatch.setattr(decode, "CHECK_EVERY", 1)
+
+
+def test_compaction_moves_the_rows_still_decoding_and_samples_what_the_full_batch_does(tiny_model_dir,
+                                                                                     check_every_step):
     compact = make_core(tiny_model_dir, "actor.compute_dtype=float32")
     full = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.compact=false")
     greedy = SamplingParams(max_new_tokens=24, n=4, temperature=0.0)
@@ -238,7 +247,8 @@ def test_compaction_moves_the_rows_still_decoding_and_samples_what_the_full_batc
                                  + root.graph_pool_bytes + sum(c.held_bytes() for c in root.compacted.values()))
 
 
-def test_sampled_rows_after_compaction_keep_logprobs_of_a_plain_forward_and_seeds_repeat(tiny_model_dir):
+def test_sampled_rows_after_compaction_keep_logprobs_of_a_plain_forward_and_seeds_repeat(tiny_model_dir,
+                                                                                        check_every_step):
     """Sampling at temperature 1 (rows of one prompt end at different steps); the second call
     reuses the smaller batches the first one built (on a GPU, their captured graphs)."""
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32")

@@ -71,6 +71,29 @@ def test_graph_decode_matches_a_plain_forward(tiny_model_dir, dtype, tolerance, 
     assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in samples]
 
 
+
+@pytest.mark.parametrize("dtype, tolerance, compiled", [("float32", 1e-3, False), ("bfloat16", 0.1, True)])
+def test_compacted_batches_replay_their_own_graphs_and_a_seed_repeats_whoever_built_them(tiny_model_dir, dtype,
+                                                                                          tolerance, compiled):
+    """Compaction on CUDA: the smaller batches capture their graphs mid-call (their warm-up draws
+    random numbers, given back), so a seeded call samples the same tokens on a core that built
+    them before and on a fresh one; recorded logprobs still match a plain forward."""
+    actor, _ = cores(tiny_model_dir, dtype, compiled)
+    sampling = SamplingParams(max_new_tokens=40, n=4, seed=9, temperature=1.0)
+    prompts = ["3+4=", "12+9=", "7+7=", "19+19=", "5+", "=", "1", "+=+"] * 2
+    first = actor.generate(prompts, sampling)
+    (root,) = actor.worker.engine._loop._states.values()
+    assert root.compacted and all(buf.graph is not None for buf in root.compacted.values())
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in first], [s.response_ids for s in first])
+    with torch.no_grad():
+        plain, _ = lm_logprobs(actor.worker.engine.model, batch, actor.worker.device, 1.0, 64, with_entropy=False)
+    assert (plain.cpu() - torch.cat([s.logprobs for s in first])).abs().max() < tolerance
+    again = actor.generate(prompts, sampling)
+    fresh, _ = cores(tiny_model_dir, dtype, compiled)
+    other = fresh.generate(prompts, sampling)
+    tokens = [s.response_ids.tolist() for s in first]
+    assert [s.response_ids.tolist() for s in again] == tokens == [s.response_ids.tolist() for s in other]
+
 def test_nvml_gpu_series_while_the_actor_generates(tiny_model_dir, monkeypatch, capsys):
     """The NVML sampler on a real GPU: the series carry the role, group and gpu labels, and the
     utilization is above zero while the actor generates (the figures are printed for the record)."""
