@@ -14,7 +14,9 @@ stages that run at once, joined by bounded queues.
    generates the next batch or trains on the previous one; for a one-pass update
    (`RoleFleetConfig.one_pass_update`) the reference's logprobs too, which no update changes.
 3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
-   again or dropped, `pipeline.on_stale`), then the step body both modes run (`step.py`):
+   again or dropped, `pipeline.on_stale`); with `train.dynamic_sampling`, the groups whose samples
+   all scored the same are dropped and further scored batches taken until the step has its groups
+   (`sampling.KeptGroups`, as in sync mode); then the step body both modes run (`step.py`):
    actor.ComputeLogProbs with the current policy (the proximal policy: the PPO ratio starts at 1,
    and the rollout policy's lag is corrected by `actor.is_correction`), unless the update is one
    pass (its own forward computes them: the policy's pass that waits for the update before is
@@ -50,6 +52,7 @@ from rolefleet.coordinator.calls import Roles
 from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, score_items, spent, to_batch
+from rolefleet.coordinator.sampling import KeptGroups
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 from rolefleet.critic.types import CriticValues
@@ -125,15 +128,37 @@ class Pipeline(Schedule):
             await self.status.wait_resumed()  # paused: no update starts
             if self.status.stop_requested:
                 break
-            with self.clock.span("train waits (scored batch)") if self.scored.empty() else contextlib.nullcontext():
-                rollout = await self.scored.get()
-            await self._notify()
-            rollout = await self._fresh(rollout)
+            step = self.state.step + 1
+            rollout = await (self._kept_groups(step) if self.cfg.train.dynamic_sampling.enabled else self._next_batch())
             if rollout is None:  # dropped past the bound; the step trains on the next batch
                 continue
             self.train_start = time.perf_counter()
-            await self.body.run(self.state.step + 1, rollout, since=self.last, schedule=self)
+            await self.body.run(step, rollout, since=self.last, schedule=self)
         await self.body.save_if_stopped()
+
+    async def _next_batch(self) -> Rollout | None:
+        """The next scored batch within the bound (None: it was dropped)."""
+        with self.clock.span("train waits (scored batch)") if self.scored.empty() else contextlib.nullcontext():
+            rollout = await self.scored.get()
+        await self._notify()
+        return await self._fresh(rollout)
+
+    async def _kept_groups(self, step: int) -> Rollout:
+        """`train.dynamic_sampling`: the informative groups of as many scored batches as the step
+        takes (`KeptGroups`). Each batch beyond the first is counted as the step's before it is
+        waited for, which lets the generate stage start it (its staleness and end-of-run checks
+        count batches per step)."""
+        kept = KeptGroups(self.cfg)
+        while True:
+            rollout = await self._next_batch()
+            if rollout is None:  # dropped past the bound: its replacement is counted already
+                continue
+            kept.add(rollout, rollout.reward, rollout.score_s)
+            if kept.done:
+                return kept.rollout(step, self.state.counts)
+            async with self.changed:
+                self.state.counts.refill_batches += 1
+                self.changed.notify_all()
 
     # --- around the step body's updates (`Schedule`) -------------------------------------------------
 

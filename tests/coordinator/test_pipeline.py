@@ -5,9 +5,11 @@ unchanged by it."""
 import asyncio
 
 import pytest
+import torch
 
 from rolefleet.actor.client import InProcessActorClient
 from rolefleet.actor.core import ActorCore
+from rolefleet.algos import informative_groups
 from rolefleet.common.errors import Unavailable
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
@@ -17,6 +19,7 @@ from rolefleet.critic.client import InProcessCriticClient
 from rolefleet.critic.core import CriticCore
 from rolefleet.reward.client import InProcessRewardClient
 from rolefleet.reward.core import RewardCore
+from rolefleet.reward.types import ScoreResult
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -261,3 +264,52 @@ def test_eager_order_updates_while_the_next_batch_generates_within_the_bound(mak
     # Exact order: an update waits for the batch the bound lets precede it, which is the only one
     # generation may start before the update; eager: the next batch generates during updates.
     assert (actor.overlapped > 0) == (order == "eager"), actor.overlapped
+
+
+class ParityReward(SlowReward):
+    """A prompt that starts with an odd digit scores its response's length modulo 2; any other 0:
+    about half the groups all score the same, the rest mostly do not."""
+
+    async def score(self, items):
+        self.calls += 1
+        await asyncio.sleep(self.delay_s)
+        total = torch.tensor([float(len(it.response) % 2) if it.prompt[0] in "13579" else 0.0 for it in items])
+        return ScoreResult(total, {"parity": total.clone()}, [""] * len(items))
+
+
+@pytest.mark.parametrize("algorithm, staleness, delay", [("grpo", 1, 0.0), ("grpo", 0, 0.0), ("ppo", 1, 0.2)])
+def test_dynamic_sampling_in_async_mode_trains_only_informative_groups_and_refills(make_config, algorithm,
+                                                                                   staleness, delay):
+    """Each batch a step draws beyond its first is counted before it is awaited, so generation
+    (held by the bound, or at the run's end) starts it; with a critic, the joined batch's values are
+    asked for again. The lag bound holds; no sample is trained twice."""
+    cfg = make_config(f"algorithm={algorithm}", "pipeline.mode=async", f"pipeline.max_staleness={staleness}",
+                      "train.total_steps=3", "train.samples_per_prompt=4", "train.dynamic_sampling.enabled=true",
+                      "train.dynamic_sampling.max_batches=6")
+    actor = CountingActor(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound))
+    critic = InProcessCriticClient(CriticCore(cfg.critic, 0, staleness)) if algorithm == "ppo" else None
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    pipeline = Pipeline(cfg, Roles(actor, ParityReward(RewardCore(cfg.reward), delay_s=delay), critic), logger,
+                        RunStatus(cfg.run.name, cfg.train.total_steps))
+    trained, run_step = [], pipeline.body.run
+
+    async def recording(step, rollout, **kwargs):
+        trained.append(rollout)
+        return await run_step(step, rollout, **kwargs)
+
+    pipeline.body.run = recording
+    asyncio.run(pipeline.run())
+    logger.close()
+    records = logger.records
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for rollout, record in zip(trained, records):
+        groups = torch.tensor([s.group_id for s in rollout.samples])
+        assert informative_groups(rollout.reward.total, groups).all()  # no all-equal group reaches the update
+        assert len(rollout.records) == record["dynamic/kept_groups"] == 8
+        assert all(rollout.records[s.prompt_index].prompt[0] in "13579" for s in rollout.samples)
+    drawn = sum(r["dynamic/batches"] for r in records)
+    assert drawn > 3 and records[-1]["pipeline/refill_batches"] == drawn - 3
+    assert records[-1]["pipeline/dropped_groups"] == sum(r["dynamic/dropped_groups"] for r in records) > 0
+    assert pipeline.state.batches_used == drawn and actor.generated >= drawn
+    assert all(r["pipeline/version_lag/max"] <= staleness for r in records)
+    assert len(pipeline.trained) == len(set(pipeline.trained)) == 3 * 8 * 4

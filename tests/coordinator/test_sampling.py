@@ -117,7 +117,6 @@ def test_without_dynamic_sampling_a_step_is_one_batch():
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.samples_per_prompt=1", "algorithm=ppo"], "samples_per_prompt >= 2"),
-    (["pipeline.mode=async"], "pipeline.mode sync"),
     (["train.overlong.mode=penalty", "sampling.max_new_tokens=8", "train.overlong.buffer_tokens=9"], "buffer_tokens=9"),
 ])
 def test_settings_that_cannot_work_are_refused(overrides, message):

@@ -104,9 +104,6 @@ class RoleFleetConfig(_Section):
             if self.train.samples_per_prompt < 2:
                 raise ValueError("train.dynamic_sampling compares the samples of a prompt: set "
                                  "train.samples_per_prompt >= 2")
-            if self.pipeline.mode == "async":
-                raise ValueError("train.dynamic_sampling needs pipeline.mode sync (the async pipeline scores "
-                                 "its chunks as they stream and does not refill a batch yet)")
         partial = self.pipeline.partial_rollouts
         if partial.token_budget is None:
             partial.token_budget = max(1, self.sampling.max_new_tokens // 4)

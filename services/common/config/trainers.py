@@ -29,7 +29,7 @@ class DynamicSamplingSection(_Section):
     """DAPO's dynamic sampling (docs/algorithms.md, "The long tail")."""
 
     enabled: bool = Field(False, description="drop groups whose samples all score the same (zero advantage under "
-                          "group normalization) and generate further prompts to refill the step's batch")
+                          "group normalization) and generate further prompts to refill the step's batch (either pipeline mode)")
     max_batches: int = Field(4, ge=1, description="at most this many batches of train.prompts_per_step prompts "
                              "generated for one step; past it the step trains on the groups it kept (logged "
                              "as dynamic/kept_groups)")
