@@ -165,7 +165,10 @@ def test_up_with_partial_rollouts_carries_responses_between_steps(make_config, t
 
     cfg = make_config("algorithm=grpo", "train.samples_per_prompt=4", "train.prompts_per_step=4",
                       "train.total_steps=4", "pipeline.partial_rollouts.enabled=true",
-                      "pipeline.partial_rollouts.token_budget=1", "pipeline.max_staleness=3")
+                      "pipeline.partial_rollouts.token_budget=1", "pipeline.max_staleness=3",
+                      # Lengths spread over the cap (the warm-started answers are 2-3 tokens, which
+                      # could end every group in the same round): groups finish in different steps.
+                      "sampling.temperature=2.0", "sampling.max_new_tokens=6")
     config = write_config(cfg, tmp_path / "config.yaml")
     proc = rolefleet("up", str(config))
     output, _ = proc.communicate(timeout=240)
