@@ -11,7 +11,10 @@ at most `token_budget` tokens of each response:
    at the budget is carried into the next step, where the policy of that step generates on;
 3. the step trains on every group whose responses have all finished (GRPO's statistics need the
    whole group). If none has, the open responses are generated on again, with the same policy,
-   until one group finishes.
+   until one group finishes. With `train.dynamic_sampling`, the groups are scored as they finish
+   and those whose samples all score the same are dropped (`dynamic.KeptGroups`); while fewer
+   than `prompts_per_step` have a signal, the data's next batch joins the step (and the open
+   responses go on by another budget), up to `max_batches` batches in all.
 
 A carried response's tokens keep the rollout logprobs and the policy version that made them
 (`Sample.token_versions`): the update's importance-sampling correction weighs each token by
@@ -19,7 +22,7 @@ pi_train / pi_that_made_it, and the sample's `policy_version` is its first token
 staleness bound (`pipeline.max_staleness`, which the actor checks) counts from it. A response
 begun at step j generates to its end at step j + `max_staleness` at the latest: no sample ever
 exceeds the bound and none is dropped. Each step draws one batch of the data; every group is
-trained once, at most `max_staleness` steps after it began. The carried responses are part of the
+trained once (or, with dynamic sampling, dropped), at most `max_staleness` steps after it began. The carried responses are part of the
 coordinator's checkpoint (`CoordinatorState.carried`): a resumed run generates on from where the
 saved one was.
 """
@@ -41,7 +44,9 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, spent, to_batch
+from rolefleet.coordinator.dynamic import KeptGroups
+from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, score_items, spent, to_batch
+from rolefleet.reward.client import RewardClient
 from rolefleet.tasks import PromptRecord
 
 
@@ -87,8 +92,10 @@ class _Group:
 class PartialRollouts:
     """Sync mode's step 1 with `pipeline.partial_rollouts` (module docstring)."""
 
-    def __init__(self, cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset):
-        self.cfg, self.actor, self.dataset = cfg, actor, dataset
+    def __init__(self, cfg: RoleFleetConfig, actor: ActorClient, dataset: PromptDataset,
+                 reward: RewardClient | None = None):
+        """`reward`: with `train.dynamic_sampling`, what scores the groups as they finish."""
+        self.cfg, self.actor, self.dataset, self.reward = cfg, actor, dataset, reward
         self.budget, self.cap = cfg.pipeline.partial_rollouts.token_budget, cfg.sampling.max_new_tokens
         self.max_carries = cfg.pipeline.max_staleness
         self.carried: list[_Group] | None = None  # read from the state at the first step (a resumed run's)
@@ -97,29 +104,70 @@ class PartialRollouts:
         if self.carried is None:
             self.carried = [self._group_from_dict(g) for g in state.carried]
         start, index = time.perf_counter(), state.batches_used + 1
-        records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
         sampling = sampling_for(self.cfg, index)
-        carried = self.carried
-        fresh, _ = await asyncio.gather(
-            self.actor.generate([r.prompt for r in records], replace(sampling, max_new_tokens=self.budget),
-                                first_group_id(self.cfg, index)),
-            self._generate_on(carried, sampling, 0))
-        groups = [*carried, *_new_groups(index, records, fresh)]
-        rounds = 1
-        while not any(g.finished(self.cap) for g in groups):  # nothing to train on yet: on with this policy
-            await self._generate_on(groups, sampling, rounds)
+        kept = KeptGroups(self.cfg, trim=False) if self.reward is not None else None
+        groups, version = await self._begin(index, self.carried, sampling, 0)
+        batches = rounds = 1
+        scored: set[int] = set()  # the groups already scored (dynamic sampling)
+        while True:
+            finished = [g for g in groups if g.finished(self.cap)]
+            if kept is not None and (new := [g for g in finished if id(g) not in scored]):
+                scored.update(map(id, new))
+                await self._score(step, new, kept)
+            if self._enough(finished, kept, batches):
+                break
+            if kept is not None and batches < self.cfg.train.dynamic_sampling.max_batches:
+                # Too few groups with a signal: the data's next batch joins the step (a refill).
+                groups = (await self._begin(index + batches, groups, sampling, rounds))[0]
+                batches += 1
+            else:  # nothing to train on yet: on with this policy
+                await self._generate_on(groups, sampling, rounds)
             rounds += 1
-        version = max(s.policy_version for s in fresh)  # the policy that generated this step
         done = [g for g in groups if g.finished(self.cap)]
         self.carried = [g for g in groups if not g.finished(self.cap)]
         for g in self.carried:
             g.responses = [replace(r, carries=r.carries + (not r.finished(self.cap))) for r in g.responses]
         state.carried = [self._group_to_dict(g) for g in self.carried]
-        generate_s = spent("generate", start)
-        samples = [r.trained(i) for i, g in enumerate(done) for r in g.responses]
+        generate_s = spent("generate", start + (kept.score_s if kept else 0.0))  # scoring is its own phase
         open_responses = sum(not r.finished(self.cap) for g in self.carried for r in g.responses)
-        return Rollout(step, [g.record for g in done], samples, to_batch(samples), generate_s,
-                       stats=_stats(samples, version, len(done), len(self.carried), open_responses, rounds))
+        if kept is None:
+            samples = [r.trained(i) for i, g in enumerate(done) for r in g.responses]
+            rollout = Rollout(step, [g.record for g in done], samples, to_batch(samples), generate_s)
+        else:
+            state.counts.refill_batches += batches - 1
+            kept.batches = batches  # the data batches drawn (the filter saw groups as they finished)
+            rollout = kept.rollout(step, state.counts)
+            rollout.generate_s = generate_s
+        rollout.stats.update(_stats(rollout.samples, version, len(rollout.records), len(self.carried),
+                                    open_responses, rounds))
+        return rollout
+
+    async def _begin(self, index: int, groups: list[_Group], sampling: SamplingParams,
+                     round_: int) -> tuple[list[_Group], int]:
+        """Data batch `index` started and the open responses of `groups` generated on, each by the
+        budget (`sampling`: the step's): the groups, then the new ones; the policy version."""
+        records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
+        fresh, _ = await asyncio.gather(
+            self.actor.generate([r.prompt for r in records],
+                                replace(sampling_for(self.cfg, index), max_new_tokens=self.budget),
+                                first_group_id(self.cfg, index)),
+            self._generate_on(groups, sampling, round_))
+        return [*groups, *_new_groups(index, records, fresh)], max(s.policy_version for s in fresh)
+
+    def _enough(self, finished: list[_Group], kept: KeptGroups | None, batches: int) -> bool:
+        """Whether the step trains now: a group finished; with dynamic sampling, as many with a
+        signal as a step trains, or something finished once `max_batches` batches were drawn."""
+        if kept is None:
+            return bool(finished)
+        return kept.groups >= kept.need or (bool(finished) and batches >= self.cfg.train.dynamic_sampling.max_batches)
+
+    async def _score(self, step: int, groups: list[_Group], kept: KeptGroups) -> None:
+        """Dynamic sampling: the scores of groups that just finished, kept or dropped by `kept`."""
+        records = [g.record for g in groups]
+        samples = [r.trained(i) for i, g in enumerate(groups) for r in g.responses]
+        start = time.perf_counter()
+        scores = await self.reward.score(score_items(records, samples))
+        kept.add(Rollout(step, records, samples, to_batch(samples), 0.0), scores, spent("score", start), drawn=False)
 
     async def _generate_on(self, groups: list[_Group], sampling: SamplingParams, round_: int) -> None:
         """The groups' open responses generated on, each by the budget or (carried `max_carries`

@@ -16,7 +16,7 @@ stages that run at once, joined by bounded queues.
 3. train, in order: the batch's lag is checked (a batch past the bound is counted and generated
    again or dropped, `pipeline.on_stale`); with `train.dynamic_sampling`, the groups whose samples
    all scored the same are dropped and further scored batches taken until the step has its groups
-   (`sampling.KeptGroups`, as in sync mode); then the step body both modes run (`step.py`):
+   (`dynamic.KeptGroups`, as in sync mode); then the step body both modes run (`step.py`):
    actor.ComputeLogProbs with the current policy (the proximal policy: the PPO ratio starts at 1,
    and the rollout policy's lag is corrected by `actor.is_correction`), unless the update is one
    pass (its own forward computes them: the policy's pass that waits for the update before is
@@ -50,9 +50,9 @@ from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.calls import Roles
 from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
+from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, score_items, spent, to_batch
-from rolefleet.coordinator.sampling import KeptGroups
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 from rolefleet.critic.types import CriticValues

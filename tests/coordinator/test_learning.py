@@ -134,11 +134,13 @@ def test_the_overlong_filter_keeps_cut_responses_out_of_the_policy_update(demo_m
 
 
 @pytest.mark.timeout(300)
-def test_partial_rollouts_train_each_sample_once_within_the_bound(demo_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_partial_rollouts_train_each_sample_once_within_the_bound(demo_model, tmp_path, monkeypatch, dynamic):
     """Through the run loop: responses cut at the budget are carried into the next step and trained
     there; the journal holds every trained sample once; each update is told the version of its
     oldest token (the actor checks it against the bound) and gets every token's rollout logprob for
-    its importance-sampling correction."""
+    its importance-sampling correction. The same with dynamic sampling, which drops the groups
+    without a signal as they finish."""
     from rolefleet.coordinator.journal import FILENAME, Journal
 
     updates = []
@@ -151,7 +153,8 @@ def test_partial_rollouts_train_each_sample_once_within_the_bound(demo_model, tm
     monkeypatch.setattr(InProcessActorClient, "update", spy)
     records = run_demo(demo_model, tmp_path / "run", "demo_grpo.yaml",
                        ["train.total_steps=4", "train.prompts_per_step=8", "pipeline.partial_rollouts.enabled=true",
-                        "pipeline.partial_rollouts.token_budget=1"])
+                        "pipeline.partial_rollouts.token_budget=1",
+                        f"train.dynamic_sampling.enabled={str(dynamic).lower()}"])
     with Journal(tmp_path / "run" / FILENAME) as journal:
         trained = journal.trained_sample_ids()
     assert len(trained) == len(set(trained)) == sum(r["partial/trained_groups"] for r in records) * 8
@@ -159,3 +162,4 @@ def test_partial_rollouts_train_each_sample_once_within_the_bound(demo_model, tm
     assert [version for _, version, _, _ in updates] == [step - 1 - r["partial/max_lag"]
                                                          for (step, *_), r in zip(updates, records)]
     assert all(logprobs is not None and len(logprobs) == tokens for _, _, logprobs, tokens in updates)
+    assert all(("dynamic/kept_groups" in r) == dynamic for r in records)

@@ -5,18 +5,21 @@ and logprobs that made them, a group trains once and only whole, and a response 
 `max_staleness` times generates to its end."""
 
 import asyncio
+import re
 from collections import Counter
 
 import pytest
 import torch
 
 from rolefleet.actor.types import FinishReason, Sample, with_ids
+from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.partial import PartialRollouts
 from rolefleet.coordinator.sampling import sampler
+from rolefleet.reward.types import ScoreResult
 
 STOP, PROMPT = 2, [1, 1, 1]
 
@@ -54,14 +57,27 @@ def _token_of(group: int, k: int) -> int:
     return 100 * group + k
 
 
-def setup(lengths, *overrides):
+class GroupReward:
+    """Groups in `varied` score each sample its index (a signal); any other group 0 for all."""
+
+    def __init__(self, varied):
+        self.varied, self.calls = set(varied), []
+
+    async def score(self, items):
+        self.calls.append(len(items))
+        named = [re.fullmatch(r"g(\d+)s(\d+):\d+", it.response).groups() for it in items]
+        total = torch.tensor([float(k) if int(g) in self.varied else 0.0 for g, k in named])
+        return ScoreResult(total, {"scripted": total.clone()}, [""] * len(items))
+
+
+def setup(lengths, *overrides, reward=None):
     cfg = parse_config({"model": {"model_name_or_path": "m"}, "algorithm": "grpo",
                         "data": {"task": "addition", "size": 64}, "sampling": {"max_new_tokens": 16},
                         "train": {"prompts_per_step": 3, "samples_per_prompt": 2},
                         "pipeline": {"max_staleness": 2, "partial_rollouts": {"enabled": True, "token_budget": 4}}},
                        list(overrides))
     actor = ScriptedActor(lengths)
-    return cfg, actor, sampler(cfg, actor, None, PromptDataset.for_run(cfg))
+    return cfg, actor, sampler(cfg, actor, reward, PromptDataset.for_run(cfg))
 
 
 def steps(rollouts: PartialRollouts, actor: ScriptedActor, n: int, state: CoordinatorState | None = None):
@@ -184,7 +200,6 @@ def test_carried_responses_are_not_resumed_into_settings_that_would_misread_them
 @pytest.mark.parametrize("overrides, message", [
     (["pipeline.mode=async"], "pipeline.mode async"),
     (["pipeline.max_staleness=0"], "max_staleness=0"),
-    (["train.dynamic_sampling.enabled=true"], "dynamic_sampling"),
     (["pipeline.partial_rollouts.token_budget=16"], "cuts nothing"),
 ])
 def test_settings_that_cannot_work_are_refused(overrides, message):
@@ -198,3 +213,44 @@ def test_partial_rollouts_weigh_older_tokens_by_default():
     default = parse_config({"model": {"model_name_or_path": "m"}, "sampling": {"max_new_tokens": 64},
                             "pipeline": {"partial_rollouts": {"enabled": True}}})
     assert default.pipeline.partial_rollouts.token_budget == 16
+
+
+def test_with_dynamic_sampling_groups_are_scored_as_they_finish_and_refills_join_the_step():
+    """Three groups a batch; those in `varied` have a signal. Step 1 keeps group 0 of batch 1,
+    draws batch 2 (group 5 kept, group 4 still open) and batch 3 (group 7): three with a signal.
+    Group 4, begun in the refill, is carried and trains at step 2 with batch 4's groups."""
+    lengths = lambda g, k: 10 if (g, k) == (4, 1) else 3  # noqa: E731
+    reward = GroupReward({0, 4, 5, 7, 9, 10, 11})
+    cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=reward)
+    (first, second), state = steps(rollouts, actor, 2)
+    for rollout in (first, second):  # no all-equal group reaches the update; the scores travel along
+        groups = torch.tensor([s.group_id for s in rollout.samples])
+        assert informative_groups(rollout.reward.total, groups).all()
+        assert set(Counter(s.group_id for s in rollout.samples).values()) == {2}
+    assert sorted({s.group_id for s in first.samples}) == [0, 5, 7]
+    assert first.stats["dynamic/batches"] == 3 and first.stats["dynamic/kept_groups"] == 3
+    assert first.stats["dynamic/dropped_groups"] == 5  # 1, 2, 3, 6, 8
+    assert first.stats["partial/carried_groups"] == 1
+    # Step 2 starts after the refills (batch 4: groups 9-11) and finishes group 4 with policy 1.
+    assert sorted({s.group_id for s in second.samples}) == [4, 9, 10, 11]
+    (long,) = [s for s in second.samples if (s.group_id, s.sample_index) == (4, 1)]
+    assert long.token_versions.tolist() == [0] * 8 + [1] * 2 and long.policy_version == 0
+    assert state.counts.refill_batches == 2 and state.counts.dropped_groups == 5
+    assert state.batches_used == 4 and not state.carried
+    # Stopped after step 1 and resumed: the same step 2.
+    cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=GroupReward(reward.varied))
+    _, saved = steps(rollouts, actor, 1)
+    resumed = sampler(cfg, actor, GroupReward(reward.varied), PromptDataset.for_run(cfg))
+    (again,), _ = steps(resumed, actor, 1, CoordinatorState.from_dict(saved.to_dict()))
+    assert [(s.sample_id, s.response_ids.tolist()) for s in again.samples] == \
+        [(s.sample_id, s.response_ids.tolist()) for s in second.samples]
+
+
+def test_with_dynamic_sampling_past_max_batches_the_step_trains_what_finished():
+    """No group has a signal: after `max_batches` batches the step trains the last groups scored."""
+    cfg, actor, rollouts = setup(lambda g, k: 3, "train.dynamic_sampling.enabled=true",
+                                 "train.dynamic_sampling.max_batches=2", reward=GroupReward(set()))
+    (first,), state = steps(rollouts, actor, 1)
+    assert first.stats["dynamic/batches"] == 2 and first.stats["dynamic/kept_groups"] == 0
+    assert sorted({s.group_id for s in first.samples}) == [3, 4, 5]
+    assert state.counts.refill_batches == 1 and state.counts.dropped_groups == 6

@@ -111,7 +111,6 @@ class RoleFleetConfig(_Section):
             for refused, why in ((self.pipeline.mode == "async", "pipeline.mode async (sync mode only)"),
                                  (self.pipeline.max_staleness == 0, "pipeline.max_staleness=0 (no response could "
                                   "be carried into a later step)"),
-                                 (self.train.dynamic_sampling.enabled, "train.dynamic_sampling (not yet)"),
                                  (rollout.max_turns > 1, "actor.rollout.max_turns > 1 (a conversation is "
                                   "carried whole, not cut)")):
                 if refused:
