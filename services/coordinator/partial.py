@@ -21,10 +21,10 @@ A carried response's tokens keep the rollout logprobs and the policy version tha
 pi_train / pi_that_made_it, and the sample's `policy_version` is its first token's, so the
 staleness bound (`pipeline.max_staleness`, which the actor checks) counts from it. A response
 begun at step j generates to its end at step j + `max_staleness` at the latest: no sample ever
-exceeds the bound and none is dropped. Each step draws one batch of the data; every group is
-trained once (or, with dynamic sampling, dropped), at most `max_staleness` steps after it began. The carried responses are part of the
-coordinator's checkpoint (`CoordinatorState.carried`): a resumed run generates on from where the
-saved one was.
+exceeds the bound and none is dropped. Each step draws one batch of the data (with dynamic
+sampling, up to `max_batches`); every group is trained once (or dropped by dynamic sampling), at
+most `max_staleness` steps after it began. The carried responses are part of the coordinator's
+checkpoint (`CoordinatorState.carried`): a resumed run generates on from where the saved one was.
 """
 
 from __future__ import annotations
