@@ -138,8 +138,9 @@ def vllm_alone(args) -> dict:
 
 
 def decode_steps(args) -> dict:
-    """Milliseconds of one decode step (a graph replay) at `--rows` rows and each power of two down
-    to the compaction floor, over the same cache length."""
+    """Milliseconds of one decode step (a graph replay) at `--rows` rows and at each half of it down
+    to the compaction floor (the batches compaction moves rows to when `--rows` is a power of two),
+    over the same cache length."""
     import torch
     from transformers import AutoModelForCausalLM
 

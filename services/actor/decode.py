@@ -10,6 +10,15 @@ decodes at the same cache slot (prompts are left-padded, RoPE positions are per 
 step (forward, sampling, logprob, stop check, state advance) has static shapes and runs as one CUDA
 graph replay with no host sync; the host looks at the finished flags every `CHECK_EVERY` steps.
 
+A batch decodes as long as its longest row, and rows that finished keep costing their share of
+every step (at a 4096-token cap, 256 rows decoded over the whole cache for the sake of a few).
+With `compact`, once the rows still decoding fit in half the batch (or less), they move to the
+front of the same cache and decode on as a smaller batch (a power of two, at least
+`COMPACT_FLOOR` rows) with a graph of its own: no second cache, a few MB of buffers per size,
+kept with the batch they came from. Finished rows are not refilled with waiting sequences: a
+call's sequences are one batch up to `rollout.batch_size`, and the vLLM backend schedules
+continuously (docs/benchmarks.md, "The long tail").
+
 Recorded logprobs follow the project's convention (docs/algorithms.md): log softmax(logits /
 temperature) of this forward, before top-k / top-p truncation.
 """
@@ -371,7 +380,7 @@ class DecodeLoop:
     def _compacted(self, root: _Buffers, buf: _Buffers, keep: torch.Tensor, rows: int, mode: _Mode) -> _Buffers:
         """`buf`'s rows `keep` (ascending) moved to the front of the cache they share with `root`,
         as `root`'s batch of `rows` rows (built on first use); the rows after them are finished
-        fillers that attend only to their own slot."""
+        fillers that attend only to the slots they write from here on (never to a masked-out row)."""
         n, slot = len(keep), int(buf.cache.slot)
         for store in (buf.cache.keys, buf.cache.values):
             for layer in store.values():  # slots past `slot` hold nothing yet

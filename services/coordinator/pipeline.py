@@ -274,7 +274,9 @@ class Pipeline(Schedule):
         """What keeps batch `index` from being generated now (the call trace's name for the wait),
         or None: it is still needed (a dropped batch needs a replacement), can be trained on in
         time, and nothing downstream is backed up."""
-        step = index - self.state.extra_batches  # the step it will be trained at (if none else drops)
+        # The step it will be trained at, as far as is known: batches dropped past the bound and a
+        # step's refills (dynamic sampling) move it earlier, and `extra_batches` counts both.
+        step = index - self.state.extra_batches
         if step > self.cfg.train.total_steps:
             return "no batch left"
         if step - 1 - self.version > self.p.max_staleness:
