@@ -11,10 +11,9 @@ at most `token_budget` tokens of each response:
    at the budget is carried into the next step, where the policy of that step generates on;
 3. the step trains on every group whose responses have all finished (GRPO's statistics need the
    whole group). If none has, the open responses are generated on again, with the same policy,
-   until one group finishes. With `train.dynamic_sampling`, the groups are scored as they finish
-   and those whose samples all score the same are dropped (`dynamic.KeptGroups`); while fewer
-   than `prompts_per_step` have a signal, the data's next batch joins the step (and the open
-   responses go on by another budget), up to `max_batches` batches in all.
+   until one group finishes. With `train.dynamic_sampling`, the groups are scored as they finish,
+   those whose samples all score the same are dropped (`dynamic.KeptGroups`), and every
+   `prompts_per_step` groups dropped bring the data's next batch into a step (`_next`).
 
 A carried response's tokens keep the rollout logprobs and the policy version that made them
 (`Sample.token_versions`): the update's importance-sampling correction weighs each token by
@@ -114,10 +113,10 @@ class PartialRollouts:
             if kept is not None and (new := [g for g in finished if id(g) not in scored]):
                 scored.update(map(id, new))
                 await self._score(step, new, kept)
-            if self._enough(finished, kept, batches):
+            next_step = self._next(groups, finished, kept, batches, state)
+            if next_step == "train":
                 break
-            if kept is not None and batches < self.cfg.train.dynamic_sampling.max_batches:
-                # Too few groups with a signal: the data's next batch joins the step (a refill).
+            if next_step == "refill":  # the data's next batch joins the step
                 groups = (await self._begin(index + batches, groups, sampling, rounds))[0]
                 batches += 1
             else:  # nothing to train on yet: on with this policy
@@ -154,12 +153,28 @@ class PartialRollouts:
             self._generate_on(groups, sampling, round_))
         return [*groups, *_new_groups(index, records, fresh)], max(s.policy_version for s in fresh)
 
-    def _enough(self, finished: list[_Group], kept: KeptGroups | None, batches: int) -> bool:
-        """Whether the step trains now: a group finished; with dynamic sampling, as many with a
-        signal as a step trains, or something finished once `max_batches` batches were drawn."""
+    def _next(self, groups: list[_Group], finished: list[_Group], kept: KeptGroups | None, batches: int,
+              state: CoordinatorState) -> str:
+        """What the step does next: "train" on what finished, "refill" (dynamic sampling: the data's
+        next batch joins the step) or "generate" on the open responses.
+
+        Without dynamic sampling a step trains once a group finished. With it, a group needs a
+        signal, and dropped groups are replaced: every `prompts_per_step` groups dropped in the run
+        bring in one more batch (the remainder counts towards a later step's), at most `max_batches`
+        a step, so the groups trained per step stay near `prompts_per_step`. Groups still open are
+        not replaced: they train in a later step. Past `max_batches`, or with nothing open and
+        nothing kept, the step trains the last groups it scored."""
         if kept is None:
-            return bool(finished)
-        return kept.groups >= kept.need or (bool(finished) and batches >= self.cfg.train.dynamic_sampling.max_batches)
+            return "train" if finished else "generate"
+        room = batches < self.cfg.train.dynamic_sampling.max_batches
+        owed = (state.counts.dropped_groups + kept.dropped) // kept.need - (state.counts.refill_batches + batches - 1)
+        if room and owed > 0:
+            return "refill"
+        if kept.groups:
+            return "train"
+        if any(not g.finished(self.cap) for g in groups):
+            return "generate"
+        return "refill" if room else "train"
 
     async def _score(self, step: int, groups: list[_Group], kept: KeptGroups) -> None:
         """Dynamic sampling: the scores of groups that just finished, kept or dropped by `kept`."""

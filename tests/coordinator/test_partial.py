@@ -215,35 +215,48 @@ def test_partial_rollouts_weigh_older_tokens_by_default():
     assert default.pipeline.partial_rollouts.token_budget == 16
 
 
-def test_with_dynamic_sampling_groups_are_scored_as_they_finish_and_refills_join_the_step():
-    """Three groups a batch; those in `varied` have a signal. Step 1 keeps group 0 of batch 1,
-    draws batch 2 (group 5 kept, group 4 still open) and batch 3 (group 7): three with a signal.
-    Group 4, begun in the refill, is carried and trains at step 2 with batch 4's groups."""
+def test_with_dynamic_sampling_groups_are_scored_as_they_finish_and_dropped_ones_are_replaced():
+    """Three groups a batch; those in `varied` have a signal; each 3 dropped bring one more batch.
+    Step 1: batch 1's groups all drop, so batch 2 joins the step; group 5 trains, group 4 (one
+    10-token response) is carried. Step 2: batch 3 keeps group 7 and drops two more (six in the
+    run: a second refill, batch 4), and group 4 finishes with the next policy."""
     lengths = lambda g, k: 10 if (g, k) == (4, 1) else 3  # noqa: E731
-    reward = GroupReward({0, 4, 5, 7, 9, 10, 11})
-    cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=reward)
+    varied = {4, 5, 7, 9, 10, 11}
+    cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=GroupReward(varied))
     (first, second), state = steps(rollouts, actor, 2)
     for rollout in (first, second):  # no all-equal group reaches the update; the scores travel along
         groups = torch.tensor([s.group_id for s in rollout.samples])
         assert informative_groups(rollout.reward.total, groups).all()
         assert set(Counter(s.group_id for s in rollout.samples).values()) == {2}
-    assert sorted({s.group_id for s in first.samples}) == [0, 5, 7]
-    assert first.stats["dynamic/batches"] == 3 and first.stats["dynamic/kept_groups"] == 3
-    assert first.stats["dynamic/dropped_groups"] == 5  # 1, 2, 3, 6, 8
+    assert sorted({s.group_id for s in first.samples}) == [5]
+    assert first.stats["dynamic/batches"] == 2 and first.stats["dynamic/dropped_groups"] == 4  # 0-3
     assert first.stats["partial/carried_groups"] == 1
-    # Step 2 starts after the refills (batch 4: groups 9-11) and finishes group 4 with policy 1.
-    assert sorted({s.group_id for s in second.samples}) == [4, 9, 10, 11]
+    assert sorted({s.group_id for s in second.samples}) == [4, 7, 9, 10, 11]
+    assert second.stats["dynamic/batches"] == 2 and second.stats["dynamic/dropped_groups"] == 2  # 6, 8
     (long,) = [s for s in second.samples if (s.group_id, s.sample_index) == (4, 1)]
-    assert long.token_versions.tolist() == [0] * 8 + [1] * 2 and long.policy_version == 0
-    assert state.counts.refill_batches == 2 and state.counts.dropped_groups == 5
+    assert long.token_versions.tolist() == [0] * 4 + [1] * 6 and long.policy_version == 0
+    assert state.counts.refill_batches == 2 and state.counts.dropped_groups == 6
     assert state.batches_used == 4 and not state.carried
     # Stopped after step 1 and resumed: the same step 2.
-    cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=GroupReward(reward.varied))
+    cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=GroupReward(varied))
     _, saved = steps(rollouts, actor, 1)
-    resumed = sampler(cfg, actor, GroupReward(reward.varied), PromptDataset.for_run(cfg))
+    resumed = sampler(cfg, actor, GroupReward(varied), PromptDataset.for_run(cfg))
     (again,), _ = steps(resumed, actor, 1, CoordinatorState.from_dict(saved.to_dict()))
     assert [(s.sample_id, s.response_ids.tolist()) for s in again.samples] == \
         [(s.sample_id, s.response_ids.tolist()) for s in second.samples]
+
+
+def test_with_dynamic_sampling_long_responses_alone_draw_no_more_batches():
+    """Every group has a signal but every response outlasts the budget: the step goes on with its
+    own batch until groups finish, as without dynamic sampling, and starts no other."""
+    _, plain_actor, plain = setup(lambda g, k: 10)
+    cfg, actor, rollouts = setup(lambda g, k: 10, "train.dynamic_sampling.enabled=true",
+                                 reward=GroupReward(set(range(100))))
+    (with_filter, _), state = steps(rollouts, actor, 2)
+    (without, _), _ = steps(plain, plain_actor, 2)
+    assert with_filter.stats["dynamic/batches"] == 1 and state.counts.refill_batches == 0
+    assert [s.sample_id for s in with_filter.samples] == [s.sample_id for s in without.samples]
+    assert state.batches_used == 2
 
 
 def test_with_dynamic_sampling_past_max_batches_the_step_trains_what_finished():
