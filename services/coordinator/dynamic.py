@@ -21,9 +21,10 @@ class KeptGroups:
     """DAPO's dynamic sampling over the batches of one step, in either mode: each scored batch's
     groups whose samples all score the same (after `train.overlong` shaping and the environment's
     rewards: what the advantages see) are dropped, the others kept up to `prompts_per_step`, until
-    the step has them all or `train.dynamic_sampling.max_batches` batches were drawn. The step then
-    trains on the groups it kept (fewer when the bound was reached; all of the last batch if none had
-    a signal, so the step still applies its KL and entropy terms)."""
+    the step has them all or `train.dynamic_sampling.max_batches` batches were drawn (`done`; partial
+    rollouts decide when to stop themselves). The step then trains on the groups it kept (fewer
+    when the bound was reached; all of the last scored batch if none had a signal, so the step still
+    applies its KL and entropy terms)."""
 
     def __init__(self, cfg: RoleFleetConfig, trim: bool = True):
         """`trim`: informative groups past `prompts_per_step` are dropped too (partial rollouts keep
