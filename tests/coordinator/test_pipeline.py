@@ -313,3 +313,16 @@ def test_dynamic_sampling_in_async_mode_trains_only_informative_groups_and_refil
     assert pipeline.state.batches_used == drawn and actor.generated >= drawn
     assert all(r["pipeline/version_lag/max"] <= staleness for r in records)
     assert len(pipeline.trained) == len(set(pipeline.trained)) == 3 * 8 * 4
+
+
+def test_async_dynamic_sampling_repeats_for_a_fixed_seed_whatever_the_timing(make_config):
+    """The refills a step counts move the generate stage's look-ahead with them, so under the
+    exact order each batch still lags by what the bound gives, whatever the reward's speed."""
+    runs = []
+    for delay in (0.0, 0.3):
+        cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=1", "train.total_steps=3",
+                          "train.samples_per_prompt=4", "train.dynamic_sampling.enabled=true")
+        _, _, records = run(cfg, ParityReward(RewardCore(cfg.reward), delay_s=delay))
+        runs.append([(r["reward/mean"], r["actor/loss"], r["pipeline/version_lag/max"], r["dynamic/batches"])
+                     for r in records])
+    assert runs[0] == runs[1]
