@@ -144,14 +144,14 @@ def decode_steps(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rolefleet.actor.decode import COMPACT_FLOOR, DecodeLoop, _Mode, cache_attention_on
+    from rolefleet.actor.decode import COMPACT_FLOOR, SLOT_ROUNDING, DecodeLoop, _Mode, cache_attention_on
     from rolefleet.common.modeling import compile_decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
     compile_decoder_layers(model)  # as the engine runs it with `compile_layers`
     loop = DecodeLoop(model, torch.device("cuda"), 0, 32768, compile=True)
     prompt = 64
-    length = -(-(prompt + args.max_new_tokens) // 128) * 128
+    length = -(-(prompt + args.max_new_tokens) // SLOT_ROUNDING) * SLOT_ROUNDING  # as the loop rounds it
     mode, result, rows = _Mode(0, False, False), {}, args.rows
     with torch.no_grad(), cache_attention_on(model):
         root = loop._prepare(args.rows, length, mode)
