@@ -1,5 +1,4 @@
-"""A default `rolefleet up` makes the run's token and demands it. `rolefleet up` with a token and
-mutual TLS: the run's own calls present both and the run goes
+"""`rolefleet up` with a token and mutual TLS: the run's own calls present both and the run goes
 on; every role refuses a plaintext caller, a caller with another CA's certificate, and a caller with
 the run's certificate but no token; `rolefleet status` works with the run's certificates and token,
 over gRPC and over the HTTPS control plane."""
@@ -13,12 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rolefleet.certs import make_certs
-from rolefleet.common.pb import actor_pb2, actor_pb2_grpc, common_pb2
+from rolefleet.common.pb import actor_pb2_grpc, common_pb2
 from tests.e2e.procs import (
     processes_mentioning,
     read_metrics,
     rolefleet,
-    running_run,
     running_run_both,
     terminate,
     write_config,
@@ -117,54 +115,3 @@ def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_confi
     finally:
         assert terminate(proc, timeout=120) == 143  # `up` ends on SIGTERM as it always does
     assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
-
-
-def test_a_default_run_makes_its_own_token_refuses_forged_updates_and_status_finds_it(make_config, tmp_path,
-                                                                                     monkeypatch):
-    """No security keys and no ROLEFLEET_TOKEN: `up` makes a token, every role demands it, forged
-    Update calls change nothing, and `rolefleet status --run DIR` presents it."""
-    monkeypatch.delenv("ROLEFLEET_TOKEN", raising=False)
-    cfg = make_config("train.total_steps=1000", "checkpoint.at_end=false", "checkpoint.every_minutes=0")
-    out = cfg.run.out
-    proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
-    try:
-        printed = ""
-        while "rolefleet status --run" not in printed:  # what `up` says before the coordinator starts
-            assert proc.poll() is None, proc.stdout.read()
-            printed = proc.stdout.readline()
-        assert f"the run's token, made for this run in {out / 'token'} (readable by you alone)" in printed
-        address = running_run(proc, out / "metrics.jsonl")
-        token_file = out / "token"
-        assert token_file.stat().st_mode & 0o777 == 0o600
-        token = token_file.read_text().strip()
-        assert len(token) >= 32
-        actor = (out / "logs" / "actor.log").read_text().split("serving gRPC on 127.0.0.1:")[1]
-        actor, metrics_port = "127.0.0.1:" + actor.split(",")[0], actor.split("metrics on :")[1].split()[0]
-
-        async def forge(metadata=()) -> list[grpc.StatusCode]:
-            """30 Update calls as a local process without the token would send them."""
-            async with grpc.aio.insecure_channel(actor) as channel:
-                stub = actor_pb2_grpc.ActorServiceStub(channel)
-                codes = []
-                for _ in range(30):
-                    try:
-                        await stub.Update(actor_pb2.ActorUpdateRequest(), metadata=metadata, timeout=10)
-                        codes.append(grpc.StatusCode.OK)
-                    except grpc.aio.AioRpcError as e:
-                        codes.append(e.code())
-                return codes
-
-        before = scrape(metrics_port)["token"]
-        assert asyncio.run(forge()) == [grpc.StatusCode.UNAUTHENTICATED] * 30
-        wrong = (("authorization", "Bearer not-the-token-0123456789"),)
-        assert asyncio.run(forge(wrong)) == [grpc.StatusCode.UNAUTHENTICATED] * 30
-        assert scrape(metrics_port)["token"] - before == 30  # each refused before any handler ran
-
-        found = rolefleet("status", "--run", str(out))
-        denied = rolefleet("status", "--address", address)
-        out_text, _ = found.communicate(timeout=60)
-        assert found.returncode == 0 and "run test: RUNNING" in out_text, out_text
-        denied_text, _ = denied.communicate(timeout=60)
-        assert denied.returncode == 1 and "UNAUTHENTICATED" in denied_text and "--run DIR" in denied_text
-    finally:
-        assert terminate(proc, timeout=120) == 143
