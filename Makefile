@@ -58,9 +58,8 @@ tools: $(TOOLS)/bin/helm
 		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
 
 # Two test processes: an end-to-end test leaves a core idle while it waits on its role servers, so a
-# second process fills it (on the 2-core CI machine: 18 minutes in one process, 11 in two, both cores
-# then near fully busy, so a third gains nothing there; 10 with the multinode and multiturn tests of
-# 2026-12-02). TEST_WORKERS=N for a bigger machine.
+# second process fills it (on the 2-core CI machine both cores are then near fully busy, so a third
+# gains nothing there). TEST_WORKERS=N for a bigger machine. docs/testing.md has the suite's times.
 TEST_WORKERS ?= 2
 
 # It ends with its wall time, bootstrap included (pytest's own line above it counts the tests alone).

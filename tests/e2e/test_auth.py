@@ -45,7 +45,9 @@ def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_confi
     certs, other = tmp_path / "certs", tmp_path / "other"
     make_certs(certs)
     make_certs(other)
-    cfg = make_config("train.total_steps=1000", f"security.token_file={token_file}", "checkpoint.at_end=false",
+    # GRPO: no critic process; the refusals are checked at the actor (every role serves through the same code).
+    cfg = make_config("algorithm=grpo", "train.samples_per_prompt=2", "train.total_steps=1000",
+                      f"security.token_file={token_file}", "checkpoint.at_end=false",
                       f"security.tls.cert_file={certs}/{{role}}.pem", f"security.tls.key_file={certs}/{{role}}-key.pem",
                       f"security.tls.ca_file={certs}/ca.pem", "security.tls.mutual=true",
                       "coordinator.http_enabled=true", "coordinator.http_port=0")
