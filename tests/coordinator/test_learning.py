@@ -57,7 +57,7 @@ def run_demo(demo_model, out, config: str, overrides: list[str]) -> list[dict]:
 
 @dataclass(frozen=True)
 class Case:
-    """A learning run: a shipped demo config, its overrides and length, and the held-out gain that a
+    """A learning run: a shipped demo config, its overrides and length, and the evaluated gain that a
     healthy run clears (docs/testing.md: the spread it was set from)."""
 
     config: str

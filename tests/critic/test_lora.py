@@ -39,7 +39,9 @@ def test_only_the_adapters_and_the_head_train_and_the_values_learn(tiny_model_di
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     b = batch()
     start = ((core.compute_values(b) - torch.linspace(-1, 1, b.num_response_tokens)) ** 2).mean().item()
-    assert fit(core, b, 10) < start / 3  # 0.385 to 0.047 on the CPU, falling at every step
+    # 0.385 to 0.086 on the CPU at 1 and 2 threads alike (2026-12-04); a frozen or reversed fit stays
+    # at 0.385 or rises.
+    assert fit(core, b, 10) < start / 2
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     state = core.worker.trainer.optimizer.state
     assert state and {id(p) for p in state} <= {id(p) for p in model.parameters() if p.requires_grad}
