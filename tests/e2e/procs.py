@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 READY_TIMEOUT_S = 120
@@ -93,6 +94,18 @@ def descendants(proc: subprocess.Popen) -> list[int]:
 def bearer(run_dir: Path) -> dict[str, str]:
     """The header that presents the token `rolefleet up` made for the run in `run_dir`."""
     return {"Authorization": f"Bearer {(run_dir / 'token').read_text().strip()}"}
+
+
+def counter(metrics_port: int | str, name: str, **labels: str) -> float:
+    """The total of Prometheus counter `name` over its samples with these labels, as the role
+    serving /metrics on `metrics_port` shows it now (0 before its first count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    family = families.get(name)
+    return sum(s.value for s in family.samples if s.name.endswith("_total")
+               and all(s.labels.get(k) == v for k, v in labels.items())) if family else 0.0
 
 
 def read_metrics(path: Path) -> list[dict]:

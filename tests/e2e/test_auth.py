@@ -5,15 +5,14 @@ over gRPC and over the HTTPS control plane."""
 
 import asyncio
 import time
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rolefleet.certs import make_certs
 from rolefleet.common.pb import actor_pb2_grpc, common_pb2
 from tests.e2e.procs import (
+    counter,
     processes_mentioning,
     read_metrics,
     rolefleet,
@@ -27,16 +26,8 @@ TOKEN = "e2e-token-0123456789abcdef"
 
 
 def scrape(port: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-
-    def total(name: str, **labels: str) -> float:
-        family = families.get(name)
-        return sum(s.value for s in family.samples if s.name.endswith("_total")
-                   and all(s.labels.get(k) == v for k, v in labels.items())) if family else 0.0
-
-    return {"tls": total("rolefleet_tls_refused", role="actor"),
-            "token": total("rolefleet_auth_refused", role="actor", reason="missing")}
+    return {"tls": counter(port, "rolefleet_tls_refused", role="actor"),
+            "token": counter(port, "rolefleet_auth_refused", role="actor", reason="missing")}
 
 
 def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_config, tmp_path, monkeypatch):

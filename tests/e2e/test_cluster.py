@@ -3,7 +3,6 @@
 import asyncio
 import signal
 import time
-import urllib.request
 
 import pytest
 
@@ -12,6 +11,7 @@ from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
 from rolefleet.rpc.roles import fetch_status
 from tests.e2e.procs import (
+    counter,
     processes_mentioning,
     read_metrics,
     rolefleet,
@@ -21,7 +21,6 @@ from tests.e2e.procs import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-REQUIRED_KEYS = {"step", "policy_version", "reward/mean", "kl", "timing/step_s", "throughput/tokens_per_s"}
 
 
 async def statuses(addresses):
@@ -32,12 +31,6 @@ async def statuses(addresses):
     finally:
         for c in clients:
             await c.close()
-
-
-def scored_samples(metrics_port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    line = next(x for x in text.splitlines() if x.startswith('rolefleet_samples_scored_total{role="reward"}'))
-    return float(line.split()[-1])
 
 
 def test_role_servers_two_ppo_steps_with_two_reward_replicas(make_config, tmp_path):
@@ -68,7 +61,8 @@ def test_role_servers_two_ppo_steps_with_two_reward_replicas(make_config, tmp_pa
         # The critic trained twice too.
         assert critic1.weights_digest != critic0.weights_digest and critic1.model_version == 2
         # Rewards came from the two reward servers: each scored a share, together every sample.
-        scored = [scored_samples(ports[name]["metrics_port"]) for name in ("reward", "reward2")]
+        scored = [counter(ports[name]["metrics_port"], "rolefleet_samples_scored", role="reward")
+                  for name in ("reward", "reward2")]
         assert all(n > 0 for n in scored) and sum(scored) == 2 * 8, scored
         records = read_metrics(cfg.run.out / "metrics.jsonl")
         assert [r["policy_version"] for r in records] == [1, 2]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
 from rolefleet.coordinator.journal import Journal
 from tests.e2e.procs import (
     bearer,
+    counter,
     processes_mentioning,
     read_metrics,
     rolefleet,
@@ -46,15 +46,6 @@ def wait_for(predicate, timeout_s: float = 60) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
-
-
-def counter(metrics_port: int | str, name: str, **labels: str) -> float:
-    """The total of counter `name` (its samples with these labels) a role's /metrics shows."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
-    family = families.get(name)
-    return sum(s.value for s in family.samples if s.name.endswith("_total")
-               and all(s.labels.get(k) == v for k, v in labels.items())) if family else 0.0
 
 
 def scored(metrics_port) -> float:
