@@ -12,6 +12,7 @@ from rolefleet.reward.client import GrpcRewardClient
 from rolefleet.rpc.roles import fetch_status
 from tests.e2e.procs import (
     counter,
+    descendants,
     processes_mentioning,
     read_metrics,
     rolefleet,
@@ -72,13 +73,15 @@ def test_role_servers_two_ppo_steps_with_two_reward_replicas(make_config, tmp_pa
     assert processes_mentioning(str(config)) == []
 
 
-def test_up_runs_the_cluster_in_async_mode_within_the_bound_and_leaves_no_process(make_config, tmp_path):
-    """`rolefleet up` starts the four roles and stops them all: samples stream over gRPC in chunks,
-    the actor's Update takes batches one version behind (the bound `up` hands it from the config),
-    the run completes with its curve and one log per role server. (Sync mode through `up`: the
-    status, HTTP and chaos tests.)"""
+def test_up_runs_a_split_cluster_in_async_mode_within_the_bound_and_leaves_no_process(make_config, tmp_path):
+    """`rolefleet up` starts the four roles and stops them all, worker processes included. The
+    actor's rank 0 generates while rank 1 trains (the critic trains on two workers), in async mode:
+    samples stream over gRPC in chunks, each update's weights reach the generating worker, and the
+    actor's Update takes batches one version behind (the bound `up` hands it from the config). The
+    run completes with its curve and one log per role server. (Sync mode through `up`: the live-run,
+    chaos and auth tests.)"""
     cfg = make_config("train.total_steps=4", "pipeline.mode=async", "pipeline.max_staleness=1",
-                      "actor.rollout.batch_size=4")
+                      "actor.rollout.batch_size=4", "actor.workers=2", "actor.rollout.workers=1", "critic.workers=2")
     config = write_config(cfg, tmp_path / "config.yaml")
     proc = rolefleet("up", str(config))
     output, _ = proc.communicate(timeout=240)
@@ -91,8 +94,14 @@ def test_up_runs_the_cluster_in_async_mode_within_the_bound_and_leaves_no_proces
     assert {"busy/actor", "busy/reward", "busy/critic"} <= set(records[-1])
     assert (out / "reward_curve.png").exists()
     assert {p.name for p in (out / "logs").iterdir()} == {"actor.log", "reward.log", "critic.log"}
-    assert "actor serving gRPC" in (out / "logs" / "actor.log").read_text()
+    log = (out / "logs" / "actor.log").read_text()
+    assert "actor serving gRPC" in log and "actor: 2 worker processes joined (gloo)" in log
+    assert "actor placement: 1 training workers (ranks [1]), 1 rollout workers (ranks [0])" in log
     assert processes_mentioning(str(out / "config.yaml")) == []
+    deadline = time.monotonic() + 10  # the worker processes are gone too (and multiprocessing's tracker,
+    while descendants(proc) and time.monotonic() < deadline:  # which ends once it reads its parent's exit)
+        time.sleep(0.2)
+    assert descendants(proc) == []
 
 
 def test_train_without_role_servers_fails_clearly(make_config, tmp_path):

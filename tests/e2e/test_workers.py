@@ -1,5 +1,6 @@
-"""`rolefleet up` with the actor over two worker processes (gloo on the CPU): a run completes and
-leaves nothing behind; a worker that dies ends the run with a clear error instead of a hang."""
+"""`rolefleet up` with the actor over two worker processes (gloo on the CPU): a worker that dies
+ends the run with a clear error instead of a hang. (A split actor's run that completes and leaves
+nothing behind: tests/e2e/test_cluster.py.)"""
 
 import os
 import signal
@@ -11,7 +12,6 @@ from tests.e2e.procs import (
     children_of,
     descendants,
     processes_mentioning,
-    read_metrics,
     rolefleet,
     running_run,
     write_config,
@@ -25,31 +25,9 @@ def actor_pid(config_path: str) -> int:
     return pid
 
 
-def test_up_with_a_split_actor_trains_async_and_leaves_no_process(make_config, tmp_path):
-    """The actor's rank 0 generates while rank 1 trains, in async mode; each update's weights reach
-    the generating worker (the policy version moves with them)."""
-    cfg = make_config("train.total_steps=3", "actor.workers=2", "actor.rollout.workers=1", "critic.workers=2",
-                      "pipeline.mode=async", "pipeline.max_staleness=1")
-    config = write_config(cfg, tmp_path / "config.yaml")
-    proc = rolefleet("up", str(config))
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    records = read_metrics(cfg.run.out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["policy_version"] == 3
-    # Step 3 trains samples of version 1 or 2: generated after an update reached the rollout worker.
-    assert records[-1]["pipeline/version_lag/max"] <= 1
-    log = (cfg.run.out / "logs" / "actor.log").read_text()
-    assert "actor: 2 worker processes joined (gloo)" in log
-    assert "actor placement: 1 training workers (ranks [1]), 1 rollout workers (ranks [0])" in log
-    assert processes_mentioning(str(cfg.run.out / "config.yaml")) == []
-    deadline = time.monotonic() + 10  # the worker processes are gone too (and multiprocessing's tracker,
-    while descendants(proc) and time.monotonic() < deadline:  # which ends once it reads its parent's exit)
-        time.sleep(0.2)
-    assert descendants(proc) == []
-
-
 def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
-    cfg = make_config("train.total_steps=100000", "actor.workers=2", "run.max_restarts=0")
+    cfg = make_config("algorithm=grpo", "train.samples_per_prompt=2", "train.total_steps=100000", "actor.workers=2",
+                      "run.max_restarts=0")  # GRPO: no critic process, which this test has no use for
     config = write_config(cfg, tmp_path / "config.yaml")
     resolved = str(cfg.run.out / "config.yaml")
     proc = rolefleet("up", str(config))
