@@ -1,9 +1,9 @@
 """Multi-turn, tool-using rollouts through `rolefleet up configs/demo_tools.yaml` (real role
 processes on loopback): the tiny chat model, warm-started on tool-call conversations, calls the
 calculator, the reward role's `tools` environment answers in its sandbox, and the run logs more
-than one turn per sample. In async mode, which streams each conversation's turns between the roles
-while the next batch generates (sync-mode conversations are the same episodes in-process:
-tests/coordinator/test_episodes.py)."""
+than one turn per sample. The run is in async mode, where each conversation's turns go between the
+roles while the next batch generates (sync-mode conversations are the same episodes, tested
+in-process in tests/coordinator/test_episodes.py)."""
 
 import pytest
 
