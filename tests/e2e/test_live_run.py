@@ -32,6 +32,7 @@ from tests.e2e.procs import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+STEPS = 1_000_000
 REQUIRED_KEYS = {"step", "policy_version", "reward/mean", "kl", "timing/step_s", "throughput/tokens_per_s"}
 
 
@@ -60,7 +61,9 @@ def cli(*args: str) -> tuple[int, str]:
 
 def test_a_running_run_under_its_own_token_status_http_scaling_and_sigterm(make_config, tmp_path, monkeypatch):
     monkeypatch.delenv("ROLEFLEET_TOKEN", raising=False)
-    cfg = make_config("train.total_steps=1000", "checkpoint.at_end=false", "checkpoint.every_minutes=0")
+    # Steps of this run take tens of milliseconds: enough of them that it is still running when the
+    # last check is done, however slowly the CLI calls go on a loaded machine (SIGTERM ends it).
+    cfg = make_config(f"train.total_steps={STEPS}", "checkpoint.at_end=false", "checkpoint.every_minutes=0")
     out, metrics = cfg.run.out, cfg.run.out / "metrics.jsonl"
     proc = rolefleet("up", str(write_config(cfg, tmp_path / "config.yaml")))
     extra = None
@@ -122,7 +125,7 @@ def check_status(out: Path, address: str) -> None:
     the role map (each role's address, its GPUs: none on the CPU, its workers); without the token
     the coordinator refuses and the message says where the token is found."""
     code, shown = cli("status", "--run", str(out))
-    assert code == 0 and "run test: RUNNING, step " in shown and "/1000" in shown, shown
+    assert code == 0 and "run test: RUNNING, step " in shown and f"/{STEPS}" in shown, shown
     assert json.loads((out / "coordinator.json").read_text())["address"] == address
     for role in ("actor", "reward", "critic"):
         [row] = [line for line in shown.splitlines() if line.split()[:1] == [role]]
@@ -141,7 +144,7 @@ def check_the_http_control_plane(out: Path, url: str, metrics: Path) -> None:
     assert refused.value.code == 401
     auth = bearer(out)
     status = call(f"{url}/v1/status", headers=auth)
-    assert status["run_name"] == "test" and status["state"] == "RUNNING" and status["total_steps"] == 1000
+    assert status["run_name"] == "test" and status["state"] == "RUNNING" and status["total_steps"] == STEPS
     roles = {r["role"]: r for r in call(f"{url}/v1/roles", headers=auth)}
     assert set(roles) == {"actor", "reward", "critic"}
     for r in roles.values():
@@ -152,7 +155,7 @@ def check_the_http_control_plane(out: Path, url: str, metrics: Path) -> None:
     assert page["steps"][0] == read_metrics(metrics)[0]
 
     code, text = cli("status", "--http", url, "--run", str(out))
-    assert code == 0 and "run test: " in text and "/1000" in text, text
+    assert code == 0 and "run test: " in text and f"/{STEPS}" in text, text
     assert sum(1 for line in text.splitlines() if "no GPU, 1 worker" in line) == 3, text
 
     assert call(f"{url}/v1/pause", "POST", auth)["state"] == "PAUSED"
