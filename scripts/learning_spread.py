@@ -39,8 +39,7 @@ def one_run(case_id: str, variant: str, seed: int, model: str, steps: int | None
             overrides: list[str]) -> dict:
     from tests.coordinator.test_learning import CASES, accuracy
 
-    case = CASES[case_id]
-    case = replace(case, steps=steps or case.steps)
+    case = replace(CASES[case_id], steps=steps or CASES[case_id].steps)
     extra = [f"run.seed={seed}", *overrides] + ([f"eval.every={every}"] if every else [])
     if variant == "lr0":
         extra += ["actor.lr=1e-12", "critic.lr=1e-12"]  # the config refuses 0
@@ -95,7 +94,8 @@ def main() -> None:
         model = str(Path(tmp) / "demo-model")
         make_tiny_model(model, **DEMO_MODEL)
         with ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool:
-            futures = [pool.submit(one_run, *run, model, args.steps, args.every, args.override) for run in runs(args.cases, args.seeds)]
+            futures = [pool.submit(one_run, *run, model, args.steps, args.every, args.override)
+                       for run in runs(args.cases, args.seeds)]
             results = []
             for future in futures:
                 results.append(future.result())
