@@ -8,9 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
+import yaml
+
 from rolefleet.app.preflight import preflight
 from rolefleet.app.shapes import SHAPES
-from rolefleet.common.config import ROLES, ConfigError, RoleFleetConfig, load_config
+from rolefleet.common.config import ROLES, ConfigError, RoleFleetConfig, load_config, overridden
 from rolefleet.tasks import TASKS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -208,16 +210,20 @@ def cmd_scale(args) -> int:
 
 def cmd_deploy(args) -> int:
     """Deployment files from a run config's devices map (one source of truth with `up`)."""
-    cfg = load_config(args.config, [])
+    cfg = load_config(args.config, args.overrides)
     try:
         if args.target == "compose":
             from rolefleet.deploy.compose import render_compose
 
-            sys.stdout.write(render_compose(cfg, args.config))
+            sys.stdout.write(render_compose(cfg, args.config, args.overrides))
         else:
             from rolefleet.deploy.helm import render_values
 
             sys.stdout.write(render_values(cfg))
+            if args.overrides:  # the chart reads the config from its values: this one, overrides applied
+                text = yaml.safe_dump(overridden(args.config, args.overrides), sort_keys=False)
+                sys.stdout.write("# The run config with the overrides applied (no --set-file config= needed).\n"
+                                 "config: |\n" + "".join(f"  {line}\n" for line in text.splitlines()))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return 0
@@ -368,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", choices=["compose", "helm-values"],
                    help="compose: docker-compose.yml for one node; helm-values: the chart's placement values")
     p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(fn=cmd_deploy)
 
     p = sub.add_parser("plan", help="the GPU memory each role of a config will need, and whether it fits")

@@ -2,11 +2,14 @@
 
 One image runs every role (`rolefleet serve ROLE`); the config's devices map becomes each service's
 GPU reservation, so the placement is written once, in the config. Every service gets the same
-config file (mounted read-only) plus the overrides that only hold inside a container: bind 0.0.0.0,
-the fixed ports of the convention below, the container paths of the model, data and run output, and
-(for the coordinator) the compose service names it dials. Roles the algorithm does not use are left
-out. `render_compose` is a pure function of its arguments: the same config gives the same bytes, so
-a committed file can be compared with a fresh render.
+config file (mounted read-only), the user's own `key=value` overrides, then the overrides that only
+hold inside a container: bind 0.0.0.0, the fixed ports of the convention below, the run output, the
+container path of every model and file the role reads (`rolefleet.deploy.inputs`), and (for the
+coordinator) the compose service names it dials. Models live in ./models (mounted at /models);
+a file beside the config is under /configs; any other file's directory is mounted read-only at
+/inputs/<n>. Roles the algorithm does not use are left out. `render_compose` is a pure function of
+its arguments: the same config gives the same bytes, so a committed file can be compared with a
+fresh render.
 
 Security: each directory holding a file that security.tls.* or security.token_file names is mounted
 read-only into every role at /etc/rolefleet/secrets/<n>, the keys are rewritten to those container
@@ -16,6 +19,7 @@ token comes from the environment compose runs in (`ROLEFLEET_TOKEN=... docker co
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,13 +29,18 @@ from typing import Any
 import yaml
 
 from rolefleet import __version__
-from rolefleet.app.preflight import GPU_ROLES, MODEL_KEYS
+from rolefleet.app.preflight import GPU_ROLES
 from rolefleet.common.config import RoleFleetConfig, split_device
+from rolefleet.deploy.inputs import Input, role_inputs
 
-IMAGE = f"rolefleet:{__version__}"
+# Images, and the host ports published on loopback: each a variable of the environment compose runs
+# in, with its default (a CPU image, a local Prometheus build, a port that is taken on this host).
+IMAGE = f"${{ROLEFLEET_IMAGE:-rolefleet:{__version__}}}"
 DOCKERFILE = "deploy/Dockerfile"
-PROMETHEUS_IMAGE = "prom/prometheus:v3.5.0"
-GRAFANA_IMAGE = "grafana/grafana:11.6.1"
+PROMETHEUS_IMAGE = "${PROMETHEUS_IMAGE:-prom/prometheus:v3.5.0}"
+GRAFANA_IMAGE = "${GRAFANA_IMAGE:-grafana/grafana:11.6.1}"
+HOST_PORT_VARIABLES = {"http": "ROLEFLEET_HTTP_PORT", "grpc": "ROLEFLEET_GRPC_PORT",
+                       "prometheus": "PROMETHEUS_PORT", "grafana": "GRAFANA_PORT"}
 # The port convention of every deployment (compose, Helm): one gRPC and one /metrics port per role.
 GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
 METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
@@ -41,6 +50,9 @@ GRAFANA_PORT = 3000
 # Container paths: run output and checkpoints on a named volume, models and configs bind-mounted.
 RUNS_DIR, MODELS_DIR, CONFIGS_DIR = "/runs", "/models", "/configs"
 HOST_MODELS_DIR = "models"
+# Where the directory of a file the config names (outside ./configs and ./models) is mounted
+# (read-only), one per directory, numbered in the order the roles' inputs name them.
+INPUTS_DIR = "/inputs"
 # Where the directories of the TLS files and the token file are mounted (read-only), one per
 # directory, numbered in the order of these keys.
 SECRETS_DIR = "/etc/rolefleet/secrets"
@@ -70,20 +82,23 @@ ROLE_SUMMARY = {
 }
 
 
-def render_compose(cfg: RoleFleetConfig, config_path: str) -> str:
-    """The whole docker-compose.yml for `cfg`, whose file is `config_path` (relative to the directory
-    the compose file lives in). Raises ValueError for a devices map that spans several nodes, and for
-    a model or data path that the mounts below cannot reach."""
+def render_compose(cfg: RoleFleetConfig, config_path: str, overrides: Sequence[str] = ()) -> str:
+    """The whole docker-compose.yml for `cfg`, which is the file `config_path` (relative to the
+    directory the compose file lives in) with `overrides` (key=value) applied; every service gets them
+    too. Raises ValueError for a devices map that spans several nodes, for an override of a key compose
+    sets itself, and for a model path that the mounts below cannot reach."""
     roles = cfg.roles()
     gpus = {role: gpu_ids(cfg, role) for role in roles}
     config_path = str(PurePosixPath(config_path))  # ./configs/x.yaml and configs/x.yaml render alike
     config_dir, config_name = _config_mount(config_path)
+    _check_overrides(cfg, overrides)
     secrets = secret_mounts(cfg)
-    shared = _shared_overrides(cfg, config_dir) + secrets.overrides
-    parts = [_header(config_path, gpus, cfg.coordinator.http_enabled, cfg, secrets), "name: rolefleet\n",
-             "services:\n"]
+    inputs = InputMounts(config_dir)
+    shared = [*overrides, f"run.output_dir={RUNS_DIR}/{cfg.run.name}", *secrets.overrides]
+    parts = [_header(config_path, overrides, gpus, cfg.coordinator.http_enabled, cfg, secrets),
+             "name: rolefleet\n", "services:\n"]
     for role in roles:
-        service = _role_service(cfg, role, gpus[role], config_dir, config_name, shared, secrets)
+        service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs)
         parts.append(_service_yaml(role, service, _role_comment(role, gpus[role])))
     parts.append(_service_yaml("prometheus", _prometheus(), [
         "prometheus: scrapes every role's /metrics port (deploy/prometheus/prometheus.yml, alerts.yml)"]))
@@ -111,15 +126,14 @@ def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
 
 # --- the role services ---------------------------------------------------------------------------
 
-def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_dir: str, config_name: str,
-                  shared: list[str], secrets: SecretMounts) -> dict[str, Any]:
-    command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *shared,
-               *_model_overrides(cfg, role), *_endpoint_overrides(cfg, role)]
-    volumes = ["runs:" + RUNS_DIR, f"{config_dir}:{CONFIGS_DIR}:ro", *secrets.volumes]
-    if role in MODEL_KEYS:
-        volumes.insert(1, f"./{HOST_MODELS_DIR}:{MODELS_DIR}:ro")
+def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_name: str, shared: list[str],
+                  secrets: SecretMounts, inputs: InputMounts) -> dict[str, Any]:
+    reads = inputs.place(cfg, role)
+    command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *shared, *reads.overrides,
+               *_endpoint_overrides(cfg, role)]
+    volumes = ["runs:" + RUNS_DIR, *reads.volumes, *secrets.volumes]
     service: dict[str, Any] = {"image": IMAGE, "build": {"context": ".", "dockerfile": DOCKERFILE},
-                               "command": command}
+                               "command": [_literal(word) for word in command]}
     if gpus:
         service["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": _Flow(gpus), "capabilities": _Flow(["gpu"])}]}}}
@@ -135,9 +149,8 @@ def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_dir: 
         "volumes": volumes,
     })
     if role == "coordinator":
-        grpc_port = GRPC_PORTS["coordinator"]
-        service["ports"] = ([f"127.0.0.1:{HTTP_PORT}:{HTTP_PORT}"] if cfg.coordinator.http_enabled else []) + [
-            f"127.0.0.1:{grpc_port}:{grpc_port}"]
+        service["ports"] = ([_published("http", HTTP_PORT)] if cfg.coordinator.http_enabled else []) + [
+            _published("grpc", GRPC_PORTS["coordinator"])]
         service["depends_on"] = {r: {"condition": "service_healthy"} for r in cfg.roles() if r != "coordinator"}
     service["healthcheck"] = _healthcheck(role, _healthcheck_tls(cfg, role, secrets))
     return service
@@ -182,24 +195,118 @@ def _endpoint_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
     return own + http + dials
 
 
-def _shared_overrides(cfg: RoleFleetConfig, config_dir: str) -> list[str]:
-    """Overrides every service gets, so that all of them load the same config: every role validates
-    the whole file (a data.path must exist in each container)."""
-    shared = [f"run.output_dir={RUNS_DIR}/{cfg.run.name}"]
-    if cfg.data.path:
-        shared.append(f"data.path={_data_path(cfg.data.path, config_dir)}")
-    if (model := cfg.model.model_name_or_path) is not None:
-        shared.append(f"model.model_name_or_path={container_model_path('model.model_name_or_path', model)}")
-    return shared
+def _published(name: str, port: int) -> str:
+    """A container port published on the host's loopback, at ${VARIABLE:-port} of the host."""
+    return f"127.0.0.1:${{{HOST_PORT_VARIABLES[name]}:-{port}}}:{port}"
 
 
-def _model_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
-    """Every model key the role loads, at its container path. Each key is set even when it equals
-    model.model_name_or_path: a key written out in the file would otherwise keep its host path."""
-    overrides = []
-    for key in MODEL_KEYS.get(role, ()):
-        section, field = key.split(".")
-        overrides.append(f"{key}={container_model_path(key, getattr(getattr(cfg, section), field))}")
+def _literal(word: str) -> str:
+    """`word` as compose passes it on: compose reads $ as the start of a variable ($$ is a $)."""
+    return word.replace("$", "$$")
+
+
+def _owned_keys(cfg: RoleFleetConfig) -> set[str]:
+    """Keys compose sets on every command line itself (what holds inside a container)."""
+    keys = {"run.output_dir", "coordinator.http_host", "coordinator.http_port"}
+    for role in GRPC_PORTS:
+        keys |= {f"{role}.host", f"{role}.port", f"{role}.metrics_port", f"{role}.address"}
+    return keys
+
+
+def _check_overrides(cfg: RoleFleetConfig, overrides: Sequence[str]) -> None:
+    owned = _owned_keys(cfg)
+    for override in overrides:
+        key = override.partition("=")[0]
+        if key in owned:
+            raise ValueError(f"override {override!r}: compose sets {key} itself (the container's ports, addresses "
+                             "and output directory: docs/deploy-compose.md); leave it out")
+
+
+@dataclass
+class Placed:
+    """One role's view of what it reads: the mounts it needs and the keys pointed at them."""
+
+    volumes: list[str] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+
+
+class InputMounts:
+    """Where every model and file of a run is seen inside the containers (`rolefleet.deploy.inputs`):
+    models under ./models at /models, files beside the config under /configs, any other file's
+    directory at /inputs/<n>, numbered once for the whole file so that every role sees a file at
+    the same path."""
+
+    def __init__(self, config_dir: str):
+        self.config_dir = config_dir
+        self.dirs: dict[str, str] = {}  # host directory -> /inputs/<n>
+
+    def place(self, cfg: RoleFleetConfig, role: str) -> Placed:
+        placed = Placed(volumes=[f"{self.config_dir}:{CONFIGS_DIR}:ro"])
+        inside: dict[str, str] = {}
+        for item in role_inputs(cfg, role):
+            inside[item.key] = self.container_path(item)
+            mount = self._mount_of(inside[item.key])
+            if mount not in placed.volumes:
+                placed.volumes.append(mount)
+        placed.volumes.sort(key=lambda v: (v.split(":")[1] != MODELS_DIR, v.split(":")[1] != CONFIGS_DIR))
+        placed.overrides = _path_overrides(cfg, inside)
+        return placed
+
+    def container_path(self, item: Input) -> str:
+        if item.kind == "model":
+            return container_model_path(item.key, item.path)
+        path = PurePosixPath(item.path)
+        if str(path).startswith((CONFIGS_DIR + "/", MODELS_DIR + "/")):
+            return str(path)  # already a container path
+        for host, target in ((self.config_dir, CONFIGS_DIR), (f"./{HOST_MODELS_DIR}", MODELS_DIR)):
+            if (inner := _inside(path, host)) is not None:
+                return str(PurePosixPath(target, inner))
+        if not path.name or path.name in (".", ".."):
+            raise ValueError(f"{item.key}: {item.path!r} names no file")
+        host_dir = _host_dir(path)
+        self.dirs.setdefault(host_dir, f"{INPUTS_DIR}/{len(self.dirs)}")
+        return f"{self.dirs[host_dir]}/{path.name}"
+
+    def _mount_of(self, container_path: str) -> str:
+        if container_path.startswith(MODELS_DIR + "/"):
+            return f"./{HOST_MODELS_DIR}:{MODELS_DIR}:ro"
+        if container_path.startswith(CONFIGS_DIR + "/"):
+            return f"{self.config_dir}:{CONFIGS_DIR}:ro"
+        target = str(PurePosixPath(container_path).parent)
+        host = next(h for h, t in self.dirs.items() if t == target)
+        return f"{host}:{target}:ro"
+
+
+def _inside(path: PurePosixPath, host_dir: str) -> str | None:
+    """`path` relative to the host directory `host_dir` (./configs, /abs/dir), or None outside it."""
+    host = PurePosixPath(host_dir.removeprefix("./") or ".").parts
+    parts = path.parts
+    if parts[:len(host)] == host and len(parts) > len(host) and ".." not in parts:
+        return str(PurePosixPath(*parts[len(host):]))
+    return None
+
+
+def _path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
+    """key=<container path> for every input the role reads. Code keeps its `:function`; reward
+    sources are a list, which an override sets whole, with every path and tokenizer rewritten."""
+    overrides, sources = [], {}
+    for key, path in inside.items():
+        if key.startswith("reward.sources."):
+            sources[key] = path
+        elif key == "reward.env.path":
+            overrides.append(f"{key}={path}:{cfg.reward.env.path.rpartition(':')[2]}")
+        else:
+            overrides.append(f"{key}={path}")
+    if sources:
+        entries = []
+        for i, source in enumerate(cfg.reward.sources):
+            entry = source.model_dump(mode="json", exclude_none=True)
+            if path := sources.get(f"reward.sources.{i}.path"):
+                entry["path"] = path + (f":{source.user_function()[1]}" if source.kind == "user" else "")
+            if path := sources.get(f"reward.sources.{i}.tokenizer"):
+                entry["tokenizer"] = path
+            entries.append(entry)
+        overrides.append("reward.sources=" + json.dumps(entries, separators=(",", ":")))
     return overrides
 
 
@@ -271,17 +378,6 @@ def _host_dir(path: PurePosixPath) -> str:
     return parent if path.is_absolute() or parent.startswith(".") else f"./{parent}"
 
 
-def _data_path(path: str, config_dir: str) -> str:
-    parts = PurePosixPath(path).parts
-    host = PurePosixPath(config_dir.removeprefix("./") or ".").parts
-    if path.startswith(CONFIGS_DIR + "/"):
-        return path
-    if parts[:len(host)] == host and len(parts) > len(host) and ".." not in parts:
-        return str(PurePosixPath(CONFIGS_DIR, *parts[len(host):]))
-    raise ValueError(f"data.path: {path!r} is outside {config_dir}, the directory compose mounts at "
-                     f"{CONFIGS_DIR}: put the file beside the config")
-
-
 def _config_mount(config_path: str) -> tuple[str, str]:
     """(the host directory mounted at /configs, the config's file name)."""
     path = PurePosixPath(config_path)
@@ -299,7 +395,7 @@ def _prometheus() -> dict[str, Any]:
         "command": ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"],
         "restart": "unless-stopped",
         "volumes": ["./deploy/prometheus:/etc/prometheus:ro", "prometheus:/prometheus"],
-        "ports": [f"127.0.0.1:{PROMETHEUS_PORT}:{PROMETHEUS_PORT}"],
+        "ports": [_published("prometheus", PROMETHEUS_PORT)],
     }
 
 
@@ -309,26 +405,30 @@ def _grafana() -> dict[str, Any]:
         "restart": "unless-stopped",
         "volumes": ["./deploy/grafana/provisioning:/etc/grafana/provisioning:ro",
                     "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro"],
-        "ports": [f"127.0.0.1:{GRAFANA_PORT}:{GRAFANA_PORT}"],
+        "ports": [_published("grafana", GRAFANA_PORT)],
         "depends_on": ["prometheus"],
     }
 
 
 # --- text ----------------------------------------------------------------------------------------
 
-def _header(config_path: str, gpus: dict[str, list[str]], http: bool, cfg: RoleFleetConfig,
-            secrets: SecretMounts) -> str:
+def _header(config_path: str, overrides: Sequence[str], gpus: dict[str, list[str]], http: bool,
+            cfg: RoleFleetConfig, secrets: SecretMounts) -> str:
     placement = "; ".join(f"{role} {'GPUs ' + ','.join(ids) if ids else 'no GPU'}" for role, ids in gpus.items())
     scheme = "https" if cfg.security.tls.enabled else "http"
-    published = [*([f"control plane {scheme}://127.0.0.1:{HTTP_PORT}"] if http else []),
-                 f"coordinator gRPC 127.0.0.1:{GRPC_PORTS['coordinator']} (rolefleet status)",
-                 f"Prometheus http://127.0.0.1:{PROMETHEUS_PORT}", f"Grafana http://127.0.0.1:{GRAFANA_PORT}"]
+    port = {name: f"127.0.0.1:{default} (${HOST_PORT_VARIABLES[name]})" for name, default in
+            (("http", HTTP_PORT), ("grpc", GRPC_PORTS["coordinator"]), ("prometheus", PROMETHEUS_PORT),
+             ("grafana", GRAFANA_PORT))}
+    published = [*([f"control plane {scheme}://{port['http']}"] if http else []),
+                 f"coordinator gRPC {port['grpc']}, for rolefleet status",
+                 f"Prometheus http://{port['prometheus']}", f"Grafana http://{port['grafana']}"]
     guarded = _security_summary(cfg, secrets)
+    command = " ".join(["rolefleet deploy compose", config_path, *overrides])
     lines = [
-        f"Generated from {config_path} by `rolefleet deploy compose {config_path} > docker-compose.yml`.",
+        f"Generated from {config_path} by `{command} > docker-compose.yml`.",
         "Do not edit by hand: change the config (its devices map places the roles) and generate it again.",
         f"Placement: {placement}.",
-        "Published on this host's loopback only" + (
+        "Published on this host's loopback only, each port a variable where compose runs" + (
             ":" if guarded else " (the control plane and the gRPC API ask for no credentials):"),
         *[f"  {p}" for p in published],
         *guarded,

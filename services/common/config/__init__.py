@@ -11,7 +11,7 @@ default, in the module of its section; docs/config.md mirrors them:
     reward.py      reward (and its sources)
     cluster.py     coordinator, pipeline, devices
     root.py        RoleFleetConfig: the sections together, with the defaults and checks spanning several
-    loading.py     YAML and overrides in (parse_config, load_config), YAML out (dump_config)
+    loading.py     YAML and overrides in (parse_config, load_config, overridden), YAML out (dump_config)
     app_checks.py  the checks that need rolefleet.tasks and rolefleet.reward, imported when they run
 
 Import from `rolefleet.common.config`: the modules are its layout, not its interface.
@@ -28,7 +28,7 @@ from rolefleet.common.config.base import (
 )
 from rolefleet.common.config.cluster import CoordinatorSection, DeviceList, DevicesSection, PipelineSection
 from rolefleet.common.config.data import DataSection, EvalSection, ModelSection, SamplingSection
-from rolefleet.common.config.loading import apply_override, dump_config, load_config, parse_config
+from rolefleet.common.config.loading import apply_override, dump_config, load_config, overridden, parse_config
 from rolefleet.common.config.reward import RewardSection
 from rolefleet.common.config.root import ASYNC_IS_CORRECTION, RoleFleetConfig
 from rolefleet.common.config.run import (
@@ -54,5 +54,5 @@ __all__ = [
     "DeviceList", "DevicesSection", "Endpoint", "EvalSection", "ModelSection", "PipelineSection", "RewardSection",
     "RoleFleetConfig", "RolloutSection", "RunSection", "SamplingSection", "SecuritySection", "TlsSection",
     "TrackingSection", "TrainSection", "VllmSection",
-    "apply_override", "dial_host", "dump_config", "load_config", "parse_config", "split_device",
+    "apply_override", "dial_host", "dump_config", "load_config", "overridden", "parse_config", "split_device",
 ]

@@ -76,11 +76,23 @@ def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> RoleFleetCon
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RoleFleetConfig:
-    path = Path(path)
+    return parse_config(_read_mapping(Path(path)), overrides)
+
+
+def overridden(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
+    """The config file's own mapping with `overrides` applied, unvalidated and without defaults: what
+    a deployment passes on as the run's config."""
+    raw = _read_mapping(Path(path))
+    for override in overrides:
+        apply_override(raw, override)
+    return raw
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
     raw = _read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (run, actor, ...)")
-    return parse_config(raw, overrides)
+    return raw
 
 
 def _read_yaml(path: Path) -> Any:

@@ -1,0 +1,69 @@
+"""What each role of a run reads from disk: the models it loads and the files it opens.
+
+A deployment puts every one of them into the role's container (compose mounts, the Helm chart's
+volumes), and a role that lacks one fails at start, far from the config line that named it. This is
+the one answer to "what does role R read", used by `rolefleet deploy compose`, by the chart's checks
+and by the test that walks every shipped config. Security files (TLS, token) are not listed here:
+every role reads them, and each deployment has its own secret mechanism for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rolefleet.app.preflight import MODEL_KEYS
+from rolefleet.common.config import RoleFleetConfig
+
+ALL_ROLES = ("actor", "reward", "critic", "coordinator")
+
+
+@dataclass(frozen=True)
+class Input:
+    """One thing a role reads. `key` names it in the config (a list entry by its index:
+    reward.sources.0.path); `path` is as the config gives it, for code the file of file.py:function."""
+
+    key: str
+    path: str
+    kind: Literal["model", "file"]
+
+
+def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
+    """What `role` of `cfg` reads, in a fixed order (the same config gives the same list)."""
+    if role not in ALL_ROLES:
+        raise ValueError(f"unknown role {role!r} (one of {', '.join(ALL_ROLES)})")
+    # Every role validates the whole config at start, and that opens the prompt files.
+    inputs = [Input(key, path, "file") for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path))
+              if path]
+    if role in MODEL_KEYS:  # the trainer roles: each loads its own models (weights and tokenizer)
+        inputs += [Input(key, _get(cfg, key), "model") for key in MODEL_KEYS[role]]
+    elif role == "coordinator":
+        # The actor model's tokenizer renders the prompts (chat template) and counts their tokens.
+        inputs.append(Input("actor.model_name_or_path", cfg.actor.model_name_or_path, "model"))
+    elif role == "reward":
+        inputs += _reward_inputs(cfg)
+    return [i for i in inputs if i.path]
+
+
+def run_inputs(cfg: RoleFleetConfig) -> dict[str, list[Input]]:
+    """`role_inputs` of every role the run starts."""
+    return {role: role_inputs(cfg, role) for role in cfg.roles()}
+
+
+def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:
+    inputs = []
+    for i, source in enumerate(cfg.reward.sources):
+        if source.kind == "model":
+            inputs.append(Input(f"reward.sources.{i}.path", source.path, "model"))
+        elif source.kind == "user":
+            inputs.append(Input(f"reward.sources.{i}.path", source.user_function()[0], "file"))
+        elif source.options.get("tokenizer"):  # a built-in that counts tokens (length_penalty)
+            inputs.append(Input(f"reward.sources.{i}.tokenizer", source.options["tokenizer"], "model"))
+    if cfg.reward.env.path:
+        inputs.append(Input("reward.env.path", cfg.reward.env.path.rpartition(":")[0], "file"))
+    return inputs
+
+
+def _get(cfg: RoleFleetConfig, key: str) -> str:
+    section, field = key.split(".")
+    return getattr(getattr(cfg, section), field)
