@@ -251,37 +251,63 @@ def _head_chunk(dims: ModelDims, chunk: int) -> Part:
     return Part(f"LM head logits of {chunk} tokens with their gradient", 3 * 4 * chunk * dims.vocab)
 
 
+def actor_work(cfg: RoleFleetConfig, gpu: str) -> tuple[bool, bool, int]:
+    """(trains, generates, training workers) of the actor on `gpu`. Split (`devices.rollout` a
+    proper part of `devices.actor`): a rollout GPU holds only its engine, and the trainer and the
+    reference are sharded over the other GPUs alone (`actor/placement.py`)."""
+    actor = [str(d) for d in cfg.devices.actor]
+    rollout = [str(d) for d in cfg.devices.rollout]
+    if not 0 < len(rollout) < len(actor):
+        return True, True, max(1, len(actor))
+    generates = gpu in rollout
+    return not generates, generates, len(actor) - len(rollout)
+
+
 def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
+    trains, generates, workers = actor_work(cfg, gpu)
+    est = Estimate("actor", gpu)
+    trainer_phases = _add_policy_trainer(cfg, dims, est, workers) if trains else {}
+    if generates:
+        _add_rollout_engine(cfg, dims, est)
+    est.phases |= trainer_phases
+    return est
+
+
+def _add_rollout_engine(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate) -> None:
+    """The rollout engine on one of the actor's generating GPUs."""
     a, s = cfg.actor, cfg.sampling
-    workers = max(1, len(cfg.devices.actor))
+    rows = min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt)
+    width = (cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS) + s.max_new_tokens
+    if a.rollout.backend == "vllm":
+        est.phases["generate"] = [Part("vLLM (gpu_memory_utilization of the GPU)", 0.0)]  # filled by the caller
+        return
+    est.held.append(Part("rollout engine weights (bf16)", 2 * dims.params))
+    kv = 2 * 2 * dims.layers * dims.kv_dim * rows * width
+    kept = min(kv, a.rollout.keep_decode_state_mb * 2**20)
+    est.held.append(Part("kept decode state", kept))
+    est.phases["generate"] = [Part(f"KV cache of {rows} rows x {width} tokens (bf16)", kv - kept),
+                              Part("logits of one decode step", 4 * rows * dims.vocab)]
+
+
+def _add_policy_trainer(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate, workers: int) -> dict[str, list[Part]]:
+    """The policy's trainer and its reference on one of the actor's `workers` training GPUs: adds
+    what is held to `est`, returns the trainer's phases."""
+    a = cfg.actor
     sharded = a.sharding == "fsdp" and workers > 1
     share = workers if sharded else 1
     # Sharded (over workers, or over one for offload=params), an offloaded reference is FSDP's CPU
     # offload too: its layers visit the GPU one at a time; unsharded, it visits whole.
     ref_layers_only = sharded or a.offload == "params"
-    est = Estimate("actor", gpu)
     held, update, est.host = _trainer_parts(dims, a, workers, sharded, "policy")
     est.held += held
     own_reference = not a.reference_is_the_policy
     if own_reference:
         (est.host if a.ref_offload else est.held).append(Part("reference weights (fp32)", 4 * dims.params / share))
-    update.append(_head_chunk(dims, a.logprob_chunk_tokens))
-    rows = min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt)
-    width = (cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS) + s.max_new_tokens
-    if a.rollout.backend == "vllm":
-        est.phases["generate"] = [Part("vLLM (gpu_memory_utilization of the GPU)", 0.0)]  # filled by the caller
-    else:
-        est.held.append(Part("rollout engine weights (bf16)", 2 * dims.params))
-        kv = 2 * 2 * dims.layers * dims.kv_dim * rows * width
-        kept = min(kv, a.rollout.keep_decode_state_mb * 2**20)
-        est.held.append(Part("kept decode state", kept))
-        est.phases["generate"] = [Part(f"KV cache of {rows} rows x {width} tokens (bf16)", kv - kept),
-                                  Part("logits of one decode step", 4 * rows * dims.vocab)]
-    est.phases["update"] = update
+    phases = {"update": [*update, _head_chunk(dims, a.logprob_chunk_tokens)]}
     if own_reference and a.ref_offload and not ref_layers_only:
-        est.phases["logprobs"] = [Part("reference visiting the GPU (fp32)", 4 * dims.params / share),
-                                  _head_chunk(dims, a.logprob_chunk_tokens)]
-    return est
+        phases["logprobs"] = [Part("reference visiting the GPU (fp32)", 4 * dims.params / share),
+                              _head_chunk(dims, a.logprob_chunk_tokens)]
+    return phases
 
 
 def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
@@ -349,7 +375,7 @@ def plan(cfg: RoleFleetConfig, capacity: Optional[float] = None) -> list[GpuPlan
             node, index = split_device(device)
             gpu = f"{node}:{index}" if node else str(index)
             est = builders[role](cfg, dims, gpu)
-            if role == "actor" and cfg.actor.rollout.backend == "vllm" and capacity is not None:
+            if "generate" in est.phases and cfg.actor.rollout.backend == "vllm" and capacity is not None:
                 est.phases["generate"][0].bytes = cfg.actor.rollout.vllm.gpu_memory_utilization * capacity
             by_gpu.setdefault(gpu, []).append(est)
     return [GpuPlan(gpu, capacity, estimates) for gpu, estimates in by_gpu.items()]
@@ -430,6 +456,12 @@ def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
         if r.model_dtype == "float32":
             out.append("reward.model_dtype=bfloat16 (half the weights' bytes)")
         return [*out, "a GPU of its own in devices.reward (not shared with a trainer through devices.colocate)"]
+    if role == "actor" and "update" not in est.phases:  # a rollout GPU of a split actor: its engine alone
+        rollout = cfg.actor.rollout
+        if rollout.backend == "vllm":
+            return [f"actor.rollout.vllm.gpu_memory_utilization={rollout.vllm.gpu_memory_utilization / 2:g} "
+                    "(what vLLM takes of the GPU)"]
+        return [f"actor.rollout.batch_size={max(1, rollout.batch_size // 2)} (the KV cache scales with it)"]
     section = getattr(cfg, role)
     out = []
     if not section.gradient_checkpointing:
@@ -473,4 +505,9 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
         if need:
             of = f" of {host / GIB:.1f} GiB here" if host and not node else ""
             lines.append(f"host memory{f' of {node}' if node else ''}: {need / GIB:.1f} GiB{of} for offloaded state")
-    return "\n".join(lines) if lines else "no role has a GPU (devices.* are empty): nothing to plan"
+    if not lines:
+        lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
+    # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.
+    from rolefleet.app.preflight import idle_gpu_warnings
+
+    return "\n".join([*lines, *(f"warning: {w}" for w in idle_gpu_warnings(cfg, cfg.roles()))])

@@ -5,7 +5,9 @@ directories exist (or name a hub model), responses fit the model's positions, a 
 per-request limits, the output directory is writable and the device groups name GPUs that exist.
 Each finding is found in seconds instead of minutes into a run (a model load, a traceback at step
 1), and all of them are reported at once as one ConfigError, a line per problem naming its key.
-Nothing here loads a model or reaches the network.
+What may be meant but usually is a slip (a GPU estimate near the GPU's memory, a role given GPUs it
+has no work for) is a warning in the log instead, and the run goes on. Nothing here loads a model or
+reaches the network.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str, node: int
     problems += check_local_devices(cfg, roles) if command == "up" else check_visible_gpus(cfg, roles, node)
     problems += check_rollout_backend(cfg, roles, command) + check_workers(cfg, roles)
     problems += check_memory(cfg, roles) + check_adapters(cfg, roles)
+    for warning in idle_gpu_warnings(cfg, roles):
+        log.warning("%s", warning)
     if "reward" in roles:
         from rolefleet.reward.sources import check_sources
 
@@ -65,6 +69,28 @@ def check_memory(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
     for warning in warnings:
         log.warning("%s", warning)
     return problems
+
+
+def idle_gpu_warnings(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
+    """Roles of `roles` given GPUs they have no work for: GPUs that idle through the whole run while
+    the roles with work go short. Warnings, not problems: a user reward function may use a GPU of
+    its own accord, which nothing here can see."""
+    warnings = []
+    if "reward" in roles and cfg.devices.reward:
+        sources = cfg.reward.scoring_sources()
+        if not any(s.kind == "model" for s in sources):
+            kinds = {"function": "a built-in function", "user": "a user function"}
+            names = ", ".join(f"{s.name}: {kinds[s.kind]}" for s in sources)
+            warnings.append(
+                f"devices.reward: GPUs {cfg.devices.reward} go to the reward role, but its sources run on the CPU "
+                f"({names}); only a `kind: model` source uses a GPU (environments run on the CPU too), so these "
+                "GPUs will idle. Give them to the actor or the critic and set devices.reward=[]; if a reward "
+                "function of yours uses the GPU itself, keep them and ignore this warning")
+    if "coordinator" in roles and cfg.devices.critic and not cfg.preset.uses_critic:
+        warnings.append(f"devices.critic: GPUs {cfg.devices.critic} go to the critic, but algorithm "
+                        f"{cfg.algorithm} has none and no critic starts: they will idle. Set devices.critic=[] "
+                        "or give them to the actor")
+    return warnings
 
 
 def check_adapters(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:

@@ -143,6 +143,24 @@ def test_two_sharded_workers_hold_half_each(tmp_path):
     assert weights[1] == weights[2] == weights[0] / 2
 
 
+def test_a_split_actor_holds_its_engine_on_the_rollout_gpus_and_its_trainer_on_the_others(tmp_path):
+    model = small_model(tmp_path)
+    dims = ModelDims.read(model)
+    p = dims.params
+    gpus = plan(cfg_for(model, "devices.actor=[0, 1, 2, 3]", "devices.rollout=[0, 1]"), 80 * GIB)
+    got = {g.gpu: parts(g.estimates[0]) for g in gpus}
+    kv = 2 * 2 * 2 * 4 * 4 * 16
+    for rollout_gpu in ("0", "1"):  # the engine alone: no trainer, no reference, no update
+        assert got[rollout_gpu] == {"rollout engine weights (bf16)": 2 * p, "kept decode state": kv,
+                                    "generate: KV cache of 4 rows x 16 tokens (bf16)": 0,
+                                    "generate: logits of one decode step": 4 * 4 * 10}
+    for train_gpu in ("2", "3"):  # sharded over the two training GPUs, not the actor's four
+        assert got[train_gpu]["policy weights (fp32)"] == 4 * p / 2
+        assert got[train_gpu]["reference weights (fp32)"] == 4 * p / 2
+        assert "rollout engine weights (bf16)" not in got[train_gpu]
+        assert not any(k.startswith("generate") for k in got[train_gpu])
+
+
 def test_a_map_that_cannot_fit_is_refused_naming_role_estimate_and_settings(tmp_path):
     cfg = cfg_for(small_model(tmp_path))
     need = plan(cfg, 80 * GIB)[0].total
@@ -190,6 +208,18 @@ def test_the_plan_command_prints_the_parts_and_fails_when_over(tmp_path, capsys)
     assert "GPU 0:" in out and "(fits)" in out and "policy AdamW state (fp32)" in out
     assert main(["plan", str(config), "--gpu-gib", "0.0001"]) == 1
     assert "(over)" in capsys.readouterr().out
+
+
+def test_the_plan_names_reward_gpus_that_would_idle(tmp_path, capsys):
+    from rolefleet.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{model_name_or_path: {small_model(tmp_path)}}}\n"
+                      "devices: {actor: [0], reward: [1]}\n")
+    assert main(["plan", str(config), "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 1" not in out  # nothing of the reward's is planned there
+    assert "warning: devices.reward: GPUs [1] go to the reward role, but its sources run on the CPU" in out
 
 
 @pytest.mark.parametrize("shape", ["tiny", "qwen2.5-7b"])

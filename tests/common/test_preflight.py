@@ -292,3 +292,41 @@ def test_every_problem_is_reported_at_once(make_config, gpus):
 def test_parse_config_itself_does_not_touch_the_filesystem():
     cfg = parse_config({"model": {"model_name_or_path": "/no/such/dir"}})
     assert cfg.actor.model_name_or_path == "/no/such/dir"
+
+
+def idle_warnings(caplog, cfg, roles=None, command="up") -> list[str]:
+    """The warnings preflight logs about GPUs without work, once the config has passed."""
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=pf.log.name):
+        assert problems(cfg, roles, command) == ""
+    return [r.getMessage() for r in caplog.records if "will idle" in r.getMessage()]
+
+
+def test_a_reward_that_runs_a_cpu_rule_on_gpus_is_a_warning_that_says_how_to_silence_it(make_config, gpus, caplog,
+                                                                                        tmp_path):
+    gpus(8)
+    [warning] = idle_warnings(caplog, make_config("devices.actor=[0, 1, 2, 3]", "devices.reward=[4, 5]"))
+    assert warning.startswith("devices.reward: GPUs [4, 5] go to the reward role, but its sources run on the CPU "
+                              "(exact_match: a built-in function)")
+    assert "set devices.reward=[]" in warning and "ignore this warning" in warning
+    # `serve reward` (compose, Helm) warns the same, and a user function is no GPU work either.
+    (tmp_path / "score.py").write_text("def score(response): return 0.0\n")
+    user = make_config("devices.reward=[0]", f"reward.sources=[{{kind: user, path: '{tmp_path}/score.py:score'}}]")
+    [warning] = idle_warnings(caplog, user, ["reward"], "serve")
+    assert "(score: a user function)" in warning
+
+
+def test_a_reward_model_or_a_reward_on_the_cpu_is_no_warning(make_config, gpus, caplog, tiny_model_dir):
+    gpus(8)
+    with_model = make_config("devices.reward=[4]", f"reward.sources=[{{kind: model, path: '{tiny_model_dir}'}}]")
+    assert idle_warnings(caplog, with_model) == []
+    assert idle_warnings(caplog, make_config("devices.actor=[0, 1]")) == []  # the reward on the CPU
+    assert idle_warnings(caplog, make_config("devices.actor=[0]", "devices.reward=[4]"), ["actor"], "serve") == []
+
+
+def test_critic_gpus_of_an_algorithm_without_a_critic_are_a_warning(make_config, gpus, caplog):
+    gpus(8)
+    cfg = make_config("algorithm=grpo", "train.samples_per_prompt=2", "devices.critic=[1]")
+    [warning] = idle_warnings(caplog, cfg)
+    assert warning.startswith("devices.critic: GPUs [1] go to the critic, but algorithm grpo has none")
+    assert idle_warnings(caplog, make_config("devices.critic=[1]")) == []  # ppo: the critic trains on it
