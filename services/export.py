@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.common.model_paths import share_read_access
 from rolefleet.trainer.checkpoint import MANIFEST, begin, commit, latest_checkpoint
 from rolefleet.trainer.lora import ADAPTER_CONFIG
 
@@ -68,6 +69,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "auto", base: st
     def write(work: Path) -> None:
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)
+        share_read_access(work)
 
     _write_atomically(out, write)
     log.info("exported %s (%s) to %s", actor, str(target).removeprefix("torch."), out)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.common.model_paths import share_read_access
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, end_of_turn_id
 from rolefleet.export import DTYPES, ExportError, check_out
 from rolefleet.trainer.checkpoint import begin, commit
@@ -75,6 +76,7 @@ def import_gguf(file: Path, out: Path, dtype: str = "float32") -> Imported:
     try:
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
+        share_read_access(work)
         commit(out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

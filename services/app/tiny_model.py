@@ -20,6 +20,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from rolefleet.app.shapes import SHAPES, ModelShape
+from rolefleet.common.model_paths import share_read_access
 from rolefleet.tasks import make_task
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ def make_tiny_model(out_dir: str | Path, task: str | None = None, warm_start_ste
         model.config.dtype = dtype  # what the files hold, as a real checkpoint's config says
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    share_read_access(out)
     return out
 
 
@@ -197,4 +199,5 @@ def make_tiny_reward_model(out_dir: str | Path, seed: int = 0, num_labels: int =
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    share_read_access(out)
     return out

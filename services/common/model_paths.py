@@ -31,6 +31,12 @@ def _model_dir_problem(path: str, directory: Path) -> Optional[str]:
     config = directory / "config.json"
     if not config.is_file():
         return f"model directory {path} has no config.json"
+    # A container's role runs as its own user: a file the host wrote for its owner alone (safetensors
+    # writes 0600) fails deep in the loader as "No such file or directory".
+    unreadable = sorted(f.name for f in directory.iterdir() if f.is_file() and not os.access(f, os.R_OK))
+    if unreadable:
+        return (f"model directory {path}: {', '.join(unreadable)} cannot be read by this process (uid {os.getuid()}); "
+                f"make the files readable, e.g. chmod -R a+rX {path}")
     try:
         json.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -72,3 +78,15 @@ def cached_config(repo_id: str) -> Optional[Path]:
 
     cached = try_to_load_from_cache(repo_id, "config.json")
     return Path(cached) if isinstance(cached, str) else None
+
+
+def share_read_access(directory: str | Path) -> None:
+    """Give every file under `directory` the read permissions the process's umask allows (rw-r--r--
+    under the usual 022). The safetensors writer creates its files 0600, so a model written by one
+    user (root on a host) could not be loaded by another (the non-root user of a container)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(directory):
+        for name in files:
+            file = Path(root, name)
+            file.chmod(file.stat().st_mode | (0o444 & ~umask))
