@@ -1,12 +1,17 @@
-"""Chart values (deploy/helm/rolefleet) from a run config's devices map.
+"""Chart values (deploy/helm/rolefleet) from a run config: placement from its devices map, each
+role's CPU and memory requests, and the runs volume's size for its checkpoints.
 
-`values_for(cfg)` gives each role of the run its pod's GPU count (the number of entries in
+`placement_values(cfg)` gives each role of the run its pod's GPU count (the number of entries in
 `devices.<role>`, as `rolefleet serve` checks it) and, for `"node:i"` entries, a nodeSelector on
 `kubernetes.io/hostname`. A trainer (actor, critic) whose entries name several nodes spans them:
 one pod per node (`nodes`, the chart's StatefulSet), each with that node's GPU count, on the nodes
 named (`nodeNames`, one pod per node); every node must then give it as many GPUs, since one pod
 template serves them all. The GPU index after the node is not carried over: the device plugin picks
 which of the node's GPUs a pod gets.
+
+`values_for(cfg)` adds to it every role's `resources.requests` and, where the trainers' models are
+readable here, `persistence.size` and `persistence.checkpointSize` (deploy/sizing.py says how each
+is estimated); the chart refuses a `persistence.size` below what the checkpoints need.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import yaml
 
 from rolefleet.common.config import RoleFleetConfig
+from rolefleet.deploy import sizing
 from rolefleet.trainer.nodes import GROUP_ROLES
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -55,7 +61,7 @@ def _placement(cfg: RoleFleetConfig, role: str) -> dict[str, Any]:
     return {"gpus": counts[nodes[0]], "nodes": len(nodes), "nodeNames": nodes}
 
 
-def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:
+def placement_values(cfg: RoleFleetConfig) -> dict[str, Any]:
     """Chart values placing the run's GPU roles: `{role: {gpus, nodeSelector? | nodes, nodeNames}}`
     for actor, reward and (when the algorithm uses one) critic, plus ReadWriteMany output storage
     when the roles span several nodes (every pod mounts the output volume)."""
@@ -71,8 +77,41 @@ def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:
     return values
 
 
+def storage_values(cfg: RoleFleetConfig) -> dict[str, str]:
+    """`persistence.size` that holds the run's checkpoints and logs, and `checkpointSize` (one
+    checkpoint, rounded up to whole GiB) that the chart checks the size against; {} when a
+    trainer's model is not readable here or the run saves no checkpoint."""
+    checkpoint = sizing.checkpoint_bytes(cfg)
+    if not checkpoint:
+        return {}
+    one = sizing.gib(checkpoint)
+    size = sizing.volume_bytes(int(one.removesuffix("Gi")) * sizing.GIB, cfg.checkpoint.keep)
+    return {"size": sizing.gib(size), "checkpointSize": one}
+
+
+def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:
+    """The chart values of the run: its placement, every role's CPU and memory requests, and the
+    runs volume's size."""
+    values = placement_values(cfg)
+    persistence = values.pop("persistence", {}) | storage_values(cfg)
+    for role, requests in sizing.requests(cfg).items():
+        values.setdefault(role, {})["resources"] = {"requests": requests}
+    return values | ({"persistence": persistence} if persistence else {})
+
+
+def _unsized(cfg: RoleFleetConfig, values: dict[str, Any]) -> list[str]:
+    """Comment lines naming what was left to the chart's defaults, and why."""
+    lines = [f"# {role}: no memory request estimated (its model's config.json is not readable here): the chart's "
+             "default stands" for role in cfg.roles() if "memory" not in values[role]["resources"]["requests"]]
+    if "checkpointSize" not in values.get("persistence", {}) and sizing.checkpoint_bytes(cfg) is None:
+        lines.append("# persistence.size: not estimated (a trainer's config.json is not readable here): size it "
+                     "as docs/deploy-kubernetes.md says")
+    return lines
+
+
 def render_values(cfg: RoleFleetConfig) -> str:
     """`values_for(cfg)` as a values file for `helm install -f`."""
-    header = (f"# Placement of run {cfg.run.name}'s roles for the rolefleet Helm chart, from its devices map.\n"
-              "# Install with the same config: --set-file config=CONFIG -f THIS_FILE\n")
-    return header + yaml.safe_dump(values_for(cfg), sort_keys=False)
+    values = values_for(cfg)
+    header = [f"# Placement, resource requests and runs volume of run {cfg.run.name} for the rolefleet Helm chart.",
+              "# Install with the same config: --set-file config=CONFIG -f THIS_FILE", *_unsized(cfg, values)]
+    return "\n".join(header) + "\n" + yaml.safe_dump(values, sort_keys=False)

@@ -19,7 +19,7 @@ from rolefleet.algos.presets import ALGORITHMS
 from rolefleet.certs import make_certs
 from rolefleet.cli import parse_args
 from rolefleet.common.config import load_config, parse_config
-from rolefleet.deploy.helm import HOSTNAME_LABEL, render_values, values_for
+from rolefleet.deploy.helm import HOSTNAME_LABEL, placement_values, render_values, values_for
 from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
 
 pytestmark = pytest.mark.procs
@@ -31,7 +31,7 @@ PREFIX = f"{RELEASE}-rolefleet"
 # The chart's floor (Chart.yaml kubeVersion: native gRPC probes) and the newest schemas shipped.
 KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 # Custom resources have no schema among the Kubernetes API's: skipped by name, nothing else is.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
 METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
 
@@ -127,7 +127,8 @@ def test_lint_passes_strict_with_default_and_two_node_values(tmp_path):
     config = write(tmp_path / "run.yaml", raw)
     values = write(tmp_path / "placement.yaml", render_values(parse_config(raw)))
     for args in ([], ["--set-file", f"config={config}", "-f", str(values)],
-                 ["--set", "monitoring.serviceMonitor.enabled=true"], SECURED):
+                 ["--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
+                  "--set", "monitoring.dashboards.enabled=true", "--set", "persistence.checkpointSize=10Gi"], SECURED):
         done = helm("lint", "--strict", str(CHART), *args)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "0 chart(s) failed" in done.stdout
@@ -135,8 +136,9 @@ def test_lint_passes_strict_with_default_and_two_node_values(tmp_path):
 
 VARIANTS = {
     "default": [],
-    "service monitor, 3 reward replicas": ["--set", "monitoring.serviceMonitor.enabled=true",
-                                          "--set", "reward.replicas=3"],
+    "service monitor, rules, dashboards, 3 reward replicas": [
+        "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
+        "--set", "monitoring.dashboards.enabled=true", "--set", "reward.replicas=3"],
     "model hostPath, no persistence, NodePort": ["--set", "model.hostPath=/data/models", "--set",
                                                  "persistence.enabled=false", "--set", "coordinator.service.type=NodePort"],
     "model claim, existing output claim, no SA": ["--set", "model.existingClaim=models", "--set",
@@ -166,7 +168,7 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(variant):
             except kubernetes_validate.ValidationError as e:
                 path = ".".join(map(str, e.path))
                 pytest.fail(f"{doc['kind']} {doc['metadata']['name']} against Kubernetes {version}: {path}: {e.message}")
-    assert skipped == (["ServiceMonitor"] if "service monitor" in variant else [])
+    assert sorted(skipped) == (["PrometheusRule", "ServiceMonitor"] if "service monitor" in variant else [])
 
 
 def test_placement_manifests_validate(placement):
@@ -199,8 +201,12 @@ def test_default_config_is_configs_8gpu_with_in_pod_paths(default_docs):
 def test_default_gpu_limits_follow_the_devices_map(default_docs):
     devices = default_config()["devices"]
     for role in ("actor", "reward", "critic"):
-        assert gpu_limit(default_docs, role) == len(devices[role])
-        assert "CUDA_VISIBLE_DEVICES" not in env(default_docs, role)  # the device plugin chooses
+        gpus = len(devices.get(role, []))
+        assert gpu_limit(default_docs, role) == (gpus or None)
+        if gpus:
+            assert "CUDA_VISIBLE_DEVICES" not in env(default_docs, role)  # the device plugin chooses
+        else:
+            assert env(default_docs, role)["CUDA_VISIBLE_DEVICES"] == ""
     assert gpu_limit(default_docs, "coordinator") is None
     # A pod without a GPU request must not see the node's GPUs through a CUDA image's defaults.
     assert env(default_docs, "coordinator")["CUDA_VISIBLE_DEVICES"] == ""
@@ -316,8 +322,9 @@ def test_critic_runs_only_for_algorithms_with_a_value_model(tmp_path, algorithm)
     assert ("critic.address" in overrides(docs, "coordinator")) == uses_critic
 
 
-def test_reward_replicas_and_their_headless_service():
-    docs = render("--set", "reward.replicas=3")
+def test_reward_replicas_and_their_headless_service(tmp_path):
+    two_gpu_reward = write(tmp_path / "run.yaml", two_node_config())
+    docs = render("--set-file", f"config={two_gpu_reward}", "--set", "reward.replicas=3")
     deployment = workload(docs, "reward")
     assert deployment["spec"]["replicas"] == 3
     headless = find(docs, "Service", f"{PREFIX}-reward-headless")
@@ -349,18 +356,21 @@ def test_service_monitor_only_when_enabled(default_docs):
     assert scraped == {f"{PREFIX}-{r}" for r in GRPC_PORTS}
 
 
-def test_model_volume_is_mounted_read_only_where_models_load():
+def test_model_volume_is_mounted_read_only_in_every_role():
+    """The coordinator too: it loads the actor model's tokenizer (chat template, data.max_prompt_tokens)
+    and the image runs offline."""
     docs = render("--set", "model.hostPath=/data/models")
-    for role in ("actor", "reward", "critic"):
+    for role in GRPC_PORTS:
         (mount,) = [m for m in container(docs, role)["volumeMounts"] if m["name"] == "models"]
         assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
         (volume,) = [v for v in pod(docs, role)["volumes"] if v["name"] == "models"]
         assert volume["hostPath"] == {"path": "/data/models", "type": "Directory"}
-    assert not [m for m in container(docs, "coordinator")["volumeMounts"] if m["name"] == "models"]
     docs = render("--set", "model.existingClaim=models", "--set", "model.path=/models/qwen")
-    (volume,) = [v for v in pod(docs, "actor")["volumes"] if v["name"] == "models"]
-    assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
-    assert overrides(docs, "actor")["model.model_name_or_path"] == "/models/qwen"
+    for role in GRPC_PORTS:
+        (volume,) = [v for v in pod(docs, role)["volumes"] if v["name"] == "models"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        assert overrides(docs, role)["model.model_name_or_path"] == "/models/qwen"
+    assert not [v for v in pod(render(), "coordinator")["volumes"] if v["name"] == "models"]  # none set
     assert "model.model_name_or_path" not in overrides(render("--set", "model.path="), "actor")
 
 
@@ -606,8 +616,9 @@ def test_the_documented_certs_command_names_every_address_the_coordinator_dials(
 # --- refused values -----------------------------------------------------------------------------
 
 def test_gpu_count_that_contradicts_the_devices_map_is_refused():
-    message = failure("--set", "actor.gpus=2")
-    assert "actor.gpus is 2 but devices.actor of the run config lists 4 GPUs" in message
+    listed = len(default_config()["devices"]["actor"])
+    message = failure("--set", f"actor.gpus={listed + 1}")
+    assert f"actor.gpus is {listed + 1} but devices.actor of the run config lists {listed} GPUs" in message
 
 
 def test_config_must_be_yaml_text():
@@ -637,13 +648,14 @@ def test_two_node_placement_pins_each_role_to_its_node(placement):
 
 # --- values_for ---------------------------------------------------------------------------------
 
-def test_values_for_local_devices_gives_gpu_counts_only():
-    assert values_for(parse_config(default_config())) == {"actor": {"gpus": 4}, "reward": {"gpus": 2},
-                                                         "critic": {"gpus": 2}}
+def test_placement_of_local_devices_is_gpu_counts_only():
+    devices = default_config()["devices"]
+    assert placement_values(parse_config(default_config())) == {
+        role: {"gpus": len(devices.get(role, []))} for role in ("actor", "reward", "critic")}
 
 
-def test_values_for_node_entries():
-    values = values_for(parse_config(two_node_config()))
+def test_placement_of_node_entries():
+    values = placement_values(parse_config(two_node_config()))
     assert values == {
         "actor": {"gpus": 4, "nodeSelector": {HOSTNAME_LABEL: "node0"}},
         "reward": {"gpus": 2, "nodeSelector": {HOSTNAME_LABEL: "node1"}},
@@ -652,25 +664,25 @@ def test_values_for_node_entries():
     }
 
 
-def test_values_for_one_node_keeps_the_default_storage_and_skips_an_unused_critic():
+def test_placement_on_one_node_keeps_the_default_storage_and_skips_an_unused_critic():
     raw = default_config() | {"algorithm": "grpo"}
     raw["devices"] = {"actor": ["gpu-a:0", "gpu-a:1"], "reward": ["gpu-a:2"], "critic": ["gpu-b:0"]}
-    assert values_for(parse_config(raw)) == {"actor": {"gpus": 2, "nodeSelector": {HOSTNAME_LABEL: "gpu-a"}},
-                                             "reward": {"gpus": 1, "nodeSelector": {HOSTNAME_LABEL: "gpu-a"}}}
+    assert placement_values(parse_config(raw)) == {"actor": {"gpus": 2, "nodeSelector": {HOSTNAME_LABEL: "gpu-a"}},
+                                                   "reward": {"gpus": 1, "nodeSelector": {HOSTNAME_LABEL: "gpu-a"}}}
 
 
-def test_values_for_a_trainer_on_two_nodes_spans_them_and_refuses_uneven_nodes():
+def test_placement_of_a_trainer_on_two_nodes_spans_them_and_refuses_uneven_nodes():
     raw = default_config()
     raw["devices"] = {"actor": ["node0:0", "node0:1", "node2:0", "node2:1"], "reward": ["node1:0"]}
-    assert values_for(parse_config(raw))["actor"] == {"gpus": 2, "nodes": 2, "nodeNames": ["node0", "node2"]}
+    assert placement_values(parse_config(raw))["actor"] == {"gpus": 2, "nodes": 2, "nodeNames": ["node0", "node2"]}
     raw["devices"]["actor"] = ["node0:0", "node0:1", "node2:1"]
     with pytest.raises(ValueError, match=re.escape("devices.actor: its nodes list different GPU counts (node0: 2, "
                                                    "node2: 1)")):
-        values_for(parse_config(raw))
+        placement_values(parse_config(raw))
     cpu = default_config() | {"algorithm": "grpo", "devices": {}}
     cpu["actor"] = cpu["actor"] | {"workers": 4, "nodes": 2}  # a CPU group over two pods, any nodes
-    assert values_for(parse_config(cpu)) == {"actor": {"gpus": 0, "nodes": 2}, "reward": {"gpus": 0},
-                                             "persistence": {"accessModes": ["ReadWriteMany"]}}
+    assert placement_values(parse_config(cpu)) == {"actor": {"gpus": 0, "nodes": 2}, "reward": {"gpus": 0},
+                                                   "persistence": {"accessModes": ["ReadWriteMany"]}}
 
 
 def test_values_for_refuses_a_node_no_label_can_match():

@@ -412,7 +412,9 @@ roles differ only where the values say so.
 {{- $role := .role }}
 {{- $v := index $root.Values $role }}
 {{- $gpus := include "rolefleet.gpus" . | int }}
-{{- $loadsModel := and (ne $role "coordinator") (or $root.Values.model.existingClaim $root.Values.model.hostPath) }}
+{{- /* Every role reads the model: the trainers and a reward model their weights, the coordinator the
+actor model's tokenizer (chat template, data.max_prompt_tokens), offline in the image. */}}
+{{- $mountsModels := or $root.Values.model.existingClaim $root.Values.model.hostPath }}
 {{- $tlsSecret := include "rolefleet.tlsSecret" $root }}
 {{- $tokenSecret := include "rolefleet.tokenSecret" $root -}}
 metadata:
@@ -544,7 +546,7 @@ spec:
           mountPath: /tmp
         - name: shm
           mountPath: /dev/shm
-        {{- if $loadsModel }}
+        {{- if $mountsModels }}
         - name: models
           mountPath: {{ $root.Values.model.mountPath }}
           readOnly: true
@@ -577,7 +579,7 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $root.Values.shm.sizeLimit }}
-    {{- if $loadsModel }}
+    {{- if $mountsModels }}
     - name: models
       {{- if $root.Values.model.existingClaim }}
       persistentVolumeClaim:
