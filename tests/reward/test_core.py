@@ -173,3 +173,17 @@ def test_check_sources_finds_problems_without_running_anything(tmp_path):
         f"reward.sources[9].path: model directory {tmp_path}/rm does not exist",
     ]
     assert check_sources(cfg.reward) == check_sources(cfg)  # either the run config or its reward section
+
+
+def test_every_sources_error_counter_is_exported_at_zero_from_the_start():
+    """A healthy run's dashboard shows 0 errors per source, not "no data" (prometheus_client exports
+    a labelled series only once its labels were used)."""
+    from prometheus_client import REGISTRY
+
+    def exported(source: str) -> float | None:
+        return REGISTRY.get_sample_value("rolefleet_reward_errors_total", {"role": "reward", "function": source})
+
+    assert exported("never-made-source") is None
+    core = RewardCore(RewardSection(sources=[{"name": "never-made-source", "function": "exact_match"}]))
+    assert exported("never-made-source") == 0.0
+    core.close()

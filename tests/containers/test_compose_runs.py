@@ -1,0 +1,221 @@
+"""`docker compose up` for real: compose files that `rolefleet deploy compose` generated, run in
+containers of the CPU image, as docs/deploy-compose.md ("On a CPU machine") tells a user to.
+
+- The CPU demo (PPO, critic included) runs to FINISHED and learns; during it the control plane
+  answers the run's token on the published port and refuses a caller without it, Prometheus
+  scrapes every role, every dashboard query finds series, and no alert fires.
+- A chat task (a chat template, a data file, an eval file outside ./configs, a user reward function
+  in a directory of its own) runs to FINISHED with eval metrics: every file a role reads reached
+  its container.
+- Each of actor, critic and reward is killed (SIGKILL to its container's process, as an OOM kill
+  or a crash does) mid-run: the restart policy brings it back, the run finishes every step, and
+  the journal shows every sample trained once.
+- `down -v` leaves no container, volume or network of the project behind, after a failure too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rolefleet.coordinator.journal import Journal
+from tests.containers.project import REPO, Project, wait_for
+from tests.deploy.test_observability import concrete_queries, dashboard
+
+pytestmark = [pytest.mark.container, pytest.mark.timeout(600)]
+
+DEMO_MODEL = REPO / "runs" / "demo-model"  # what `make demo` builds (`make test-containers` too)
+ROLE_SERVICES = ("actor", "reward", "critic", "coordinator")
+# Evaluated before the first step and after the last, on the same draws (tests/coordinator/test_learning.py
+# explains the method): every addition problem, 4 samples each at temperature 1.
+EVAL = ("eval.max_prompts=400", "eval.temperature=1.0", "eval.samples_per_prompt=4")
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A compose project of its own; `down -v` afterwards, whatever happened, and nothing left."""
+    if not (DEMO_MODEL / "config.json").is_file():
+        pytest.fail(f"{DEMO_MODEL} is missing: `make {DEMO_MODEL.relative_to(REPO)}/config.json` builds it",
+                    pytrace=False)
+    made = Project(tmp_path / "project", f"rftest-{uuid.uuid4().hex[:8]}")
+    try:
+        yield made
+    finally:
+        made.down()
+        assert made.leftovers() == [], "docker compose down -v left these behind"
+
+
+def addition_problems(chat: bool) -> str:
+    """Every problem of the demo task (a+b=, a and b below 20) as JSONL: a prompt string, or the
+    same text as a user message for the chat template."""
+    rows = []
+    for a in range(20):
+        for b in range(20):
+            prompt = f"{a}+{b}="
+            rows.append({"prompt": [{"role": "user", "content": prompt}] if chat else prompt,
+                         "ground_truth": str(a + b)})
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def gain(records: list[dict]) -> tuple[float, float]:
+    evals = [(r["step"], r["eval/reward/mean"]) for r in records if "eval/reward/mean" in r]
+    assert [step for step, _ in evals] == [0, records[-1]["step"]], evals
+    return evals[0][1], evals[-1][1]
+
+
+def finished(project: Project, run: str, steps: int, timeout: float = 300) -> str:
+    """The coordinator's log once it exited 0 with the run FINISHED after every step."""
+    code = project.exit_code("coordinator", timeout)
+    log = project.logs("coordinator")
+    assert code == 0, log[-4000:]
+    assert f"run {run} ended FINISHED after step {steps}/{steps}" in log, log[-4000:]
+    return log
+
+
+# --- the CPU demo, watched from the host ----------------------------------------------------------------
+
+def test_the_demo_runs_learns_and_is_watched_through_the_published_ports(project):
+    steps = 100
+    model = project.add_model(DEMO_MODEL, "demo-model")
+    (project.root / "configs" / "demo.yaml").write_bytes((REPO / "configs" / "demo.yaml").read_bytes())
+    (project.root / "configs" / "problems.jsonl").write_text(addition_problems(chat=False))
+    # The async pipeline, as the shipped GPU configs run: its queue and staleness panels have series.
+    project.generate("configs/demo.yaml", f"model.model_name_or_path={model}", f"train.total_steps={steps}",
+                     "pipeline.mode=async", "pipeline.max_staleness=1",
+                     f"eval.every={steps}", "eval.path=configs/problems.jsonl", *EVAL)
+    started = time.time()
+    project.up(*ROLE_SERVICES, "prometheus")
+
+    # The control plane, from the host through the published port, with the run's token and without.
+    def control_plane_answers():
+        try:
+            code, body = project.http("/v1/status", project.token)
+        except OSError:  # the published port takes connections before the coordinator listens
+            return None
+        return code == 200 and body
+    status = wait_for("the control plane to answer", control_plane_answers, timeout=120)
+    assert status["run_name"] == "demo" and status["total_steps"] == steps
+    assert project.http("/v1/status")[0] == 401
+    assert project.http("/v1/status", "not-the-token-of-this-run")[0] == 401
+    cli = [str(Path(sys.executable).parent / "rolefleet"), "status", "--http",
+           f"http://127.0.0.1:{project.ports['ROLEFLEET_HTTP_PORT']}"]
+    env = {k: v for k, v in os.environ.items() if k != "ROLEFLEET_TOKEN"}
+    answered = subprocess.run(cli, capture_output=True, text=True, timeout=60, env={**env, "ROLEFLEET_TOKEN": project.token})
+    assert answered.returncode == 0 and "demo" in answered.stdout, answered.stderr
+    refused = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode != 0 and "token" in refused.stderr.lower(), (refused.stdout, refused.stderr)
+
+    # Prometheus scrapes every role while the run is on.
+    def every_role_up():
+        targets = project.prometheus("/api/v1/targets")["activeTargets"]
+        health = {t["labels"]["role"]: t["health"] for t in targets}
+        return all(health.get(role) == "up" for role in ROLE_SERVICES) and health
+    wait_for("Prometheus to scrape every role", every_role_up, timeout=60, every=2)
+
+    log = finished(project, "demo", steps)
+    ended = time.time()
+    records = project.metrics("demo")
+    assert [r["step"] for r in records if "reward/mean" in r] == list(range(1, steps + 1))
+    before, after = gain(records)
+    assert after - before > 0.04, (before, after)  # PPO's 15-step bar; this run is longer
+    assert "mean reward" in log
+
+    # Every query of every dashboard panel finds series in the live Prometheus over the run, but for
+    # the GPU panels: no GPU here, so no GPU series (docs/operations.md).
+    empty = []
+    for where, expr in concrete_queries(dashboard()):
+        found = project.prometheus("/api/v1/query_range", query=expr, start=started, end=ended + 15, step=5)
+        if not found["result"] and "gpu" not in expr:
+            empty.append(f"{where}: {expr}")
+    assert empty == [], "dashboard queries without a series in a live run:\n" + "\n".join(empty)
+
+    # The shipped alert rules loaded, and none fired on this healthy run.
+    shipped = {g["name"] for g in yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"]}
+    loaded = {g["name"] for g in project.prometheus("/api/v1/rules")["groups"]}
+    assert loaded == shipped
+    fired = [a for a in project.prometheus("/api/v1/alerts")["alerts"] if a["state"] == "firing"]
+    assert fired == []
+
+
+# --- a chat task: every file a role reads, in its container ---------------------------------------------
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+USER_REWARD = '''def score(prompt, response, ground_truth, extra):
+    """1 for the exact sum, else 0."""
+    return float(response.strip() == ground_truth)
+'''
+
+
+def test_a_chat_task_reads_its_model_data_eval_and_reward_code_in_the_containers(project, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rolefleet.common.model_paths import share_read_access
+
+    steps = 30
+    # The demo model with a chat template that renders the user's message as the demo's prompt.
+    model = project.add_model(DEMO_MODEL, "chat-demo")
+    tokenizer = AutoTokenizer.from_pretrained(project.root / model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(project.root / model)
+    share_read_access(project.root / model)
+    (project.root / "configs" / "train.jsonl").write_text(addition_problems(chat=True))
+    (project.root / "evals").mkdir()
+    (project.root / "evals" / "problems.jsonl").write_text(addition_problems(chat=True))
+    (project.root / "rewards").mkdir()
+    (project.root / "rewards" / "exact.py").write_text(USER_REWARD)
+    config = yaml.safe_load((REPO / "configs" / "demo_grpo.yaml").read_text())
+    config["run"]["name"] = "chat"
+    config["data"] = {"path": "configs/train.jsonl", "max_prompt_tokens": 16}
+    config["reward"] = {"sources": [{"kind": "user", "path": "rewards/exact.py:score"}], "num_threads": 1}
+    (project.root / "configs" / "chat.yaml").write_text(yaml.safe_dump(config))
+    compose = project.generate("configs/chat.yaml", f"model.model_name_or_path={model}", "actor.lr=3e-4",
+                               f"train.total_steps={steps}", f"eval.every={steps}", "eval.path=evals/problems.jsonl",
+                               *EVAL)
+    assert set(compose["services"]) == {"actor", "reward", "coordinator", "prometheus", "grafana"}  # GRPO: no critic
+    coordinator = compose["services"]["coordinator"]
+    assert any(v["target"] == "/models" for v in coordinator["volumes"])  # the tokenizer, for the chat template
+    project.up("actor", "reward", "coordinator")
+
+    finished(project, "chat", steps)
+    records = project.metrics("chat")
+    before, after = gain(records)
+    assert after - before > 0.04, (before, after)
+    assert records[-1]["reward/exact/mean"] == records[-1]["reward/mean"]  # the user function scored
+    run = project.copy_run("chat", tmp_path)
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["data"]["path"] == "/configs/train.jsonl" and resolved["eval"]["path"].startswith("/inputs/")
+
+
+# --- a role killed mid-run ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["actor", "critic", "reward"])
+def test_a_role_killed_mid_run_comes_back_and_the_run_trains_every_sample_once(project, tmp_path, role):
+    steps, kill_after = 40, 8
+    model = project.add_model(DEMO_MODEL, "demo-model")
+    (project.root / "configs" / "demo.yaml").write_bytes((REPO / "configs" / "demo.yaml").read_bytes())
+    project.generate("configs/demo.yaml", f"model.model_name_or_path={model}", f"train.total_steps={steps}")
+    project.up(*ROLE_SERVICES)
+    wait_for(f"step {kill_after}", lambda: project.last_step("demo") >= kill_after, timeout=180)
+    # SIGKILL to the container's process from the host: what an OOM kill or a crash does. (`docker
+    # kill` would be a stop by hand, which Docker's restart policies leave stopped.)
+    os.kill(project.state(role)["Pid"], signal.SIGKILL)
+    assert project.last_step("demo") < steps, "the run ended before the kill: give it more steps"
+
+    finished(project, "demo", steps, timeout=400)
+    state = project.state(role)
+    assert state["RestartCount"] == 1 and state["Status"] == "running", state
+    records = project.metrics("demo")
+    assert [r["step"] for r in records if "reward/mean" in r] == list(range(1, steps + 1))
+    with Journal(project.copy_run("demo", tmp_path) / "journal.sqlite") as journal:
+        ids = journal.trained_sample_ids()
+        assert len(ids) == len(set(ids)) == steps * 128  # none lost, none twice (demo: 128 prompts x 1)
+        assert bool(journal.rewound()) == (role != "reward")  # a trainer resumes from its checkpoint
