@@ -19,7 +19,6 @@ token comes from the environment compose runs in (`ROLEFLEET_TOKEN=... docker co
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import yaml
 from rolefleet import __version__
 from rolefleet.app.preflight import GPU_ROLES
 from rolefleet.common.config import RoleFleetConfig, split_device
-from rolefleet.deploy.inputs import Input, role_inputs
+from rolefleet.deploy.inputs import Input, path_overrides, role_inputs
 
 # Images, and the host ports published on loopback: each a variable of the environment compose runs
 # in, with its default (a CPU image, a local Prometheus build, a port that is taken on this host).
@@ -249,7 +248,7 @@ class InputMounts:
             if mount not in placed.volumes:
                 placed.volumes.append(mount)
         placed.volumes.sort(key=lambda v: (v.split(":")[1] != MODELS_DIR, v.split(":")[1] != CONFIGS_DIR))
-        placed.overrides = _path_overrides(cfg, inside)
+        placed.overrides = path_overrides(cfg, inside)
         return placed
 
     def container_path(self, item: Input) -> str:
@@ -284,30 +283,6 @@ def _inside(path: PurePosixPath, host_dir: str) -> str | None:
     if parts[:len(host)] == host and len(parts) > len(host) and ".." not in parts:
         return str(PurePosixPath(*parts[len(host):]))
     return None
-
-
-def _path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
-    """key=<container path> for every input the role reads. Code keeps its `:function`; reward
-    sources are a list, which an override sets whole, with every path and tokenizer rewritten."""
-    overrides, sources = [], {}
-    for key, path in inside.items():
-        if key.startswith("reward.sources."):
-            sources[key] = path
-        elif key == "reward.env.path":
-            overrides.append(f"{key}={path}:{cfg.reward.env.path.rpartition(':')[2]}")
-        else:
-            overrides.append(f"{key}={path}")
-    if sources:
-        entries = []
-        for i, source in enumerate(cfg.reward.sources):
-            entry = source.model_dump(mode="json", exclude_none=True)
-            if path := sources.get(f"reward.sources.{i}.path"):
-                entry["path"] = path + (f":{source.user_function()[1]}" if source.kind == "user" else "")
-            if path := sources.get(f"reward.sources.{i}.tokenizer"):
-                entry["tokenizer"] = path
-            entries.append(entry)
-        overrides.append("reward.sources=" + json.dumps(entries, separators=(",", ":")))
-    return overrides
 
 
 def container_model_path(key: str, path: str) -> str:

@@ -9,6 +9,7 @@ every role reads them, and each deployment has its own secret mechanism for them
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,3 +68,29 @@ def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:
 def _get(cfg: RoleFleetConfig, key: str) -> str:
     section, field = key.split(".")
     return getattr(getattr(cfg, section), field)
+
+
+def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
+    """key=<path> for every input of `inside` ({key: where a container sees it}): what a deployment
+    passes a role so that it reads each model and file at its path in the container. Code keeps its
+    `:function`; reward sources are a list, which an override sets whole, with every path and
+    tokenizer rewritten."""
+    overrides, sources = [], {}
+    for key, path in inside.items():
+        if key.startswith("reward.sources."):
+            sources[key] = path
+        elif key == "reward.env.path":
+            overrides.append(f"{key}={path}:{cfg.reward.env.path.rpartition(':')[2]}")
+        else:
+            overrides.append(f"{key}={path}")
+    if sources:
+        entries = []
+        for i, source in enumerate(cfg.reward.sources):
+            entry = source.model_dump(mode="json", exclude_none=True)
+            if path := sources.get(f"reward.sources.{i}.path"):
+                entry["path"] = path + (f":{source.user_function()[1]}" if source.kind == "user" else "")
+            if path := sources.get(f"reward.sources.{i}.tokenizer"):
+                entry["tokenizer"] = path
+            entries.append(entry)
+        overrides.append("reward.sources=" + json.dumps(entries, separators=(",", ":")))
+    return overrides
