@@ -27,6 +27,7 @@ from rolefleet.app.preflight import MODEL_KEYS
 from rolefleet.certs import make_certs
 from rolefleet.common.config import Endpoint, RewardSection, load_config
 from rolefleet.deploy.compose import SECRETS_DIR, TOKEN_MISSING, render_compose
+from rolefleet.deploy.inputs import Input, role_inputs
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
 from rolefleet.rpc.server import start_server
@@ -179,6 +180,84 @@ def test_every_service_command_loads_as_a_config_that_binds_its_fixed_ports():
     assert (coordinator.coordinator.http_host, coordinator.coordinator.http_port) == ("0.0.0.0", 8080)
     for role in ("actor", "reward", "critic"):  # the coordinator dials the compose service names
         assert getattr(coordinator, role).dial_address(role) == f"{role}:{GRPC_PORTS[role]}"
+
+
+# --- every model and file a role reads, in its container ------------------------------------------
+
+def command_values(service: dict) -> dict[str, str]:
+    """The last value each key=value of the service's command sets (as the config loader applies them),
+    as the container gets it (compose passes $$ on as $)."""
+    return dict(word.replace("$$", "$").split("=", 1) for word in service["command"]
+                if "=" in word and not word.startswith("-"))
+
+
+def read_in_container(service: dict, item: Input) -> Path | None:
+    """The host path behind what the container reads for `item`, through the service's mounts."""
+    values = command_values(service)
+    if item.key.startswith("reward.sources."):
+        _, _, index, field = item.key.split(".")
+        path = json.loads(values["reward.sources"])[int(index)][field].rpartition(":")
+        path = path[0] if field == "path" and path[0] else path[2]
+    else:
+        path = values[item.key].rpartition(":")[0] if item.key == "reward.env.path" else values[item.key]
+    return host_path(service, path)
+
+
+def deployable(name: str) -> list[str]:
+    """Overrides that make a shipped config deployable by compose: its model under ./models."""
+    cfg = load_config(REPO / "configs" / name)
+    return [] if cfg.model.model_name_or_path.startswith("models/") else ["model.model_name_or_path=models/policy"]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_gives_each_role_what_it_reads(name):
+    overrides = deployable(name)
+    cfg = load_config(REPO / "configs" / name, overrides)
+    services = yaml.safe_load(render_compose(cfg, f"configs/{name}", overrides))["services"]
+    for role in cfg.roles():
+        for item in role_inputs(cfg, role):
+            assert read_in_container(services[role], item) == (REPO / item.path).resolve(), (role, item)
+
+
+def test_models_data_eval_and_code_reach_only_the_roles_that_read_them(tmp_path):
+    """A chat run whose files live in several directories: each is mounted, read-only, where it is read."""
+    (tmp_path / "data").mkdir()
+    for name in ("data/train.jsonl", "held_out.jsonl"):
+        (tmp_path / name).write_text('{"prompt": [{"role": "user", "content": "1+1="}], "ground_truth": "2"}\n')
+    overrides = [f"data.path={tmp_path}/data/train.jsonl", f"eval.path={tmp_path}/held_out.jsonl", "eval.every=5",
+                 "critic.model_name_or_path=models/value",
+                 "reward.sources=[{kind: user, path: rewards/exact.py:score}, {kind: model, path: models/rm},"
+                 " {function: regex, pattern: '\\d+$'}]"]
+    cfg = load_config(REPO / CONFIG, overrides)
+    services = yaml.safe_load(render_compose(cfg, CONFIG, overrides))["services"]
+    inputs = {f"{tmp_path}/data:/inputs/0:ro", f"{tmp_path}:/inputs/1:ro"}
+    for role in cfg.roles():
+        volumes = set(services[role]["volumes"])
+        assert inputs <= volumes, role  # every role validates the whole config: the prompt files
+        assert "./models:/models:ro" in volumes, role  # the reward for its model source, the coordinator a tokenizer
+        for item in role_inputs(cfg, role):
+            assert read_in_container(services[role], item) == (REPO / item.path).resolve(), (role, item)
+    reward, critic = command_values(services["reward"]), command_values(services["critic"])
+    assert "./rewards:/inputs/2:ro" in services["reward"]["volumes"]
+    assert not [v for r in ("actor", "critic", "coordinator") for v in services[r]["volumes"] if "rewards" in v]
+    assert json.loads(reward["reward.sources"]) == [
+        {"name": "exact", "kind": "user", "path": "/inputs/2/exact.py:score", "weight": 1.0, "batched": False},
+        {"name": "model", "kind": "model", "path": "/models/rm", "weight": 1.0, "batched": False},
+        {"name": "regex", "kind": "function", "function": "regex", "weight": 1.0, "batched": False,
+         "pattern": "\\d+$", "ignore_case": False}]
+    assert "$$" in json.dumps(services["reward"]["command"])  # compose passes a literal $ on
+    assert critic["critic.model_name_or_path"] == "/models/value"
+    assert command_values(services["coordinator"])["actor.model_name_or_path"] == "/models/policy"
+
+
+def test_an_override_of_a_key_compose_owns_is_refused_and_others_reach_every_service():
+    with pytest.raises(ValueError, match=r"override 'coordinator\.http_port=9000': compose sets coordinator\.http_port"):
+        render("coordinator.http_port=9000")
+    services = yaml.safe_load(render("train.total_steps=7"))["services"]
+    for role in ("actor", "reward", "critic", "coordinator"):
+        assert command_values(services[role])["train.total_steps"] == "7", role
+    assert "rolefleet deploy compose configs/8gpu.yaml train.total_steps=7 > docker-compose.yml" in render(
+        "train.total_steps=7")
 
 
 def test_the_coordinator_waits_for_healthy_roles_and_publishes_on_loopback_only():
