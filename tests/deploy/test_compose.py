@@ -48,7 +48,8 @@ A_TOKEN = {"ROLEFLEET_TOKEN": "compose-test-token-0123456789"}
 
 
 def render(*overrides: str) -> str:
-    return render_compose(load_config(REPO / CONFIG, list(overrides)), CONFIG)
+    """`rolefleet deploy compose configs/8gpu.yaml OVERRIDES`."""
+    return render_compose(load_config(REPO / CONFIG, list(overrides)), CONFIG, overrides)
 
 
 def committed() -> dict:
