@@ -25,6 +25,11 @@ WHEELHOUSE=deploy/wheelhouse
 BASE_PACKAGES=python3,python3-venv,python3-dev,gcc,g++,libc6-dev,ca-certificates,passwd
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
+# Temporary directories, removed when the script exits (whichever way).
+TEMPORARY=()
+trap 'for dir in "${TEMPORARY[@]}"; do as_root rm -rf "$dir"; done' EXIT
+temporary() { local dir; dir=$(mktemp -d); TEMPORARY+=("$dir"); printf -v "$1" %s "$dir"; }  # temporary VAR
+
 say() { echo "container_images: $*" >&2; }
 die() { say "$*"; exit 1; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
@@ -53,8 +58,7 @@ base() {
   command -v debootstrap >/dev/null || as_root apt-get install -y -q --no-install-recommends debootstrap >/dev/null \
     || die "debootstrap is not installed and cannot be (needs root or sudo)"
   local root
-  root=$(mktemp -d)
-  trap 'as_root rm -rf "$root"' RETURN
+  temporary root
   as_root debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$root" "$MIRROR" >/dev/null \
     || die "debootstrap failed (is $MIRROR reachable?)"
   # The package cache and lists are of no use in an image.
@@ -67,12 +71,12 @@ wheelhouse() {
   # host's index (or its local files) into the build context.
   [ -x "$PYTHON" ] || die "$PYTHON is missing: run make first (the wheelhouse pins the venv's versions)"
   local pins
-  pins=$(mktemp)
+  temporary pins
+  pins=$pins/pins.txt
   "$PYTHON" -m pip freeze --exclude-editable | grep -v '^rolefleet' >"$pins"
   "$PYTHON" -m pip download -q --dest "$WHEELHOUSE" -c "$pins" torch . "setuptools>=68" pip \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) \
     || die "pip download failed: the wheelhouse needs PyPI (or its files) on the host"
-  rm -f "$pins"
 }
 
 rolefleet() {
@@ -87,8 +91,7 @@ prometheus() {
   docker image inspect "$PROMETHEUS_IMAGE" >/dev/null 2>&1 && return
   base
   local context
-  context=$(mktemp -d)
-  trap 'rm -rf "$context"' RETURN
+  temporary context
   ( cd "$context" && apt-get download prometheus >/dev/null 2>&1 ) \
     || { as_root apt-get update -q >/dev/null && ( cd "$context" && apt-get download prometheus >/dev/null ); } \
     || die "cannot download Debian's prometheus package"
