@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("deploy", help="print deployment files generated from a config's devices map")
     p.add_argument("target", choices=["compose", "helm-values"],
-                   help="compose: docker-compose.yml for one node; helm-values: the chart's placement values")
+                   help="compose: docker-compose.yml for one node; helm-values: the chart's values for the run (placement, "
+                        "requests, runs volume, and each role's paths on the model and inputs volumes)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(fn=cmd_deploy)

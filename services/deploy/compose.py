@@ -30,7 +30,15 @@ import yaml
 from rolefleet import __version__
 from rolefleet.app.preflight import GPU_ROLES
 from rolefleet.common.config import RoleFleetConfig, split_device
-from rolefleet.deploy.inputs import Input, path_overrides, role_inputs
+from rolefleet.deploy.inputs import (
+    HOST_MODELS_DIR,
+    INPUTS_DIR,
+    MODELS_DIR,
+    Input,
+    mounted_path,
+    path_overrides,
+    role_inputs,
+)
 
 # Images, and the host ports published on loopback: each a variable of the environment compose runs
 # in, with its default (a CPU image, a local Prometheus build, a port that is taken on this host).
@@ -47,11 +55,10 @@ HTTP_PORT = 8080
 PROMETHEUS_PORT = 9090
 GRAFANA_PORT = 3000
 # Container paths: run output and checkpoints on a named volume, models and configs bind-mounted.
-RUNS_DIR, MODELS_DIR, CONFIGS_DIR = "/runs", "/models", "/configs"
-HOST_MODELS_DIR = "models"
-# Where the directory of a file the config names (outside ./configs and ./models) is mounted
-# (read-only), one per directory, numbered in the order the roles' inputs name them.
-INPUTS_DIR = "/inputs"
+# (MODELS_DIR, HOST_MODELS_DIR: ./models at /models, as in the Helm chart; deploy/inputs.py.)
+# The directory of a file the config names (outside ./configs and ./models) is mounted read-only at
+# INPUTS_DIR/<n>, one per directory, numbered in the order the roles' inputs name them.
+RUNS_DIR, CONFIGS_DIR = "/runs", "/configs"
 # Where the directories of the TLS files and the token file are mounted (read-only), one per
 # directory, numbered in the order of these keys.
 SECRETS_DIR = "/etc/rolefleet/secrets"
@@ -288,11 +295,9 @@ def _inside(path: PurePosixPath, host_dir: str) -> str | None:
 def container_model_path(key: str, path: str) -> str:
     """Where the model `key` names is seen in a container: ./models is mounted at /models. The image
     reads no hub (HF_HUB_OFFLINE=1), so anything outside ./models is refused here, not at start."""
-    if path == MODELS_DIR or path.startswith(MODELS_DIR + "/"):
-        return path  # already a container path
-    parts = PurePosixPath(path).parts
-    if len(parts) > 1 and parts[0] == HOST_MODELS_DIR and ".." not in parts:
-        return str(PurePosixPath(MODELS_DIR, *parts[1:]))
+    inside = mounted_path(path, HOST_MODELS_DIR, MODELS_DIR)
+    if inside is not None:
+        return inside
     raise ValueError(f"{key}: {path!r} is outside ./{HOST_MODELS_DIR}, the directory compose mounts at "
                      f"{MODELS_DIR} (read-only; the image does not download from a hub): put the model "
                      f"in ./{HOST_MODELS_DIR}/<name> and set {key}={HOST_MODELS_DIR}/<name>")

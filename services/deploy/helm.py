@@ -12,6 +12,12 @@ which of the node's GPUs a pod gets.
 `values_for(cfg)` adds to it every role's `resources.requests` and, where the trainers' models are
 readable here, `persistence.size` and `persistence.checkpointSize` (deploy/sizing.py says how each
 is estimated); the chart refuses a `persistence.size` below what the checkpoints need.
+
+`input_values(cfg)` gives each role the paths, inside its pod, of every model and file it reads
+(`rolefleet.deploy.inputs`): models live in ./models, which the chart's model volume holds and
+mounts at /models; every other file (data, eval, reward and environment code) in ./inputs, which the
+inputs volume holds and mounts at /inputs. They become `<role>.inputArgs`, overrides the chart puts
+on the role's command line before its extraArgs. `render_values(cfg)` writes both.
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ import yaml
 
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.deploy import sizing
+from rolefleet.deploy.inputs import (
+    HOST_INPUTS_DIR,
+    HOST_MODELS_DIR,
+    INPUTS_DIR,
+    MODELS_DIR,
+    Input,
+    mounted_path,
+    path_overrides,
+    role_inputs,
+)
 from rolefleet.trainer.nodes import GROUP_ROLES
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -99,6 +115,42 @@ def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:
     return values | ({"persistence": persistence} if persistence else {})
 
 
+def pod_path(item: Input) -> str:
+    """Where a role's pod reads `item`: a model on the model volume (./models copied onto it) at
+    /models, any other file on the inputs volume (./inputs) at /inputs. The image reads no hub and
+    the pods see nothing else of this machine, so anything outside is refused here, not at start."""
+    host, mount, volume = ((HOST_MODELS_DIR, MODELS_DIR, "model") if item.kind == "model" else
+                           (HOST_INPUTS_DIR, INPUTS_DIR, "inputs"))
+    inside = mounted_path(item.path, host, mount)
+    if inside is None:
+        what = "model" if item.kind == "model" else "file"
+        raise ValueError(f"{item.key}: {item.path!r} is outside ./{host}, and the chart's pods see a {what} only on its "
+                         f"{volume} volume (mounted read-only at {mount}): put it under ./{host}, copied onto the "
+                         f"volume that {volume}.existingClaim or {volume}.hostPath names, and name it "
+                         f"{host}/<its path there> in the config (or as an override: {item.key}={host}/...)")
+    return inside
+
+
+def input_values(cfg: RoleFleetConfig) -> dict[str, Any]:
+    """`{role: {inputArgs: [...]}}`: the overrides that point every model and file each role of the
+    run reads at its path in the pod, and `model.path` emptied: these name every model of the run,
+    per role, so the chart's one model.model_name_or_path would only be overridden by them (the chart
+    refuses the two together rather than ignore one)."""
+    values: dict[str, Any] = {}
+    for role in cfg.roles():
+        inside = {item.key: pod_path(item) for item in role_inputs(cfg, role)}
+        values[role] = {"inputArgs": path_overrides(cfg, inside)}
+    return values | {"model": {"path": ""}}
+
+
+def chart_values(cfg: RoleFleetConfig) -> dict[str, Any]:
+    """`values_for(cfg)` and `input_values(cfg)` in one values mapping: what helm-values writes."""
+    values = values_for(cfg)
+    for key, more in input_values(cfg).items():
+        values[key] = {**values.get(key, {}), **more}
+    return values
+
+
 def _unsized(cfg: RoleFleetConfig, values: dict[str, Any]) -> list[str]:
     """Comment lines naming what was left to the chart's defaults, and why."""
     lines = [f"# {role}: no memory request estimated (its model's config.json is not readable here): the chart's "
@@ -110,8 +162,13 @@ def _unsized(cfg: RoleFleetConfig, values: dict[str, Any]) -> list[str]:
 
 
 def render_values(cfg: RoleFleetConfig) -> str:
-    """`values_for(cfg)` as a values file for `helm install -f`."""
-    values = values_for(cfg)
-    header = [f"# Placement, resource requests and runs volume of run {cfg.run.name} for the rolefleet Helm chart.",
-              "# Install with the same config: --set-file config=CONFIG -f THIS_FILE", *_unsized(cfg, values)]
+    """`chart_values(cfg)` as a values file for `helm install -f`."""
+    values = chart_values(cfg)
+    header = [f"# Placement, resource requests, runs volume and input paths of run {cfg.run.name} for the rolefleet "
+              "Helm chart.",
+              "# Install with the same config: --set-file config=CONFIG -f THIS_FILE, and the volumes that hold "
+              f"./{HOST_MODELS_DIR} (model.existingClaim or model.hostPath, at {MODELS_DIR})",
+              f"# and ./{HOST_INPUTS_DIR} (inputs.existingClaim or inputs.hostPath, at {INPUTS_DIR}); "
+              "<role>.inputArgs point each role there.",
+              *_unsized(cfg, values)]
     return "\n".join(header) + "\n" + yaml.safe_dump(values, sort_keys=False)

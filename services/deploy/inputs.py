@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Literal
 
 from rolefleet.app.preflight import MODEL_KEYS
 from rolefleet.common.config import RoleFleetConfig
 
 ALL_ROLES = ("actor", "reward", "critic", "coordinator")
+# Where a deployment's containers see what a run reads: the models directory (./models beside the
+# deploy files, the Helm chart's model volume) at /models and, in the chart, the other files
+# (./inputs, the chart's inputs volume) at /inputs. Compose mounts a file's own directory at
+# /inputs/<n> instead (deploy/compose.py).
+HOST_MODELS_DIR, MODELS_DIR = "models", "/models"
+HOST_INPUTS_DIR, INPUTS_DIR = "inputs", "/inputs"
 
 
 @dataclass(frozen=True)
@@ -94,3 +101,17 @@ def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
             entries.append(entry)
         overrides.append("reward.sources=" + json.dumps(entries, separators=(",", ":")))
     return overrides
+
+
+def mounted_path(path: str, host_dir: str, mount: str) -> str | None:
+    """Where `path`, as the config names it, is seen in a container that has the directory `host_dir`
+    (relative to where the deployment is generated: models) mounted at `mount` (/models):
+    `host_dir/<rest>` is `mount/<rest>`, a path already under `mount` stays as it is, and anything
+    else (another directory, an absolute host path, a hub id, a climb out with ..) is None."""
+    mount = mount.rstrip("/") or "/"
+    if path == mount or path.startswith(mount + "/"):
+        return path  # already a container path
+    parts = PurePosixPath(path).parts
+    if len(parts) > 1 and parts[0] == host_dir and ".." not in parts:
+        return str(PurePosixPath(mount, *parts[1:]))
+    return None

@@ -19,7 +19,7 @@ from rolefleet.algos.presets import ALGORITHMS
 from rolefleet.certs import make_certs
 from rolefleet.cli import parse_args
 from rolefleet.common.config import load_config, parse_config
-from rolefleet.deploy.helm import HOSTNAME_LABEL, placement_values, render_values, values_for
+from rolefleet.deploy.helm import HOSTNAME_LABEL, chart_values, placement_values, render_values, values_for
 from tests.deploy.tools import REPO, healthcheck, mutual_tls_health_server, tool
 
 pytestmark = pytest.mark.procs
@@ -34,6 +34,8 @@ KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
 METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
+# helm-values points every role at its models on the model volume, which the chart then requires.
+MODEL_VOLUME = ("--set", "model.existingClaim=models")
 
 
 def default_config() -> dict[str, Any]:
@@ -117,7 +119,7 @@ def placement(tmp_path_factory) -> tuple[dict, list[dict]]:
     raw = two_node_config()
     config = write(tmp / "run.yaml", raw)
     values = write(tmp / "placement.yaml", render_values(parse_config(raw)))
-    return raw, render("--set-file", f"config={config}", "-f", str(values))
+    return raw, render("--set-file", f"config={config}", "-f", str(values), *MODEL_VOLUME)
 
 
 # --- lint and schemas ---------------------------------------------------------------------------
@@ -696,7 +698,9 @@ def test_render_values_is_the_values_as_yaml():
     cfg = parse_config(two_node_config())
     text = render_values(cfg)
     assert text.startswith("#")
-    assert yaml.safe_load(text) == values_for(cfg)
+    assert yaml.safe_load(text) == chart_values(cfg)
+    assert {k: {f: v for f, v in role.items() if f != "inputArgs"} for k, role in chart_values(cfg).items()
+            if k != "model"} == values_for(cfg)
 
 
 # --- docs ---------------------------------------------------------------------------------------

@@ -16,7 +16,17 @@ from rolefleet.common.config import load_config, parse_config
 from rolefleet.deploy.helm import HOSTNAME_LABEL, render_values
 from rolefleet.serve import node_rank_of
 from rolefleet.trainer.nodes import layout_for
-from tests.deploy.test_helm import KUBE_VERSIONS, PREFIX, default_config, failure, find, names, render, write
+from tests.deploy.test_helm import (
+    KUBE_VERSIONS,
+    MODEL_VOLUME,
+    PREFIX,
+    default_config,
+    failure,
+    find,
+    names,
+    render,
+    write,
+)
 
 pytestmark = [pytest.mark.procs, pytest.mark.multinode]
 
@@ -44,7 +54,7 @@ def four_node_run() -> dict[str, Any]:
 def rendered(tmp_path: Path, raw: dict) -> list[dict]:
     config = write(tmp_path / "run.yaml", raw)
     values = write(tmp_path / "placement.yaml", render_values(parse_config(raw)))
-    return render("--set-file", f"config={config}", "-f", str(values))
+    return render("--set-file", f"config={config}", "-f", str(values), *MODEL_VOLUME)
 
 
 def validate(docs: list[dict]) -> None:

@@ -13,6 +13,7 @@ from tests.deploy.test_helm import (
     CHART,
     DOC,
     GRPC_PORTS,
+    MODEL_VOLUME,
     PREFIX,
     container,
     default_config,
@@ -55,7 +56,8 @@ def test_every_role_pod_requests_cpu_and_memory(tmp_path, case):
            "actor over two nodes": spanning_actor()}[case]
     config = write(tmp_path / "run.yaml", raw)
     values = write(tmp_path / "values.yaml", render_values(parse_config(raw)))
-    docs = render() if case == "chart defaults" else render("--set-file", f"config={config}", "-f", str(values))
+    docs = render() if case == "chart defaults" else render("--set-file", f"config={config}", "-f", str(values),
+                                                            *MODEL_VOLUME)
     requests = role_requests(docs)
     assert set(requests) == set(parse_config(raw).roles())
     for role, asked in requests.items():
@@ -72,13 +74,16 @@ def test_a_role_request_set_by_hand_keeps_the_other_defaults():
 
 
 @pytest.fixture
-def qwen_ppo(tmp_path) -> tuple[dict, dict, list[dict]]:
-    """The default run on a model of Qwen2-1.5B's dimensions: (its config, values_for, the render)."""
+def qwen_ppo(tmp_path, monkeypatch) -> tuple[dict, dict, list[dict]]:
+    """The default run on a model of Qwen2-1.5B's dimensions in ./models, as helm-values reads it and
+    the model volume holds it: (its config, values_for, the render)."""
+    monkeypatch.chdir(tmp_path)
+    model_dir(tmp_path / "models" / "qwen", QWEN2_1_5B)
     raw = default_config()
-    raw["model"] = {"model_name_or_path": model_dir(tmp_path / "model", QWEN2_1_5B)}
+    raw["model"] = {"model_name_or_path": "models/qwen"}
     values = values_for(parse_config(raw))
     docs = render("--set-file", f"config={write(tmp_path / 'run.yaml', raw)}",
-                  "-f", str(write(tmp_path / "values.yaml", render_values(parse_config(raw)))))
+                  "-f", str(write(tmp_path / "values.yaml", render_values(parse_config(raw)))), *MODEL_VOLUME)
     return raw, values, docs
 
 

@@ -274,7 +274,9 @@ creates (templates/token-secret.yaml); "" only with security.allowUnauthenticate
 {{/*
 The container's arguments: `serve ROLE --config FILE` and the dotted overrides the chart owns (bind
 address, ports, output directory, model, role addresses, and with security.* the TLS files and the
-token's source), then the role's extraArgs, which come last so that they win.
+token's source), then the role's inputArgs (where the pod reads each model and file: `rolefleet
+deploy helm-values` writes them), then its extraArgs, which come last so that they win. inputArgs
+and extraArgs are separate values so that a values file setting one keeps the other.
 */}}
 {{- define "rolefleet.serveArgs" -}}
 {{- $root := .root }}
@@ -318,8 +320,46 @@ token's source), then the role's extraArgs, which come last so that they win.
 {{- else }}
 {{- $args = append $args "security.allow_unauthenticated=true" }}
 {{- end }}
+{{- $args = concat $args (include "rolefleet.inputArgs" . | fromJson).args }}
 {{- $args = concat $args ($v.extraArgs | default list) }}
 {{- toYaml $args }}
+{{- end }}
+
+{{/*
+A role's inputArgs as {"args": [...]}, checked: every absolute path they name (KEY=/path, and the
+"path" and "tokenizer" of reward.sources' JSON; code keeps its :function) must lie on a volume the
+pod mounts, models' (model.mountPath) or inputs' (inputs.mountPath), or the role would stop at its
+config check, in a pod's logs. They name every model per role, so a model.path beside them, which
+they would override without a word, is refused too.
+*/}}
+{{- define "rolefleet.inputArgs" -}}
+{{- $values := .root.Values }}
+{{- $inputArgs := (index $values .role).inputArgs | default list }}
+{{- if and $inputArgs $values.model.path }}
+{{- fail (printf "model.path is %s, but %s.inputArgs (from `rolefleet deploy helm-values`) already name every model the role reads, which would override it: name the model in the run config instead (or as an override, `rolefleet deploy helm-values CONFIG model.model_name_or_path=models/<name>`), generate the values again, and leave model.path empty as they do" $values.model.path .role) }}
+{{- end }}
+{{- $mounts := list }}
+{{- if or $values.model.existingClaim $values.model.hostPath }}
+{{- $mounts = append $mounts (trimSuffix "/" $values.model.mountPath) }}
+{{- end }}
+{{- if or $values.inputs.existingClaim $values.inputs.hostPath }}
+{{- $mounts = append $mounts (trimSuffix "/" $values.inputs.mountPath) }}
+{{- end }}
+{{- range $arg := $inputArgs }}
+{{- range $found := regexFindAll "(^[^=]+=|\"(path|tokenizer)\":\")/[^\":,]*" $arg -1 }}
+{{- $path := regexReplaceAll "^[^/]*" $found "" }}
+{{- $mounted := false }}
+{{- range $mount := $mounts }}
+{{- if or (eq $path $mount) (hasPrefix (printf "%s/" $mount) $path) }}
+{{- $mounted = true }}
+{{- end }}
+{{- end }}
+{{- if not $mounted }}
+{{- fail (printf "%s.inputArgs: %s reads %s, which is on no volume the pod mounts: models are on the model volume at model.mountPath (%s; set model.existingClaim or model.hostPath), other files on the inputs volume at inputs.mountPath (%s; set inputs.existingClaim or inputs.hostPath), and the mount paths must be the ones `rolefleet deploy helm-values` mapped to" $.role $arg $path $values.model.mountPath $values.inputs.mountPath) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- dict "args" $inputArgs | toJson }}
 {{- end }}
 
 {{/*
@@ -415,6 +455,8 @@ roles differ only where the values say so.
 {{- /* Every role reads the model: the trainers and a reward model their weights, the coordinator the
 actor model's tokenizer (chat template, data.max_prompt_tokens), offline in the image. */}}
 {{- $mountsModels := or $root.Values.model.existingClaim $root.Values.model.hostPath }}
+{{- /* And every role opens the files of the config (data.path, eval.path; the reward role its code). */}}
+{{- $mountsInputs := or $root.Values.inputs.existingClaim $root.Values.inputs.hostPath }}
 {{- $tlsSecret := include "rolefleet.tlsSecret" $root }}
 {{- $tokenSecret := include "rolefleet.tokenSecret" $root -}}
 metadata:
@@ -551,6 +593,11 @@ spec:
           mountPath: {{ $root.Values.model.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if $mountsInputs }}
+        - name: inputs
+          mountPath: {{ $root.Values.inputs.mountPath }}
+          readOnly: true
+        {{- end }}
         {{- if $tlsSecret }}
         - name: tls
           mountPath: {{ include "rolefleet.tlsDir" $root }}
@@ -588,6 +635,18 @@ spec:
       {{- else }}
       hostPath:
         path: {{ $root.Values.model.hostPath }}
+        type: Directory
+      {{- end }}
+    {{- end }}
+    {{- if $mountsInputs }}
+    - name: inputs
+      {{- if $root.Values.inputs.existingClaim }}
+      persistentVolumeClaim:
+        claimName: {{ $root.Values.inputs.existingClaim }}
+        readOnly: true
+      {{- else }}
+      hostPath:
+        path: {{ $root.Values.inputs.hostPath }}
         type: Directory
       {{- end }}
     {{- end }}
