@@ -53,11 +53,6 @@ def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
     return [i for i in inputs if i.path]
 
 
-def run_inputs(cfg: RoleFleetConfig) -> dict[str, list[Input]]:
-    """`role_inputs` of every role the run starts."""
-    return {role: role_inputs(cfg, role) for role in cfg.roles()}
-
-
 def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:
     inputs = []
     for i, source in enumerate(cfg.reward.sources):
