@@ -238,3 +238,15 @@ def test_the_chart_defaults_are_the_mount_paths_helm_values_maps_to():
 def test_the_docs_say_how_files_reach_the_pods():
     text = DOC.read_text()
     assert "inputs.existingClaim" in text and "inputArgs" in text and "is outside ./inputs" in text
+
+
+def test_helm_values_with_overrides_carries_the_overridden_config_into_the_chart(workdir, capsys):
+    """`deploy helm-values CONFIG key=value` writes the config with the overrides applied as the
+    chart's `config` value: installed with that values file alone, every pod reads them."""
+    config = REPO / "configs" / "8gpu.yaml"
+    code, out, err = helm_values(config, ["train.total_steps=7", "actor.lr=2e-6"], capsys)
+    assert code == 0, err
+    docs = render("-f", str(write(workdir / "values.yaml", out)), *VOLUMES)
+    text = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]["config.yaml"]
+    assert yaml.safe_load(text) == overridden(config, ["train.total_steps=7", "actor.lr=2e-6"])
+    assert yaml.safe_load(text)["train"]["total_steps"] == 7
