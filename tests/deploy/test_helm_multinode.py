@@ -1,10 +1,12 @@
 """The chart for roles that span nodes: a 2-node actor and a 4-node run render one StatefulSet per
 spanning role (a pod per node, its GPUs, the devices map's nodes) with a headless Service for the
 rendezvous, pass the Kubernetes schemas strictly, and their arguments are what `rolefleet serve`
-needs on every pod."""
+needs on every pod. Each spanning role's NetworkPolicy keeps its group's unauthenticated ports (the
+rendezvous, the agents' stores, gloo's) to its own pods."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +160,100 @@ def test_spanning_values_that_contradict_the_config_are_refused(tmp_path):
     assert "devices.actor: node node0 lists 4 GPUs and node node1 3" in message
     assert "/actor/nodeNames/0': '_bad' does not match pattern" in failure(
         "--set-file", f"config={config}", "--set", "actor.nodeNames={_bad}")
+
+
+# --- the NetworkPolicy of a spanning role -----------------------------------------------------------
+
+NAMESPACE = "ml"  # render()'s
+
+
+def policies(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+
+
+def pod_labels(docs: list[dict], kind: str, name: str) -> dict[str, str]:
+    return find(docs, kind, name)["spec"]["template"]["metadata"]["labels"]
+
+
+def _matches(selector: dict, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what the chart writes, so what this reads
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_admits(peer: dict, namespace: str, labels: dict[str, str]) -> bool:
+    """NetworkPolicyPeer semantics for label selectors: a podSelector alone means the policy's own
+    namespace; a namespaceSelector alone, every pod of the namespaces it matches."""
+    ns_labels = {"kubernetes.io/metadata.name": namespace}
+    in_namespace = _matches(peer["namespaceSelector"], ns_labels) if "namespaceSelector" in peer \
+        else namespace == NAMESPACE
+    return in_namespace and ("podSelector" not in peer or _matches(peer["podSelector"], labels))
+
+
+def admits(spec: dict, port: int, labels: dict[str, str], namespace: str = NAMESPACE) -> bool:
+    """Whether the policy lets a TCP connection to `port` in from a pod with `labels` in `namespace`:
+    some rule admits both the peer (no `from`: anyone) and the port (no `ports`, or an entry without
+    a port: every port of its protocol)."""
+    assert spec["policyTypes"] == ["Ingress"]
+    for rule in spec.get("ingress", []):
+        peers = rule.get("from") or [{"namespaceSelector": {}}]
+        ports = rule.get("ports") or [{"protocol": "TCP"}]
+        if any(_peer_admits(p, namespace, labels) for p in peers) and any(
+                p.get("protocol", "TCP") == "TCP" and p.get("port", port) == port for p in ports):
+            return True
+    return False
+
+
+def test_a_spanning_role_takes_its_group_from_its_own_pods_and_grpc_from_the_release(tmp_path):
+    docs = rendered(tmp_path, two_node_actor())
+    validate(docs)
+    name = f"{PREFIX}-actor"
+    assert list(policies(docs)) == [name]  # the critic and the reward run on one node each: no policy
+    spec = policies(docs)[name]
+    actor = pod_labels(docs, "StatefulSet", name)
+    assert _matches(spec["podSelector"], actor)
+    for role in ("critic", "reward"):
+        assert not _matches(spec["podSelector"], pod_labels(docs, "Deployment", f"{PREFIX}-{role}"))
+    coordinator = pod_labels(docs, "Job", f"{PREFIX}-coordinator")
+    critic = pod_labels(docs, "Deployment", f"{PREFIX}-critic")
+    other_release = actor | {"app.kubernetes.io/instance": "run2"}
+    # The group's own pods, on any port: the rendezvous, the agents' stores, gloo's random ports.
+    for port in (29500, 50051, 9101, 41234, 61000):
+        assert admits(spec, port, actor), port
+    # The release's pods (the coordinator dials it) on gRPC alone, not on the group's ports.
+    assert admits(spec, 50051, coordinator) and admits(spec, 50051, critic)
+    for port in (29500, 41234):
+        assert not admits(spec, port, coordinator) and not admits(spec, port, critic)
+    # Another release's actor, a stranger, another namespace: nothing but /metrics.
+    for labels, namespace in ((other_release, NAMESPACE), ({}, NAMESPACE), (actor, "elsewhere")):
+        assert [p for p in (29500, 50051, 41234, 9101) if admits(spec, p, labels, namespace)] == [9101]
+
+
+def test_each_spanning_role_is_confined_to_its_own_group(tmp_path):
+    docs = rendered(tmp_path, four_node_run())
+    validate(docs)
+    found = policies(docs)
+    assert set(found) == {f"{PREFIX}-actor", f"{PREFIX}-critic"}
+    actor, critic = (pod_labels(docs, "StatefulSet", f"{PREFIX}-{role}") for role in ("actor", "critic"))
+    assert admits(found[f"{PREFIX}-critic"], 41234, critic) and not admits(found[f"{PREFIX}-critic"], 41234, actor)
+    assert admits(found[f"{PREFIX}-actor"], 29500, actor) and not admits(found[f"{PREFIX}-actor"], 29500, critic)
+    assert admits(found[f"{PREFIX}-critic"], 50053, actor)  # gRPC: any pod of the release
+
+
+def test_the_metrics_port_can_be_kept_to_a_monitoring_namespace(tmp_path):
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    config = write(tmp_path / "run.yaml", two_node_actor())
+    docs = render("--set-file", f"config={config}", *MODEL_VOLUME,
+                  "--set-json", f"networkPolicy.metricsFrom={json.dumps(monitoring)}")
+    validate(docs)
+    spec = policies(docs)[f"{PREFIX}-actor"]
+    assert admits(spec, 9101, {"app": "prometheus"}, "monitoring")
+    assert not admits(spec, 9101, {}, NAMESPACE) and not admits(spec, 29500, {}, "monitoring")
+
+
+def test_no_policy_when_disabled_or_on_one_node(tmp_path):
+    config = write(tmp_path / "run.yaml", two_node_actor())
+    assert not policies(render("--set-file", f"config={config}", *MODEL_VOLUME, "--set", "networkPolicy.enabled=false"))
+    assert find(render("--set-file", f"config={config}", *MODEL_VOLUME, "--set", "networkPolicy.enabled=false"),
+                "StatefulSet", f"{PREFIX}-actor")  # the role still spans
+    assert not policies(render())  # the default: every role on one node
+    assert "networkPolicy/metricsFrom" in failure("--set", "networkPolicy.metricsFrom=everyone")

@@ -199,7 +199,7 @@ nodes must give it as many GPUs each.
 {{- printf "%s-nodes" (include "rolefleet.componentName" .) }}
 {{- end }}
 
-{{/* Where a spanning role's node processes meet: its first pod (rank 0), by its stable DNS name. */}}
+{{/* Where a spanning role's agents meet: its first pod (node 0, rank 0's), by its stable DNS name. */}}
 {{- define "rolefleet.rendezvousHost" -}}
 {{- printf "%s-0.%s" (include "rolefleet.componentName" .) (include "rolefleet.nodesService" .) }}
 {{- end }}
@@ -528,7 +528,7 @@ spec:
           protocol: TCP
         {{- end }}
         {{- if include "rolefleet.spans" . }}
-        # The rendezvous store: rank 0 (the first pod) hosts it, the other pods' node processes dial it.
+        # The c10d rendezvous: the first pod's agent hosts it, the other pods' agents dial it.
         - name: rendezvous
           containerPort: {{ $v.rendezvousPort }}
           protocol: TCP
