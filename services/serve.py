@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Optional
@@ -13,6 +14,7 @@ import grpc
 
 from rolefleet.common.config import RoleFleetConfig, split_device
 from rolefleet.common.gpu_metrics import GpuSampler
+from rolefleet.launch import in_torchrun, launch_node, rank_main
 from rolefleet.rpc.security import Security, refuse_if_open
 from rolefleet.rpc.server import (
     StartupError,
@@ -22,8 +24,7 @@ from rolefleet.rpc.server import (
     start_server,
     write_ready_file,
 )
-from rolefleet.trainer.nodes import GROUP_ROLES, NodeLayout, layout_for
-from rolefleet.trainer.rendezvous import Rendezvous, RendezvousError
+from rolefleet.trainer.nodes import GROUP_ROLES, layout_for, node_problem
 from rolefleet.trainer.threads import set_threads
 
 log = logging.getLogger(__name__)
@@ -102,23 +103,6 @@ def node_rank_of(flag: Optional[int], env: dict[str, str]) -> int:
     return int(text)
 
 
-def rendezvous_of(role: str, cfg: RoleFleetConfig, security: Security) -> tuple[NodeLayout, Rendezvous]:
-    """`role`'s node layout and where its group meets (`<role>.rendezvous`; a group on one node meets
-    on loopback, at a free port). A group beyond loopback needs the run's token: it keys the channel
-    that carries rank 0's commands to the other nodes."""
-    layout = layout_for(role, cfg)
-    if not layout.spans:
-        return layout, Rendezvous(role, "127.0.0.1", 0, cfg.train.connect_timeout_s)
-    r = getattr(cfg, role).rendezvous
-    rdzv = Rendezvous(role, r.host, r.port, r.timeout_s, (security.token or "").encode())
-    if not rdzv.loopback and not security.token and not cfg.security.allow_unauthenticated:
-        raise StartupError(f"{role}.rendezvous.host={r.host}: a worker group over several nodes takes rank 0's "
-                           "commands over the network, keyed by the run's token, and this run has none: set "
-                           "security.token_file or security.token_env (or, on a network only the run reaches, "
-                           "security.allow_unauthenticated=true)")
-    return layout, rdzv
-
-
 def node_devices(cfg: RoleFleetConfig, role: str, node: int) -> list:
     """The entries of devices.<role> on the role's `node`-th node (all of them on one node)."""
     by_node = cfg.devices.by_node(role)
@@ -128,25 +112,25 @@ def node_devices(cfg: RoleFleetConfig, role: str, node: int) -> list:
     return [d for d in getattr(cfg.devices, role) if split_device(d)[0] == name]
 
 
-def serve_node(role: str, cfg: RoleFleetConfig, node: int) -> int:
-    """`rolefleet serve ROLE --node-rank K` (K >= 1): start node K's ranks and supervise them. Its
-    metrics port serves `rolefleet_node_ranks` and its node's GPUs (no gRPC: rank 0 serves that)."""
+def serve_node(role: str, cfg: RoleFleetConfig, node: int, ready_file: Optional[str]) -> int:
+    """One node of a role whose worker group spans nodes: this node's agent (`launch.py`),
+    whose rank 0 on node 0 serves the role. Another node's metrics port serves its node's GPUs
+    (no gRPC: rank 0 serves that)."""
     from prometheus_client import start_http_server
 
-    from rolefleet.trainer.node import node_problem, run_node
-
-    section = getattr(cfg, role)
-    set_threads(section.num_threads)
-    layout, rdzv = rendezvous_of(role, cfg, run_security(cfg, "client"))
+    layout = layout_for(role, cfg)
     if (problem := node_problem(node, layout, role)) is not None:
         raise StartupError(problem)
+    sampler = None
+    if node:
+        section = getattr(cfg, role)
+        try:
+            start_http_server(section.metrics_port, addr=section.host)
+        except OSError as exc:
+            raise StartupError(busy_port_error(role, "metrics", section.host, section.metrics_port, exc)) from None
+        sampler = GpuSampler.start_for(role, node_devices(cfg, role, node))
     try:
-        start_http_server(section.metrics_port, addr=section.host)
-    except OSError as exc:
-        raise StartupError(busy_port_error(role, "metrics", section.host, section.metrics_port, exc)) from None
-    sampler = GpuSampler.start_for(role, node_devices(cfg, role, node))
-    try:
-        return run_node(role, node, layout, rdzv, cfg.model_dump(mode="json"), worker_factory(role))
+        return launch_node(role, cfg, node, ready_file)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -175,7 +159,9 @@ def run_security(cfg: RoleFleetConfig, role: str) -> Security:
     return security
 
 
-async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None) -> int:
+async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None, group=None) -> int:
+    """Serve `role` until SIGTERM; `group`: its worker group when the launcher formed it (over nodes),
+    else this process starts one on this node where the role has several workers."""
     set_threads(getattr(cfg, role).num_threads)
     security = run_security(cfg, role)
     check_ports_free(role, getattr(cfg, role))
@@ -192,16 +178,11 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if role not in ROLE_BUILDERS:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join([*ROLE_BUILDERS, 'coordinator'])}")
     section = getattr(cfg, role)
-    layout, rdzv = rendezvous_of(role, cfg, security)
-    group = None
-    if layout.world > 1:
+    layout = layout_for(role, cfg)
+    if group is None and layout.world > 1:
         from rolefleet.trainer.workers import WorkerGroup
 
-        try:
-            group = WorkerGroup.start(role, layout.world, cfg.model_dump(mode="json"), worker_factory(role), layout,
-                                      rdzv)
-        except RendezvousError as exc:
-            raise StartupError(str(exc)) from None
+        group = WorkerGroup.start(role, layout.world, cfg.model_dump(mode="json"), worker_factory(role))
     core, add_servicers = ROLE_BUILDERS[role](cfg, group)
     handle = await start_server(role, section, add_servicers, security)
     if ready_file:
@@ -223,13 +204,17 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
 
 
 def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None, node_rank: int = 0) -> int:
-    """Serve `role` (node 0: the server process), or be node `node_rank` of its worker group."""
+    """Serve `role`; over several nodes, be node `node_rank`'s agent of its worker group (node 0's
+    rank 0 serves); started by torchrun, be one rank of the group."""
     try:
-        if node_rank:
-            try:
-                return serve_node(role, cfg, node_rank)
-            except RendezvousError as exc:
-                raise StartupError(str(exc)) from None
+        if in_torchrun():  # a launcher of the user's (PyTorchJob, srun torchrun) started this rank
+            rank_main(role, cfg.model_dump(mode="json"), node_rank or int(os.environ.get("GROUP_RANK", "0")),
+                      ready_file or "")
+            return 0
+        if layout_for(role, cfg).spans:
+            return serve_node(role, cfg, node_rank, ready_file)
+        if (problem := node_problem(node_rank, layout_for(role, cfg), role)) is not None:
+            raise StartupError(problem)
         return asyncio.run(serve_role(role, cfg, ready_file))
     except StartupError as exc:
         print(f"rolefleet: {exc}", file=sys.stderr, flush=True)

@@ -17,8 +17,6 @@ RPC_SECONDS = Histogram(
 RPC_RECEIVED_BYTES = Counter("rolefleet_rpc_received_bytes", "Request bytes received", ["role", "method"])
 RPC_SENT_BYTES = Counter("rolefleet_rpc_sent_bytes", "Response bytes sent", ["role", "method"])
 HEALTH = Gauge("rolefleet_health", "1 while the role is SERVING, 0 otherwise", ["role"])
-NODE_RANKS = Gauge("rolefleet_node_ranks", "Worker ranks alive in a node process of a role whose group spans "
-                   "nodes (`rolefleet serve ROLE --node-rank K`)", ["role", "node"])
 MODEL_VERSION = Gauge("rolefleet_model_version", "Policy (actor) or value-model (critic) version", ["role"])
 TOKENS_GENERATED = Counter("rolefleet_tokens_generated", "Response tokens generated", ["role"])
 ROLLOUT_SECONDS = Histogram(

@@ -78,3 +78,16 @@ def layout_for(role: str, cfg: RoleFleetConfig) -> NodeLayout:
     if workers % nodes:  # refused by the config's own check (root.py: _nodes_fit)
         raise ValueError(f"{role}.workers={workers} do not split evenly over {role}.nodes={nodes}")
     return NodeLayout((workers // nodes,) * nodes)
+
+
+def node_problem(node: int, layout: NodeLayout, role: str) -> str | None:
+    """Why `--node-rank node` cannot run `role`, or None (0, the server's node, always can)."""
+    if node == 0:
+        return None
+    if layout.nodes == 1:
+        return (f"--node-rank {node}: {role}'s worker group is on one node ({role}.nodes, or devices.{role}'s "
+                "\"node:i\" entries, name no other); leave --node-rank out (or ROLEFLEET_NODE_RANK unset)")
+    if not 0 <= node < layout.nodes:
+        return (f"--node-rank {node}: {role}'s worker group spans {layout.nodes} nodes, so the node rank is 0 (the "
+                f"server process) to {layout.nodes - 1}")
+    return None

@@ -12,16 +12,17 @@ Commands travel on per-rank pipes, not in a collective, so that two parts can be
 from two threads of rank 0 (the caller's locks keep any one rank's pipe to one thread at a time);
 a command for a part without rank 0 returns the result of that part's first rank.
 
-A group may span nodes (`trainer/nodes.py`): rank 0 hosts the group's rendezvous store
-(`trainer/rendezvous.py`), a node process on each other node (`trainer/node.py`) starts that node's
-ranks, which join the store and the process group and take their commands over a TCP connection
-to rank 0 (the same send/recv as a pipe). Rank 0 drives every rank alike, wherever it runs.
+A group may span nodes (`trainer/nodes.py`): then torch's elastic agent starts every node's
+ranks (`launch.py`), rank 0 among them serves the role, and its commands travel to every
+rank, on its node or another, over a gloo group of the process group itself (`GroupChannel`: the
+same send/recv as a pipe). Rank 0 drives every rank alike, wherever it runs.
 
 Failure: the result of a collective method must not depend on a rank, so an error that all ranks
 raise alike (a refused step, a non-finite gradient) is an ordinary error on each. Any other error
 in a worker, or a worker that dies, takes the group down: rank 0 logs which rank failed and exits
-non-zero at once (collectives with a dead peer would wait forever); so does another node whose
-process reports a failed rank or stops its heartbeat, and the log names the node.
+non-zero at once (collectives with a dead peer would wait forever). Over nodes, rank 0 holds a
+pending receive from every rank on a second gloo group (`_Watch`): it fails the moment that
+rank's process is gone, and the log names the rank's node.
 """
 
 from __future__ import annotations
@@ -42,17 +43,6 @@ import torch.distributed as dist
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.orphans import exit_with_parent
 from rolefleet.trainer.nodes import NodeLayout
-from rolefleet.trainer.rendezvous import (
-    FirstNode,
-    NodeWatch,
-    Remote,
-    Rendezvous,
-    RendezvousError,
-    connect_commands,
-    host_store,
-    join_store,
-    own_address,
-)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable)
@@ -60,7 +50,8 @@ F = TypeVar("F", bound=Callable)
 STOP = None
 WATCH_PERIOD_S = 0.5
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a collective that waits longer means a rank is gone
-NODE_STALE_S = 30.0  # another node's heartbeat (every second) missing this long: its process or machine is gone
+# A rank waits for its next command, and rank 0 for a rank's goodbye, as long as the role lives.
+CONTROL_TIMEOUT = timedelta(days=30)
 _layout = NodeLayout()  # this process's group, as `_init` joined it (`local_index`)
 _address = "127.0.0.1"  # this node's address as the group's other nodes reach it (`node_address`)
 
@@ -119,17 +110,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, store: dist.Store, layout: NodeLayout, cpu_tensors: bool = False,
-          address: str = "127.0.0.1") -> None:
+def _init(rank: int, world: int, store: dist.Store, layout: NodeLayout, cpu_tensors: bool = False) -> None:
     """Join the role's process group through rank 0's store. `cpu_tensors` (`<role>.offload=params`):
     collectives of CPU tensors too (FSDP's offloaded shards, gathered whole for the weight sync and
     the digest) go over gloo beside NCCL, which carries GPU tensors only."""
-    global _layout, _address
+    global _layout
     if torch.cuda.is_available():
         backend = "cpu:gloo,cuda:nccl" if cpu_tensors else "nccl"
     else:
         backend = "gloo"
-    _layout, _address = layout, address
+    _layout = layout
     if torch.cuda.is_available():
         torch.cuda.set_device(layout.local_index(rank))  # the node's GPUs are all visible; its i-th rank drives the i-th
     # The group's own store waits (a subgroup's first NCCL id, a barrier) get the collectives' time:
@@ -138,6 +128,43 @@ def _init(rank: int, world: int, store: dist.Store, layout: NodeLayout, cpu_tens
     store.set_timeout(COLLECTIVE_TIMEOUT)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
+
+
+def join_group(role: str, rank: int, layout: NodeLayout, raw_config: dict, address: str) -> None:
+    """A rank that torch's elastic agent started (`launch.py`): join the process group
+    through the agent's store (MASTER_ADDR/PORT), at this rank's place in the layout, then the two
+    gloo groups that carry rank 0's commands and watch every rank (made by every rank, in order)."""
+    global _layout, _address, _control, _watch
+    cpu_tensors = offloads_params(role, raw_config)
+    if torch.cuda.is_available():
+        backend = "cpu:gloo,cuda:nccl" if cpu_tensors else "nccl"
+        torch.cuda.set_device(layout.local_index(rank))
+    else:
+        backend = "gloo"
+    _layout, _address = layout, address
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=layout.world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _watch = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+_control = _watch = None  # the gloo groups of commands and of the watch (a group over nodes)
+
+
+class GroupChannel:
+    """A pipe's send/recv to one peer of the group, over the control group: rank 0's commands to a
+    rank, the rank's replies. Only the group's own members are at its other end."""
+
+    def __init__(self, peer: int):
+        self.peer = peer
+
+    def send(self, message) -> None:
+        dist.send_object_list([message], dst=self.peer, group=_control)
+
+    def recv(self):
+        box = [None]
+        dist.recv_object_list(box, src=self.peer, group=_control)
+        return box[0]
 
 
 def node_address() -> str:
@@ -163,57 +190,65 @@ def join_alone() -> None:
 
 
 class WorkerGroup:
-    """Rank 0's handle on its workers: this node's as processes, every rank's command channel."""
+    """Rank 0's handle on its workers: this node's as processes (one node), every rank's command channel."""
 
     def __init__(self, role: str, layout: NodeLayout, processes: list[multiprocessing.Process],
-                 pipes: dict[int, object], watch: NodeWatch | None = None):
+                 pipes: dict[int, object]):
         self.role, self.layout = role, layout
-        self.processes = processes  # this node's other ranks
-        self._pipes = pipes  # rank -> its command channel: a pipe here, a TCP connection on another node
-        self._nodes = watch
+        self.processes = processes  # this node's other ranks, when this process started them
+        self._pipes = pipes  # rank -> its command channel: a pipe, or a GroupChannel over nodes
         self._io = threading.Lock()  # guards _in_flight: commands sent whose replies are not read yet
         self._in_flight = 0
         self._stopping = False
+        self._lost: str | None = None  # a rank of another process whose process is gone (over nodes)
+        self._goodbyes: list[threading.Thread] = []
         self._watch = threading.Thread(target=self._watch_workers, name=f"{role}-workers", daemon=True)
         self._watch.start()
 
     @classmethod
-    def start(cls, role: str, world: int, raw_config: dict, factory: Callable, layout: NodeLayout | None = None,
-              rdzv: Rendezvous | None = None) -> WorkerGroup:
-        """Spawn this node's ranks 1..n-1 (each builds its worker with `factory(config)`, a function or
-        class method found by name in the worker process), host the rendezvous, wait for the other
-        nodes' ranks (`layout`) and join the group as rank 0. Raises RendezvousError when a node
-        does not arrive within `rdzv.timeout_s`, naming it."""
-        layout = layout or NodeLayout((world,))
-        rdzv = rdzv or Rendezvous(role, "127.0.0.1", 0, COLLECTIVE_TIMEOUT.total_seconds())
-        store = host_store(rdzv)
-        rdzv = rdzv.at_port(store.port)
-        first = FirstNode(rdzv, layout, store) if layout.spans else None
-        here = Rendezvous(role, "127.0.0.1", store.port, rdzv.timeout_s, rdzv.secret)  # this node's ranks dial
-        address = own_address(rdzv) if first else "127.0.0.1"  # ... and are reached at this node's address
+    def start(cls, role: str, world: int, raw_config: dict, factory: Callable) -> WorkerGroup:
+        """Spawn ranks 1..world-1 on this node (each builds its worker with `factory(config)`, a function
+        or class method found by name in the worker process), host their store on loopback and join
+        the group as rank 0."""
+        layout = NodeLayout((world,))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        pipes = {rank: ctx.Pipe() for rank in layout.ranks_of(0)[1:]}
-        processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, layout, here, theirs,
-                                                           address),
+        pipes = {rank: ctx.Pipe() for rank in range(1, world)}
+        processes = [ctx.Process(target=worker_main, args=(role, factory, raw_config, rank, layout, store.port, theirs),
                                  name=f"{role}-rank{rank}", daemon=False)
                      for rank, (_, theirs) in pipes.items()]
         for p in processes:
             p.start()
         for _, theirs in pipes.values():
             theirs.close()  # only the worker holds its end: a dead worker reads as EOF here
-        watch = NodeWatch(rdzv, layout, NODE_STALE_S) if first else None
-        group = cls(role, layout, processes, {r: ours for r, (ours, _) in pipes.items()}, watch)  # watching first:
-        try:                                                      # a worker that dies before joining ends the wait
-            if first is not None:
-                first.wait_for_nodes()
-                group._pipes.update(first.accept_ranks())
-        except RendezvousError:
-            group.abandon()
-            raise
-        _init(0, layout.world, store, layout, offloads_params(role, raw_config), address)
-        log.info("%s: %d worker processes joined (%s)%s", role, layout.world, dist.get_backend(),
-                 f" over {layout.nodes} nodes" if layout.spans else "")
+        group = cls(role, layout, processes, {r: ours for r, (ours, _) in pipes.items()})
+        _init(0, world, store, layout, offloads_params(role, raw_config))
+        log.info("%s: %d worker processes joined (%s)", role, world, dist.get_backend())
         return group
+
+    @classmethod
+    def formed(cls, role: str, layout: NodeLayout) -> WorkerGroup:
+        """Rank 0 of a group that torch's elastic agent started over nodes and `join_group` joined:
+        its commands go over the control group, and every rank is watched."""
+        group = cls(role, layout, [], {rank: GroupChannel(rank) for rank in range(1, layout.world)})
+        for rank in range(1, layout.world):
+            # A receive that completes on the rank's goodbye after STOP, and fails when its process is gone.
+            work = dist.irecv(torch.zeros(1), src=rank, group=_watch)
+            waiter = threading.Thread(target=group._await_goodbye, args=(rank, work), name=f"{role}-rank{rank}-watch",
+                                      daemon=True)
+            waiter.start()
+            group._goodbyes.append(waiter)
+        log.info("%s: %d worker processes joined (%s) over %d nodes", role, layout.world, dist.get_backend(),
+                 layout.nodes)
+        return group
+
+    def _await_goodbye(self, rank: int, work) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo's error for a closed connection: the rank is gone
+            if not self._stopping:
+                node = self.layout.node_of(rank)
+                self._lost = f"{self.layout.describe(node)}: rank {rank}'s process is gone ({exc})"
 
     @property
     def size(self) -> int:
@@ -258,15 +293,16 @@ class WorkerGroup:
         for rank, pipe in self._pipes.items():
             try:
                 pipe.send(STOP)
-            except OSError as exc:  # a dead worker: nothing left to tell
+            except Exception as exc:  # noqa: BLE001 - a dead worker (a pipe's OSError, gloo's error): nothing to tell
                 log.warning("%s: could not tell rank %d to stop (%s)", self.role, rank, exc)
         for p in self.processes:
             p.join(timeout_s)
             if p.is_alive():
                 p.kill()
-        for rank, pipe in self._pipes.items():  # the other nodes' ranks: gone before this store goes
-            if isinstance(pipe, Remote) and not pipe.wait_closed(timeout_s):
-                log.warning("%s: rank %d did not stop within %.0f s", self.role, rank, timeout_s)
+        for waiter in self._goodbyes:  # the other ranks' goodbyes: gone before their group goes
+            waiter.join(timeout_s)
+            if waiter.is_alive():
+                log.warning("%s: %s did not say goodbye within %.0f s", self.role, waiter.name, timeout_s)
         dist.destroy_process_group()
 
     def abandon(self) -> None:
@@ -280,13 +316,13 @@ class WorkerGroup:
     def fail(self, what: str) -> NoReturn:
         """End the role: name the dead worker or lost node if there is one (a collective with it may
         be what failed here first), stop the others and exit 1; collectives with a dead rank would
-        hang. The other nodes' processes see rank 0's store go and end their ranks in turn."""
+        hang. The other nodes' ranks lose rank 0 and end in turn, and so do their agents."""
         time.sleep(WATCH_PERIOD_S)  # a worker killed mid-collective: let its exit code arrive
         dead = [p for p in self.processes if p.exitcode is not None]
         for p in dead:
             log.error("%s: worker %s exited with code %s; the role cannot continue without it",
                       self.role, p.name, p.exitcode)
-        lost = self._lost_node()
+        lost = self._lost
         if lost is not None:
             log.error("%s: %s; the role cannot continue without it", self.role, lost)
         if not dead and lost is None:
@@ -296,42 +332,19 @@ class WorkerGroup:
                 p.kill()
         os._exit(1)
 
-    def _lost_node(self) -> str | None:
-        if self._nodes is None:
-            return None
-        try:
-            return self._nodes.problem() or self._hung_up()
-        except Exception as exc:  # noqa: BLE001 - the store itself failing: report it, never hang here
-            return f"the rendezvous store does not answer ({exc})"
-
-    def _hung_up(self) -> str | None:
-        """A rank on another node whose connection ended while no command was in flight (nothing
-        else makes one readable then): its node process or the rank itself is gone. Found at once,
-        where the heartbeat would take NODE_STALE_S."""
-        with self._io:
-            if self._in_flight:
-                return None
-            for rank, pipe in self._pipes.items():
-                if isinstance(pipe, Remote) and pipe.readable():
-                    node = self.layout.node_of(rank)
-                    return f"{self.layout.describe(node)}: rank {rank}'s connection to rank 0 ended"
-        return None
-
     def _watch_workers(self) -> None:
         while not self._stopping:
             if any(p.exitcode is not None for p in self.processes) and not self._stopping:
                 self.fail("a worker exited")
-            if self._lost_node() is not None and not self._stopping:
-                self.fail("a node was lost")
+            if self._lost is not None and not self._stopping:
+                self.fail("a rank was lost")
             time.sleep(WATCH_PERIOD_S)
 
 
-def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, layout: NodeLayout, rdzv: Rendezvous,
-                pipe=None, address: str = "127.0.0.1") -> None:
-    """Every rank but 0: build the worker, then run each command until STOP. Commands come on `pipe`
-    (a rank on rank 0's node) or, on another node, over a connection to rank 0 made here. The reply
-    is (error, result): a role error raised here (alike on the part's every rank), and the result
-    if this rank was asked for it. `address`: this node's, as the other nodes reach it."""
+def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, layout: NodeLayout, port: int,
+                pipe) -> None:
+    """Every rank but 0 of a group on one node: join rank 0's store on loopback, build the worker,
+    then run rank 0's commands from `pipe` until STOP."""
     from rolefleet.common.config import parse_config
     from rolefleet.trainer.threads import set_threads
 
@@ -341,21 +354,29 @@ def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, layou
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[rank {rank}] %(levelname)s %(message)s")
     cfg = parse_config(raw_config, [])
     set_threads(getattr(cfg, role).num_threads)
-    store = join_store(rdzv, f"{role} rank {rank}")
-    if pipe is None:
-        pipe = connect_commands(rdzv, store, rank)
-    _init(rank, layout.world, store, layout, offloads_params(role, raw_config), address)
-    worker = factory(cfg)
-    while (command := pipe.recv()) is not STOP:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    _init(rank, layout.world, store, layout, offloads_params(role, raw_config))
+    worker_loop(role, rank, factory(cfg), pipe)
+
+
+def worker_loop(role: str, rank: int, worker, pipe=None) -> None:
+    """Run rank 0's commands on this rank's `worker` until STOP. They come on `pipe` (one node) or
+    over the control group (`GroupChannel`, a group over nodes, which also says goodbye on the
+    watch group at the end). The reply is (error, result): a role error raised here (alike on the
+    part's every rank), and the result if this rank was asked for it."""
+    channel = pipe if pipe is not None else GroupChannel(0)
+    while (command := channel.recv()) is not STOP:
         method, args, answer = command
         try:
             result = method(worker, *args)
-            pipe.send((None, result if answer else None))
+            channel.send((None, result if answer else None))
         except RoleFleetError as exc:  # raised alike on every rank of the part
             log.info("%s refused on this rank too: %s", method.__qualname__, exc)
-            pipe.send((exc, None))
+            channel.send((exc, None))
         except Exception:
             log.exception("%s failed on rank %d; stopping the group", method.__qualname__, rank)
             os._exit(1)
     worker.close()  # a rank's own child processes (a vLLM engine) end with it
+    if pipe is None:
+        dist.send(torch.ones(1), dst=0, group=_watch)  # rank 0's watch: stopped, not lost
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """A role's worker group over several nodes, on one machine: `rolefleet up` runs the actor as two node
-processes of two gloo ranks each, joined by the rendezvous on loopback, the same path as a cluster.
-It trains like one process; a node process killed mid-run is recovered from; a node that never
-arrives ends the role with a rendezvous timeout naming it."""
+agents (torch's elastic agent, `launch.py`) of two gloo ranks each, joined by the c10d
+rendezvous on loopback, the same path as a cluster. It trains like one process; a node agent killed
+mid-run is recovered from; a node that never arrives ends the role with a rendezvous timeout."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def test_an_actor_over_two_nodes_trains_to_the_weights_of_one_process(make_confi
     logs = cfg.run.out / "logs"
     assert "actor: 4 worker processes joined (gloo) over 2 nodes" in (logs / "actor.log").read_text()
     node1 = (logs / "actor.node1.log").read_text()
-    assert "actor: node 1 (node1, ranks 2-3) joined the rendezvous at 127.0.0.1:" in node1
+    assert "actor: node 1 (node1, ranks 2-3) joining the rendezvous at 127.0.0.1:" in node1
     assert "actor: node 1 (node1, ranks 2-3): its ranks stopped" in node1  # an orderly stop, not a kill
+    assert "exit barrier" not in node1  # every agent left together
     spanned = final_weights(cfg, tmp_path)
     initial = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     moved = max((reference[k] - initial[k]).abs().max().item() for k in initial)
@@ -97,7 +98,7 @@ def test_a_killed_node_process_ends_the_role_and_the_run_recovers(make_config, t
     # The group formed again: the server and node 1 both logged a second arrival.
     logs = cfg.run.out / "logs"
     assert (logs / "actor.log").read_text().count("joined (gloo) over 2 nodes") == 2
-    assert (logs / "actor.node1.log").read_text().count("joined the rendezvous") == 2
+    assert (logs / "actor.node1.log").read_text().count("joining the rendezvous") == 2
     deadline = time.monotonic() + 30
     while (processes_mentioning(resolved) or descendants(proc)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -110,8 +111,8 @@ def serve(config: Path, *args: str, ready: Path | None = None) -> subprocess.Pop
 
 
 def test_the_server_ends_the_role_naming_a_node_whose_process_died(make_config, tmp_path):
-    """Without a supervisor (Kubernetes restarts pods itself): rank 0 sees node 1's ranks go and
-    exits 1 naming the node, and the node process of a dead server ends too."""
+    """Without a supervisor (Kubernetes restarts pods itself): rank 0 sees node 1's rank go and ends
+    the role naming the node; node 0's agent exits 1."""
     cfg = make_config("actor.workers=2", "actor.nodes=2", "actor.rendezvous.timeout_s=60",
                       "security.allow_unauthenticated=true")
     config = write_config(cfg, tmp_path / "config.yaml")
@@ -130,7 +131,8 @@ def test_the_server_ends_the_role_naming_a_node_whose_process_died(make_config, 
             if p.poll() is None:
                 p.kill()
     assert server.returncode == 1, output
-    assert "actor: node 1 (node1, rank 1): rank 1's connection to rank 0 ended; the role cannot continue" in output
+    assert "actor: node 1 (node1, rank 1): rank 1's process is gone (" in output
+    assert "; the role cannot continue without it" in output
 
 
 def test_a_node_that_never_arrives_is_a_rendezvous_timeout_naming_it(make_config, tmp_path):
@@ -142,7 +144,7 @@ def test_a_node_that_never_arrives_is_a_rendezvous_timeout_naming_it(make_config
     assert server.returncode == 1, output
     assert ("rolefleet: actor: rendezvous timed out after 3 s (actor.rendezvous.timeout_s) waiting at 127.0.0.1:"
             in output)
-    assert "for node 1 (node1, ranks 2-3): start `rolefleet serve actor --node-rank K`" in output
+    assert "for the role's other 1 node(s): start `rolefleet serve actor --node-rank K` on each" in output
     assert "Traceback" not in output
     # The other way round: a node process whose first node never answers.
     node = serve(config, "--node-rank", "1")
@@ -162,3 +164,83 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Marker:
+    """A pickle that, once loaded, makes a directory: the proof that a listener ran a caller's code."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    import psutil
+
+    ports = set()
+    for pid in pids:
+        try:
+            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == "LISTEN"}
+        except psutil.NoSuchProcess:
+            pass
+    return ports
+
+
+def test_the_runs_token_makes_no_rank_run_anything_on_any_port_the_role_opens(make_config, tmp_path):
+    """Every TCP port the processes of a spanning actor listen on (gRPC, metrics, the rendezvous and
+    the agents' stores, gloo's) gets the run's token and a pickle that would run code if loaded, as the
+    old command channel took them: nothing loads it, and the role still serves."""
+    import asyncio
+    import pickle
+    import socket
+
+    from rolefleet.actor.client import GrpcActorClient
+    from rolefleet.common.config import SecuritySection
+    from rolefleet.rpc.roles import use_security
+    from rolefleet.rpc.security import Security
+
+    token = tmp_path / "token"
+    token.write_text("a-run-token-of-thirty-two-chars!\n")
+    cfg = make_config("actor.workers=2", "actor.nodes=2", "actor.rendezvous.timeout_s=60",
+                      f"security.token_file={token}", f"actor.rendezvous.port={_free_port()}")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    server = serve(config, ready=tmp_path / "ready.json")
+    node = serve(config, "--node-rank", "1")
+    marker = tmp_path / "ran"
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready.json").exists() and time.monotonic() < deadline:
+            assert server.poll() is None and node.poll() is None
+            time.sleep(0.2)
+        ports = listening_ports([server.pid, node.pid, *descendants(server), *descendants(node)])
+        assert len(ports) >= 4  # gRPC, metrics, the rendezvous store, the agents' store (and gloo's)
+        payload = pickle.dumps(_Marker(marker))
+        for port in sorted(ports):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(token.read_bytes() + pickle.dumps(("run", payload)) + payload)
+                try:
+                    s.recv(4096)
+                except OSError:
+                    pass
+        time.sleep(2)
+        assert not marker.exists(), "a listener of the role loaded a caller's pickle"
+        use_security(Security.of(SecuritySection(token_file=str(token)), "client"))
+
+        async def still_serving():
+            import json
+
+            port = json.loads((tmp_path / 'ready.json').read_text())['grpc_port']
+            client = GrpcActorClient(f"127.0.0.1:{port}", timeout_s=30)
+            try:
+                return await client.status()
+            finally:
+                await client.close()
+
+        assert asyncio.run(still_serving()).role == "actor"
+        assert server.poll() is None and node.poll() is None
+    finally:
+        for p in (server, node):
+            if p.poll() is None:
+                p.kill()

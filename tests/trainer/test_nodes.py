@@ -1,16 +1,21 @@
-"""A role's ranks on its nodes (`trainer/nodes.py`), the config keys that place them, and the
-node rank a node process takes: pure, no process starts."""
+"""A role's ranks on its nodes (`trainer/nodes.py`), the config keys that place them, the node rank
+a node agent takes, and rank 0's commands to another node's rank over the group."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import pytest
+import torch
+import torch.distributed as dist
 
 from rolefleet.common.config import ConfigError
+from rolefleet.launch import own_address
 from rolefleet.rpc.server import StartupError
-from rolefleet.serve import node_rank_of, rendezvous_of
-from rolefleet.trainer.node import node_problem
-from rolefleet.trainer.nodes import NodeLayout, layout_for
-from rolefleet.trainer.rendezvous import Rendezvous
+from rolefleet.serve import node_rank_of
+from rolefleet.trainer.nodes import NodeLayout, layout_for, node_problem
+from rolefleet.trainer.workers import WorkerGroup, collective, free_port, join_group, worker_loop
 
 pytestmark = pytest.mark.multinode
 
@@ -82,59 +87,56 @@ def test_node_rank_from_the_flag_the_environment_or_the_pod_name():
         node_rank_of(-1, {})
 
 
-def test_a_group_beyond_loopback_needs_the_runs_token(make_config):
-    from rolefleet.rpc.security import OPEN, Security
-
-    cfg = make_config("actor.workers=4", "actor.nodes=2", "actor.rendezvous.host=actor-0.actor-nodes")
-    with pytest.raises(StartupError, match="actor.rendezvous.host=actor-0.actor-nodes: a worker group over several"):
-        rendezvous_of("actor", cfg, OPEN)
-    layout, rdzv = rendezvous_of("actor", cfg, Security(token="s3cret"))
-    assert layout.counts == (2, 2) and (rdzv.host, rdzv.port, rdzv.timeout_s) == ("actor-0.actor-nodes", 29500, 300)
-    assert rdzv.authkey("n1") != rdzv.authkey("n2")  # a new formation, a new key
-    assert rdzv.authkey("n1") != Rendezvous("actor", "h", 1, 1, b"other").authkey("n1")
-    _, local = rendezvous_of("actor", make_config("actor.workers=4", "actor.nodes=2"), OPEN)
-    assert local.loopback  # on loopback (`rolefleet up`) no token is needed
-    one, _ = rendezvous_of("actor", make_config("actor.workers=2"), OPEN)
-    assert not one.spans
+def test_a_node_finds_the_address_the_others_reach_it_at():
+    assert own_address("127.0.0.1", 29500) == "127.0.0.1"  # a group on loopback (`rolefleet up`)
+    assert own_address("localhost", 29500) == "127.0.0.1"
 
 
-@pytest.mark.timeout(60)
-def test_the_command_channel_admits_only_the_formations_key_and_carries_plain_tensors():
-    """In one process: rank 0's side of a two-node formation, a stranger with another token refused
-    in the handshake, the real rank admitted, a tensor sent by value (no shared-memory handle)."""
-    import threading
-    from multiprocessing import AuthenticationError
-    from multiprocessing.connection import Client
+class Doubler:
+    """A stand-in worker: what rank 0 drives over the control group."""
 
-    import torch
+    @collective("all")
+    def double(self, x):
+        return x * 2 + dist.get_rank()
 
-    from rolefleet.trainer.rendezvous import FirstNode, Keys, RendezvousError, connect_commands, host_store, join_store
+    def close(self):
+        pass
 
+
+def _rank(rank: int, port: int, results) -> None:
+    """One rank of a two-node group as the elastic agent starts it (the environment it sets)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     layout = NodeLayout((1, 1))
-    store = host_store(Rendezvous("actor", "127.0.0.1", 0, 5.0, b"token"))
-    rdzv = Rendezvous("actor", "127.0.0.1", store.port, 5.0, b"token")
-    first = FirstNode(rdzv, layout, store)
-    with pytest.raises(RendezvousError, match=r"rendezvous timed out after 0 s .* for node 1 \(node1, rank 1\)"):
-        FirstNode.wait_for_nodes(type("Late", (), {"rdzv": Rendezvous("actor", "127.0.0.1", store.port, 0.3),
-                                                   "layout": layout, "store": store})())
-    client = join_store(rdzv, "node 1")
-    client.set(Keys.node(1, "joined"), "here")
-    first.wait_for_nodes()
-    accepted = {}
-    acceptor = threading.Thread(target=lambda: accepted.update(first.accept_ranks()), daemon=True)
-    acceptor.start()
-    stranger = Rendezvous("actor", "127.0.0.1", store.port, 5.0, b"another run's token")
-    nonce = client.get(Keys.NONCE).decode()
-    with pytest.raises(AuthenticationError):
-        Client(("127.0.0.1", int(client.get(Keys.COMMANDS))), authkey=stranger.authkey(nonce))
-    channel = [connect_commands(rdzv, client, 1)]
-    acceptor.join(5)
-    assert list(accepted) == [1]
-    accepted[1].send(("step", torch.arange(4.0)))
-    what, tensor = channel[0].recv()
-    assert what == "step" and torch.equal(tensor, torch.arange(4.0)) and not tensor.is_shared()
-    channel[0].close()
-    assert accepted[1].wait_closed(5)  # the rank's end closed: what rank 0 reads as a hang-up
+    join_group("actor", rank, layout, {}, "127.0.0.1")
+    if rank:
+        worker_loop("actor", rank, Doubler())
+        return
+    group = WorkerGroup.formed("actor", layout)
+    answers = [group.run(Doubler(), Doubler.double, (torch.arange(3.0),), ranks) for ranks in ([1], [0, 1])]
+    group.stop()
+    results.put([a.tolist() for a in answers])
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_rank_0_drives_another_node_s_rank_over_the_group_and_stops_it_in_order():
+    """Commands and replies travel on the process group's own gloo control group (tensors by value);
+    STOP ends the rank, whose goodbye on the watch group tells rank 0 it stopped rather than died."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_rank, args=(rank, port, results)) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        assert results.get(timeout=90) == [[1.0, 3.0, 5.0], [0.0, 2.0, 4.0]]  # rank 1's answer, then rank 0's
+        for p in ranks:
+            p.join(30)
+        assert [p.exitcode for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
 
 
 def test_up_gives_each_node_process_its_gpus_and_the_parents_environment(make_config, monkeypatch):
