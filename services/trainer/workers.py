@@ -228,7 +228,8 @@ class WorkerGroup:
 
     @classmethod
     def formed(cls, role: str, layout: NodeLayout) -> WorkerGroup:
-        """Rank 0 of a group that torch's elastic agent started over nodes and `join_group` joined:
+        """Rank 0 of a group that torch's elastic agent (ours over nodes, or torchrun) started and
+        `join_group` joined:
         its commands go over the control group, and every rank is watched."""
         group = cls(role, layout, [], {rank: GroupChannel(rank) for rank in range(1, layout.world)})
         for rank in range(1, layout.world):
@@ -238,8 +239,8 @@ class WorkerGroup:
                                       daemon=True)
             waiter.start()
             group._goodbyes.append(waiter)
-        log.info("%s: %d worker processes joined (%s) over %d nodes", role, layout.world, dist.get_backend(),
-                 layout.nodes)
+        log.info("%s: %d worker processes joined (%s)%s", role, layout.world, dist.get_backend(),
+                 f" over {layout.nodes} nodes" if layout.spans else "")
         return group
 
     def _await_goodbye(self, rank: int, work) -> None:

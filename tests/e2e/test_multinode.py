@@ -244,3 +244,35 @@ def test_the_runs_token_makes_no_rank_run_anything_on_any_port_the_role_opens(ma
         for p in (server, node):
             if p.poll() is None:
                 p.kill()
+
+
+def test_torchrun_itself_can_start_the_ranks_and_rank_0_serves(make_config, tmp_path):
+    """A launcher of the user's (a PyTorchJob, `srun torchrun`) instead of our agent: each rank is
+    `rolefleet serve` in torchrun's environment; rank 0 serves, and SIGTERM to torchrun stops them all."""
+    import sys
+
+    from tests.e2e.procs import LAUNCH
+
+    cfg = make_config("actor.workers=2", "security.allow_unauthenticated=true")
+    config = write_config(cfg, tmp_path / "config.yaml")
+    ready = tmp_path / "ready.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **{LAUNCH: os.urandom(8).hex()})
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "rolefleet.cli", "--log-level", "info", "serve", "actor", "--config", str(config),
+                             "--ready-file", str(ready)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    proc.rolefleet_launch = env[LAUNCH]
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        assert ready.exists()
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "actor: 2 worker processes joined (gloo)\n" in output
+    assert "actor stopped" in output  # rank 0's orderly stop, which ended rank 1 (STOP)
+    assert descendants(proc) == []
