@@ -39,6 +39,7 @@ from rolefleet.deploy.inputs import (
     path_overrides,
     role_inputs,
 )
+from rolefleet.trainer.nodes import layout_for
 
 # Images, and the host ports published on loopback: each a variable of the environment compose runs
 # in, with its default (a CPU image, a local Prometheus build, a port that is taken on this host).
@@ -106,6 +107,12 @@ def render_compose(cfg: RoleFleetConfig, config_path: str, overrides: Sequence[s
     for role in roles:
         service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs)
         parts.append(_service_yaml(role, service, _role_comment(role, gpus[role])))
+        for node in range(1, layout_for(role, cfg).nodes):  # a worker group over containers (CPU workers)
+            service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs, node)
+            parts.append(_service_yaml(f"{role}-node{node}", service, [
+                f"{role} node {node} of its worker group: torch's elastic agent of this container's ranks, which",
+                f"meet the others at the rendezvous of the {role} service; restarted when it dies (the group forms",
+                "anew and the run recovers from its checkpoint)."]))
     parts.append(_service_yaml("prometheus", _prometheus(), [
         "prometheus: scrapes every role's /metrics port (deploy/prometheus/prometheus.yml, alerts.yml)"]))
     parts.append(_service_yaml("grafana", _grafana(), [
@@ -118,9 +125,6 @@ def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
     """The GPUs `role` reserves (compose device_ids are strings); none for the coordinator."""
     if role not in GPU_ROLES:
         return []
-    if (getattr(getattr(cfg, role), "nodes", None) or 1) > 1:
-        raise ValueError(f"{role}.nodes: a worker group over several nodes needs a process per node; docker "
-                         "compose runs one per role (use the Helm chart, or `rolefleet up` on one machine)")
     groups = [role, "rollout"] if role == "actor" else [role]
     for group in groups:
         remote = [str(d) for d in getattr(cfg.devices, group) if split_device(d)[0] is not None]
@@ -133,10 +137,13 @@ def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
 # --- the role services ---------------------------------------------------------------------------
 
 def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_name: str, shared: list[str],
-                  secrets: SecretMounts, inputs: InputMounts) -> dict[str, Any]:
+                  secrets: SecretMounts, inputs: InputMounts, node: int = 0) -> dict[str, Any]:
+    """The service of `role`, or of node `node` >= 1 of its worker group (no gRPC: node 0 serves)."""
     reads = inputs.place(cfg, role)
-    command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *shared, *reads.overrides,
-               *_endpoint_overrides(cfg, role)]
+    command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *(["--node-rank", str(node)] if node else []),
+               *shared, *reads.overrides, *_endpoint_overrides(cfg, role)]
+    if layout_for(role, cfg).spans:  # the group's nodes meet at node 0's container, by its service name
+        command.append(f"{role}.rendezvous.host={role}")
     volumes = ["runs:" + RUNS_DIR, *reads.volumes, *secrets.volumes]
     service: dict[str, Any] = {"image": IMAGE, "build": {"context": ".", "dockerfile": DOCKERFILE},
                                "command": [_literal(word) for word in command]}
@@ -158,7 +165,8 @@ def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_name:
         service["ports"] = ([_published("http", HTTP_PORT)] if cfg.coordinator.http_enabled else []) + [
             _published("grpc", GRPC_PORTS["coordinator"])]
         service["depends_on"] = {r: {"condition": "service_healthy"} for r in cfg.roles() if r != "coordinator"}
-    service["healthcheck"] = _healthcheck(role, _healthcheck_tls(cfg, role, secrets))
+    if not node:
+        service["healthcheck"] = _healthcheck(role, _healthcheck_tls(cfg, role, secrets))
     return service
 
 
@@ -215,7 +223,7 @@ def _owned_keys(cfg: RoleFleetConfig) -> set[str]:
     """Keys compose sets on every command line itself (what holds inside a container)."""
     keys = {"run.output_dir", "coordinator.http_host", "coordinator.http_port"}
     for role in GRPC_PORTS:
-        keys |= {f"{role}.host", f"{role}.port", f"{role}.metrics_port", f"{role}.address"}
+        keys |= {f"{role}.host", f"{role}.port", f"{role}.metrics_port", f"{role}.address", f"{role}.rendezvous.host"}
     return keys
 
 

@@ -128,9 +128,21 @@ def test_a_node_qualified_device_is_refused_naming_its_group():
 
 
 @pytest.mark.multinode
-def test_a_worker_group_over_several_nodes_is_refused():
-    with pytest.raises(ValueError, match=r"actor\.nodes: a worker group over several nodes needs a process per node"):
-        render("devices.rollout=[]", "devices.actor=[]", "actor.workers=4", "actor.nodes=2")
+def test_a_worker_group_over_several_nodes_gets_a_container_per_node():
+    """CPU workers over `actor.nodes` containers: node 0 is the actor service (the server, the
+    rendezvous), every other node a service of its own that meets it there by its service name."""
+    services = yaml.safe_load(render("devices.rollout=[]", "devices.actor=[]", "actor.workers=4",
+                                     "actor.nodes=2"))["services"]
+    assert {"actor", "actor-node1"} <= set(services) and "actor-node2" not in services
+    actor, node = command_values(services["actor"]), command_values(services["actor-node1"])
+    assert actor["actor.rendezvous.host"] == node["actor.rendezvous.host"] == "actor"
+    assert "--node-rank" not in services["actor"]["command"]
+    assert services["actor-node1"]["command"][3:5] == ["--node-rank", "1"]
+    assert "healthcheck" not in services["actor-node1"]  # no gRPC there: node 0 serves
+    assert services["actor-node1"]["restart"] == "unless-stopped"
+    assert set(services["coordinator"]["depends_on"]) == {"actor", "reward", "critic"}
+    with pytest.raises(ValueError, match=r"override 'actor\.rendezvous\.host=x': compose sets"):
+        render("devices.rollout=[]", "devices.actor=[]", "actor.workers=4", "actor.nodes=2", "actor.rendezvous.host=x")
 
 
 def test_a_model_outside_the_mounted_models_directory_is_refused():
