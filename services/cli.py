@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from rolefleet import __version__
 from rolefleet.app.preflight import preflight
 from rolefleet.app.shapes import SHAPES
 from rolefleet.common.config import ROLES, ConfigError, RoleFleetConfig, load_config, overridden
@@ -242,6 +243,15 @@ def cmd_plan(args) -> int:
     return 1 if any(g.verdict == "over" for g in plans) else 0
 
 
+def cmd_env(args) -> int:
+    """The report a bug needs (as `trl env`): every probe is guarded, so a broken install still exits 0."""
+    from rolefleet.app.environment import as_json, as_text, report
+
+    rows = report()
+    print(as_json(rows) if args.json else as_text(rows))
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from rolefleet.app.tiny_model import make_tiny_model
 
@@ -331,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolefleet", description="RL post-training on role servers.")
     parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
                         help="python logging level (default: warning)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start every role locally as its own process, run, stop them all")
@@ -383,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--gpu-gib", type=float, default=None, help="memory of one GPU in GiB (default: this machine's)")
     p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("env", help="this machine for a bug report: the stack's versions, GPUs and driver, NCCL, "
+                       "flash kernels, and the rollout engine `actor.rollout.backend: auto` would pick")
+    p.add_argument("--json", action="store_true", help="one JSON object of the same keys, for machines")
+    p.set_defaults(fn=cmd_env)
 
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")
     p.add_argument("out")

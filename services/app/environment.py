@@ -1,0 +1,199 @@
+"""`rolefleet env`: what a bug report needs to say about this machine (as `trl env` does): RoleFleet
+and the stack's versions, the GPUs and their driver, whether NCCL and flash-attention kernels are
+there, and the rollout engine `actor.rollout.backend: auto` would pick here.
+
+Each probe is guarded: a piece that is missing or broken is a value of the report (its error), never
+a failed command, since a broken install is what the report is for. Versions come from package
+metadata, without importing the package (transformers and vLLM take seconds to import)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+# A probe answers its key's value, or several rows (`cuda available` and one per visible GPU).
+Probe = Callable[[], "str | dict[str, str]"]
+
+PACKAGES = ("transformers", "vllm", "grpcio", "protobuf", "pydantic", "accelerate", "peft")
+GIB = 1024**3
+
+
+def package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def rolefleet_install() -> str:
+    import rolefleet
+
+    return f"{rolefleet.__version__} ({Path(rolefleet.__file__).parent})"
+
+
+def python() -> str:
+    return f"{platform.python_version()} ({sys.executable})"
+
+
+def os_platform() -> str:
+    return platform.platform()
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def torch_cuda_build() -> str:
+    import torch
+
+    if torch.version.cuda:
+        return torch.version.cuda
+    return f"none (a ROCm build: HIP {torch.version.hip})" if torch.version.hip else "none (a CPU build)"
+
+
+def cudnn() -> str:
+    import torch
+
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None:
+        return "not in this torch build"
+    # cuDNN 9 numbers its versions major*10000 + minor*100 + patch; cuDNN 8 major*1000 + ...
+    major, rest = divmod(version, 10000 if version >= 10000 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def visible_devices() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+
+
+def cuda_devices() -> dict[str, str]:
+    """`cuda available`, and a row per GPU this process sees: its name, memory and compute capability."""
+    import torch
+
+    if not torch.version.cuda:
+        return {"cuda available": "no (torch is not a CUDA build)"}
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return {"cuda available": "no" + visible_devices()}
+    count = torch.cuda.device_count()
+    rows = {"cuda available": f"yes, {count} GPU{'s' if count != 1 else ''} visible" + visible_devices()}
+    for i in range(count):
+        p = torch.cuda.get_device_properties(i)
+        rows[f"gpu {i}"] = f"{p.name}, {p.total_memory / GIB:.1f} GiB, sm_{p.major}{p.minor}"
+    return rows
+
+
+def nvidia_driver() -> str:
+    """The driver through NVML (nvidia-ml-py): absent or failing is a machine without the driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, ...
+        return f"no NVIDIA driver ({error(exc)})"
+    try:
+        version, cuda, count = (pynvml.nvmlSystemGetDriverVersion(), pynvml.nvmlSystemGetCudaDriverVersion(),
+                                pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+    version = version.decode() if isinstance(version, bytes) else version
+    return (f"{version} (supports CUDA up to {cuda // 1000}.{cuda % 1000 // 10}; "
+            f"{count} GPU{'s' if count != 1 else ''} on this machine)")
+
+
+def nccl() -> str:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return "not in this torch build"
+    return ".".join(str(part) for part in torch.cuda.nccl.version())
+
+
+def flash_sdp() -> str:
+    """Whether torch's scaled-dot-product attention can take its flash kernel on GPU 0."""
+    import torch
+
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    if not built:
+        return "not in this torch build"
+    if not torch.backends.cuda.flash_sdp_enabled():
+        return "disabled (torch.backends.cuda.enable_flash_sdp(False))"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "enabled, not usable: no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(0)
+    if major < 8:
+        return f"enabled, not usable: GPU 0 is sm_{major}{minor}, the flash kernels need sm_80 or newer"
+    return f"usable (GPU 0 is sm_{major}{minor})"
+
+
+def flash_attn() -> str:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not installed"
+    import flash_attn
+
+    return f"{flash_attn.__version__} (imports)"
+
+
+def rollout_engine() -> str:
+    """What `actor.rollout.backend: auto` picks for an actor of one process that sees this
+    process's GPUs: the decision the actor itself makes (`actor/rollout.py`), and why."""
+    from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
+    from rolefleet.app.preflight import gpu_count
+
+    has_gpu, installed = gpu_count() > 0, vllm_installed()
+    if choose_backend("auto", has_gpu, installed) == "vllm":
+        return "vllm (vllm is installed and a CUDA GPU is visible)"
+    why = backend_problem("vllm", has_gpu, installed)
+    return f"hf ({why.removesuffix(', or set actor.rollout.backend=hf')})"
+
+
+PROBES: tuple[tuple[str, Probe], ...] = (
+    ("rolefleet", rolefleet_install),
+    ("python", python),
+    ("platform", os_platform),
+    ("torch", torch_version),
+    ("torch cuda build", torch_cuda_build),
+    ("cudnn", cudnn),
+    *((name, partial(package_version, name)) for name in PACKAGES),
+    ("cuda available", cuda_devices),
+    ("nvidia driver", nvidia_driver),
+    ("nccl", nccl),
+    ("flash sdp (torch)", flash_sdp),
+    ("flash_attn", flash_attn),
+    ("rollout engine (auto)", rollout_engine),
+)
+
+
+def error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def report(probes: tuple[tuple[str, Probe], ...] = PROBES) -> dict[str, str]:
+    """Every probe's rows, in the probes' order; a probe that raises is its error."""
+    rows: dict[str, str] = {}
+    for key, probe in probes:
+        try:
+            value = probe()
+        except Exception as exc:  # noqa: BLE001 - a broken piece is what the report is for
+            value = f"error: {error(exc)}"
+        rows.update(value if isinstance(value, dict) else {key: value})
+    return rows
+
+
+def as_text(rows: dict[str, str]) -> str:
+    width = max(len(key) for key in rows) + 1
+    return "\n".join(f"{key + ':':<{width}} {value}" for key, value in rows.items())
+
+
+def as_json(rows: dict[str, str]) -> str:
+    return json.dumps(rows, indent=2)
