@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, create_model
 
 from rolefleet.algos.registry import Registry
+from rolefleet.common.config import ExpandedPath
 
 RewardFn = Callable[..., float]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
@@ -96,7 +97,7 @@ def format_(prompt: str, response: str, ground_truth: str, extra: dict, *, patte
 
 @REWARD_FUNCTIONS.register("length_penalty")
 def length_penalty(prompt: str, response: str, ground_truth: str, extra: dict, *,
-                   target: Annotated[int, Field(ge=1)], tokenizer: Optional[str] = None) -> float:
+                   target: Annotated[int, Field(ge=1)], tokenizer: Optional[ExpandedPath] = None) -> float:
     """-(length - target) / target when the response is longer than `target`, else 0.0 (-1.0 at
     twice the target). Length in characters, or in tokens of `tokenizer` (a local directory or a
     hub id) when it is set."""

@@ -73,7 +73,9 @@ def test_a_typo_under_an_existing_directory_is_a_missing_directory_not_a_hub_id(
 
 @pytest.mark.parametrize("path", ["./nope", "/no/such/model", "~/no-such-model-dir", "a/b/c", "bad name"])
 def test_paths_that_cannot_be_hub_ids_do_not_exist(make_config, gpus, path):
-    # The reference model defaults to the actor's, so both keys are named, in one line.
+    # The reference model defaults to the actor's, so both keys are named, in one line; `~` is
+    # expanded by the config (common/config/paths.py) before the check.
+    path = os.path.expanduser(path)
     assert (f"actor.model_name_or_path, actor.ref_model_name_or_path: model directory {path} does not exist"
             in problems(make_config(f"actor.model_name_or_path={path}")))
 

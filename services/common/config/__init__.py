@@ -5,6 +5,7 @@ and raises ConfigError naming the key and what is allowed. Every field is docume
 default, in the module of its section; docs/config.md mirrors them:
 
     base.py        ConfigError, the section base, Endpoint (each role's host, port...), shared helpers
+    paths.py       ExpandedPath: the type of every path key (`~` and $VARIABLES expanded)
     run.py         run, security (and its tls), checkpoint, tracking
     data.py        model, data, eval, sampling
     trainers.py    train, actor (and its rollout, rollout.vllm), critic
@@ -29,6 +30,7 @@ from rolefleet.common.config.base import (
 from rolefleet.common.config.cluster import CoordinatorSection, DeviceList, DevicesSection, PipelineSection
 from rolefleet.common.config.data import DataSection, EvalSection, ModelSection, SamplingSection
 from rolefleet.common.config.loading import apply_override, dump_config, load_config, overridden, parse_config
+from rolefleet.common.config.paths import ExpandedPath, expand_path
 from rolefleet.common.config.reward import RewardSection
 from rolefleet.common.config.root import ASYNC_IS_CORRECTION, RoleFleetConfig
 from rolefleet.common.config.run import (
@@ -51,8 +53,9 @@ from rolefleet.common.config.trainers import (
 __all__ = [
     "ASYNC_IS_CORRECTION", "CLIP_DEFAULTS", "MIN_TEMPERATURE", "MIN_WIRE_TEMPERATURE", "ROLES", "TRACKING_BACKENDS",
     "ActorSection", "CheckpointSection", "ConfigError", "CoordinatorSection", "CriticSection", "DataSection",
-    "DeviceList", "DevicesSection", "Endpoint", "EvalSection", "ModelSection", "PipelineSection", "RewardSection",
-    "RoleFleetConfig", "RolloutSection", "RunSection", "SamplingSection", "SecuritySection", "TlsSection",
-    "TrackingSection", "TrainSection", "VllmSection",
-    "apply_override", "dial_host", "dump_config", "load_config", "overridden", "parse_config", "split_device",
+    "DeviceList", "DevicesSection", "Endpoint", "EvalSection", "ExpandedPath", "ModelSection", "PipelineSection",
+    "RewardSection", "RoleFleetConfig", "RolloutSection", "RunSection", "SamplingSection", "SecuritySection",
+    "TlsSection", "TrackingSection", "TrainSection", "VllmSection",
+    "apply_override", "dial_host", "dump_config", "expand_path", "load_config", "overridden", "parse_config",
+    "split_device",
 ]

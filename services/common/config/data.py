@@ -11,15 +11,17 @@ from pydantic import Field, field_validator, model_validator
 
 from rolefleet.common.config.app_checks import file_format, known_task
 from rolefleet.common.config.base import MIN_TEMPERATURE, _Section
+from rolefleet.common.config.paths import ExpandedPath
 
 
 class ModelSection(_Section):
-    model_name_or_path: Optional[str] = Field(None, description="default for actor and critic models")
+    model_name_or_path: Optional[ExpandedPath] = Field(None, description="default for actor and critic models")
 
 
 class DataSection(_Section):
     task: Optional[str] = Field("addition", description="built-in prompt generator (rolefleet.tasks)")
-    path: Optional[str] = Field(None, description="JSONL or Parquet file of prompts (docs/data.md); overrides task")
+    path: Optional[ExpandedPath] = Field(None, description="JSONL or Parquet file of prompts (docs/data.md); "
+                                         "overrides task")
     format: Optional[Literal["jsonl", "parquet"]] = Field(
         None, description="format of data.path; default: from its extension (.jsonl/.ndjson, .parquet/.pq)")
     prompt_key: str = Field("prompt", min_length=1, description="column of the prompt: text, or chat messages "
@@ -69,8 +71,9 @@ class EvalSection(_Section):
     task: Optional[str] = Field(None, description="built-in task of the held-out prompts; default (with no "
                                 "eval.path): data.task, on a draw disjoint from the training prompts (they are "
                                 "left out of training)")
-    path: Optional[str] = Field(None, description="JSONL or Parquet file of held-out prompts, read like data.path "
-                                "(with data's chat template and token limit); a run on data.path needs one")
+    path: Optional[ExpandedPath] = Field(None, description="JSONL or Parquet file of held-out prompts, read like "
+                                         "data.path (with data's chat template and token limit); a run on data.path "
+                                         "needs one")
     format: Optional[Literal["jsonl", "parquet"]] = Field(None, description="format of eval.path; default: from "
                                                            "its extension")
     prompt_key: Optional[str] = Field(None, min_length=1, description="prompt column of eval.path; default "

@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from rolefleet.common.config.app_checks import check_reward_options, known_reward_function, reward_function_names
 from rolefleet.common.config.base import Endpoint, _Section
+from rolefleet.common.config.paths import ExpandedPath
 
 
 class EnvSection(_Section):
@@ -22,8 +23,8 @@ class EnvSection(_Section):
     name: Optional[Literal["tools", "feedback"]] = Field(None, description="a built-in environment: tools "
                                                          "(runs the model's <tool_call>s: calculator, python), "
                                                          "feedback (a wrong answer is told so and answered again)")
-    path: Optional[str] = Field(None, description="a user environment instead: path/to/file.py:function, "
-                                "`step(prompt, messages, ground_truth, extra)` returning a dict")
+    path: Optional[ExpandedPath] = Field(None, description="a user environment instead: path/to/file.py:function, "
+                                         "`step(prompt, messages, ground_truth, extra)` returning a dict")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the built-in "
                                     "(tools: tools, python_timeout_s, max_output_chars; feedback: max_attempts, "
                                     "message)")
@@ -65,8 +66,8 @@ class RewardSection(Endpoint):
         kind: Literal["function", "user", "model"] = Field("function", description="function: a built-in; user: "
                                                            "a function from a Python file; model: a reward model")
         function: Optional[str] = Field(None, description="kind function: the built-in's name")
-        path: Optional[str] = Field(None, description="kind user: path/to/file.py:function; kind model: the "
-                                    "reward model (a local directory or a hub id)")
+        path: Optional[ExpandedPath] = Field(None, description="kind user: path/to/file.py:function; kind model: the "
+                                             "reward model (a local directory or a hub id)")
         weight: float = Field(1.0, description="the total adds weight x this source's score")
         batched: bool = Field(False, description="kind user: the function takes lists (one per argument) and "
                               "returns a list of scores")

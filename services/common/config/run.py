@@ -10,12 +10,13 @@ from typing import Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from rolefleet.common.config.base import _Section
+from rolefleet.common.config.paths import ExpandedPath
 
 
 class RunSection(_Section):
     name: str = Field("rolefleet", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (letters, digits, _.-); "
                       "the default output directory is runs/<name>")
-    output_dir: Optional[str] = Field(None, description="default runs/<name>")
+    output_dir: Optional[ExpandedPath] = Field(None, description="default runs/<name>")
     seed: int = Field(0, description="seeds model initialisation order, prompt shuffling and sampling")
     max_restarts: int = Field(3, ge=0, description="`rolefleet up` restarts a role process that dies up to this "
                               "many times (the coordinator with run.resume=true), and the coordinator recovers "
@@ -38,11 +39,12 @@ class TlsSection(_Section):
     is replaced by the process's role (actor, reward, critic, coordinator; `client` for `rolefleet up`
     and the CLI), so each role presents its own certificate from `rolefleet certs`."""
 
-    cert_file: Optional[str] = Field(None, description="PEM certificate this process presents (as a server, and as "
-                                     "a client under mutual TLS); set: TLS on")
-    key_file: Optional[str] = Field(None, description="PEM private key of cert_file")
-    ca_file: Optional[str] = Field(None, description="PEM CA certificate(s) that clients verify servers with "
-                                   "(and servers verify clients with, under mutual TLS); unset: the system's roots")
+    cert_file: Optional[ExpandedPath] = Field(None, description="PEM certificate this process presents (as a "
+                                              "server, and as a client under mutual TLS); set: TLS on")
+    key_file: Optional[ExpandedPath] = Field(None, description="PEM private key of cert_file")
+    ca_file: Optional[ExpandedPath] = Field(None, description="PEM CA certificate(s) that clients verify servers "
+                                            "with (and servers verify clients with, under mutual TLS); unset: the "
+                                            "system's roots")
     mutual: bool = Field(False, description="mutual TLS: servers refuse a client without a certificate signed by "
                          "ca_file")
     server_name: Optional[str] = Field(None, description="name clients check in server certificates instead of the "
@@ -72,9 +74,9 @@ class TlsSection(_Section):
 class SecuritySection(_Section):
     """Authentication, transport security and per-client limits of the role servers (docs/security.md)."""
 
-    token_file: Optional[str] = Field(None, description="file whose first line is the run's shared token; every "
-                                      "role server then refuses gRPC calls without it (health checks excepted), "
-                                      "and so does the HTTP control plane (/healthz excepted)")
+    token_file: Optional[ExpandedPath] = Field(None, description="file whose first line is the run's shared token; "
+                                               "every role server then refuses gRPC calls without it (health checks "
+                                               "excepted), and so does the HTTP control plane (/healthz excepted)")
     token_env: Optional[str] = Field("ROLEFLEET_TOKEN", description="environment variable holding the token "
                                      "when no token_file is given; with neither, `rolefleet up` makes a token for the "
                                      "run and a server bound beyond loopback refuses to start")
@@ -100,9 +102,9 @@ class CheckpointSection(_Section):
     at_end: bool = Field(True, description="also save after the last step (and when a run is stopped)")
     keep: int = Field(3, ge=1, description="complete checkpoints kept; older ones are removed after a new "
                       "one is complete")
-    dir: Optional[str] = Field(None, description="default <run.output_dir>/checkpoints; the trainer roles "
-                               "write their parts there too, so it must be storage they share with the "
-                               "coordinator under the same path")
+    dir: Optional[ExpandedPath] = Field(None, description="default <run.output_dir>/checkpoints; the trainer roles "
+                                        "write their parts there too, so it must be storage they share with the "
+                                        "coordinator under the same path")
 
     def root(self, run: RunSection) -> Path:
         return Path(self.dir) if self.dir else run.out / "checkpoints"

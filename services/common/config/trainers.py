@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from rolefleet.common.config.base import Endpoint, _one_of, _Section
+from rolefleet.common.config.paths import ExpandedPath
 
 
 class OverlongSection(_Section):
@@ -80,8 +81,8 @@ class RendezvousSection(_Section):
 
 
 class _TrainerSection(Endpoint):
-    model_name_or_path: Optional[str] = Field(None, description="the model this trainer starts from; default "
-                                              "model.model_name_or_path")
+    model_name_or_path: Optional[ExpandedPath] = Field(None, description="the model this trainer starts from; default "
+                                                       "model.model_name_or_path")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch per update")
@@ -133,8 +134,8 @@ class _TrainerSection(Endpoint):
     profile_updates: list[int] = Field(default_factory=list, description="updates of each worker process to "
                                        "run under torch.profiler (1: its first): a Chrome trace and an op table "
                                        "per rank go to profile_dir")
-    profile_dir: str = Field("profiles", description="where profile_updates writes <role>-update<N>-rank<R>.json "
-                             "and .txt")
+    profile_dir: ExpandedPath = Field("profiles", description="where profile_updates writes "
+                                      "<role>-update<N>-rank<R>.json and .txt")
 
     @model_validator(mode="after")
     def _params_offload_is_fsdps(self) -> _TrainerSection:
@@ -237,7 +238,7 @@ CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) pe
 
 
 class ActorSection(_TrainerSection):
-    ref_model_name_or_path: Optional[str] = Field(None, description="default: the actor's model")
+    ref_model_name_or_path: Optional[ExpandedPath] = Field(None, description="default: the actor's model")
     lora: LoraSection = Field(default_factory=lambda: LoraSection(), description="low-rank adapters: only "
                               "they train; the reference is the model with them switched off")
     rollout: RolloutSection = Field(default_factory=lambda: RolloutSection())
