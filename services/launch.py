@@ -94,8 +94,12 @@ def launch_node(role: str, cfg: RoleFleetConfig, node: int, ready_file: str | No
 def _stop_in_order(*_) -> None:
     """SIGTERM to an agent: passed on to its ranks. Rank 0 stops the role as a server does (the step's
     calls finish, then STOP to every rank); the other ranks ignore it and end on that STOP, so every
-    node's ranks end 0 and every agent leaves through its exit barrier."""
-    for child in multiprocessing.active_children():
+    node's ranks end 0 and every agent leaves through its exit barrier. Before there are ranks (still
+    meeting the other nodes) there is nothing to stop in order: the agent ends at once."""
+    children = multiprocessing.active_children()
+    if not children:
+        raise SystemExit(0)
+    for child in children:
         os.kill(child.pid, signal.SIGTERM)
 
 

@@ -152,6 +152,12 @@ def test_a_node_that_never_arrives_is_a_rendezvous_timeout_naming_it(make_config
     assert node.returncode == 1, output
     assert "rolefleet: actor: node 1 (node1, ranks 2-3): the actor's first node did not answer at 127.0.0.1:" in output
     assert "within 3 s (actor.rendezvous.timeout_s)" in output
+    # SIGTERM while it still waits for the other nodes ends it at once, not at the rendezvous timeout.
+    patient = serve(config, "actor.rendezvous.timeout_s=120")
+    time.sleep(3)
+    patient.send_signal(signal.SIGTERM)
+    patient.communicate(timeout=20)
+    assert patient.returncode == 0
     bad = serve(config, "--node-rank", "2")
     output, _ = bad.communicate(timeout=120)
     assert bad.returncode == 1 and ("--node-rank 2: actor's worker group spans 2 nodes, so the node rank is 0 "
