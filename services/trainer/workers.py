@@ -229,8 +229,7 @@ class WorkerGroup:
     @classmethod
     def formed(cls, role: str, layout: NodeLayout) -> WorkerGroup:
         """Rank 0 of a group that torch's elastic agent (ours over nodes, or torchrun) started and
-        `join_group` joined:
-        its commands go over the control group, and every rank is watched."""
+        `join_group` joined: its commands go over the control group, and every rank is watched."""
         group = cls(role, layout, [], {rank: GroupChannel(rank) for rank in range(1, layout.world)})
         for rank in range(1, layout.world):
             # A receive that completes on the rank's goodbye after STOP, and fails when its process is gone.
