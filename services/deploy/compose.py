@@ -98,7 +98,7 @@ def render_compose(cfg: RoleFleetConfig, config_path: str, overrides: Sequence[s
     gpus = {role: gpu_ids(cfg, role) for role in roles}
     config_path = str(PurePosixPath(config_path))  # ./configs/x.yaml and configs/x.yaml render alike
     config_dir, config_name = _config_mount(config_path)
-    _check_overrides(cfg, overrides)
+    _check_overrides(overrides)
     secrets = secret_mounts(cfg)
     inputs = InputMounts(config_dir)
     shared = [*overrides, f"run.output_dir={RUNS_DIR}/{cfg.run.name}", *secrets.overrides]
@@ -219,7 +219,7 @@ def _literal(word: str) -> str:
     return word.replace("$", "$$")
 
 
-def _owned_keys(cfg: RoleFleetConfig) -> set[str]:
+def _owned_keys() -> set[str]:
     """Keys compose sets on every command line itself (what holds inside a container)."""
     keys = {"run.output_dir", "coordinator.http_host", "coordinator.http_port"}
     for role in GRPC_PORTS:
@@ -227,8 +227,8 @@ def _owned_keys(cfg: RoleFleetConfig) -> set[str]:
     return keys
 
 
-def _check_overrides(cfg: RoleFleetConfig, overrides: Sequence[str]) -> None:
-    owned = _owned_keys(cfg)
+def _check_overrides(overrides: Sequence[str]) -> None:
+    owned = _owned_keys()
     for override in overrides:
         key = override.partition("=")[0]
         if key in owned:
@@ -269,12 +269,10 @@ class InputMounts:
     def container_path(self, item: Input) -> str:
         if item.kind == "model":
             return container_model_path(item.key, item.path)
+        for host, target in ((self.config_dir, CONFIGS_DIR), (HOST_MODELS_DIR, MODELS_DIR)):
+            if (inside := mounted_path(item.path, host, target)) is not None:
+                return inside
         path = PurePosixPath(item.path)
-        if str(path).startswith((CONFIGS_DIR + "/", MODELS_DIR + "/")):
-            return str(path)  # already a container path
-        for host, target in ((self.config_dir, CONFIGS_DIR), (f"./{HOST_MODELS_DIR}", MODELS_DIR)):
-            if (inner := _inside(path, host)) is not None:
-                return str(PurePosixPath(target, inner))
         if not path.name or path.name in (".", ".."):
             raise ValueError(f"{item.key}: {item.path!r} names no file")
         host_dir = _host_dir(path)
@@ -289,15 +287,6 @@ class InputMounts:
         target = str(PurePosixPath(container_path).parent)
         host = next(h for h, t in self.dirs.items() if t == target)
         return f"{host}:{target}:ro"
-
-
-def _inside(path: PurePosixPath, host_dir: str) -> str | None:
-    """`path` relative to the host directory `host_dir` (./configs, /abs/dir), or None outside it."""
-    host = PurePosixPath(host_dir.removeprefix("./") or ".").parts
-    parts = path.parts
-    if parts[:len(host)] == host and len(parts) > len(host) and ".." not in parts:
-        return str(PurePosixPath(*parts[len(host):]))
-    return None
 
 
 def container_model_path(key: str, path: str) -> str:

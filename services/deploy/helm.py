@@ -22,6 +22,7 @@ on the role's command line before its extraArgs. `render_values(cfg)` writes bot
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -100,9 +101,8 @@ def storage_values(cfg: RoleFleetConfig) -> dict[str, str]:
     checkpoint = sizing.checkpoint_bytes(cfg)
     if not checkpoint:
         return {}
-    one = sizing.gib(checkpoint)
-    size = sizing.volume_bytes(int(one.removesuffix("Gi")) * sizing.GIB, cfg.checkpoint.keep)
-    return {"size": sizing.gib(size), "checkpointSize": one}
+    one = math.ceil(checkpoint / sizing.GIB) * sizing.GIB  # whole GiB, as the chart checks it
+    return {"size": sizing.gib(sizing.volume_bytes(one, cfg.checkpoint.keep)), "checkpointSize": sizing.gib(one)}
 
 
 def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:

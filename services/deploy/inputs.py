@@ -100,13 +100,15 @@ def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
 
 def mounted_path(path: str, host_dir: str, mount: str) -> str | None:
     """Where `path`, as the config names it, is seen in a container that has the directory `host_dir`
-    (relative to where the deployment is generated: models) mounted at `mount` (/models):
+    (relative to where the deployment is generated, `models` or `./configs`, or absolute) mounted at
+    `mount` (/models):
     `host_dir/<rest>` is `mount/<rest>`, a path already under `mount` stays as it is, and anything
     else (another directory, an absolute host path, a hub id, a climb out with ..) is None."""
     mount = mount.rstrip("/") or "/"
     if path == mount or path.startswith(mount + "/"):
         return path  # already a container path
+    host = PurePosixPath(host_dir.removeprefix("./") or ".").parts
     parts = PurePosixPath(path).parts
-    if len(parts) > 1 and parts[0] == host_dir and ".." not in parts:
-        return str(PurePosixPath(mount, *parts[1:]))
+    if len(parts) > len(host) and parts[:len(host)] == host and ".." not in parts:
+        return str(PurePosixPath(mount, *parts[len(host):]))
     return None
