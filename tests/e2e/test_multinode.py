@@ -154,10 +154,16 @@ def test_a_node_that_never_arrives_is_a_rendezvous_timeout_naming_it(make_config
     assert "within 3 s (actor.rendezvous.timeout_s)" in output
     # SIGTERM while it still waits for the other nodes ends it at once, not at the rendezvous timeout.
     patient = serve(config, "actor.rendezvous.timeout_s=120")
-    time.sleep(3)
+    seen = []
+    for line in patient.stdout:  # signalled once it waits, not while it still imports (killed by then)
+        seen.append(line)
+        if "joining the rendezvous" in line:
+            break
+    waited = time.monotonic()
     patient.send_signal(signal.SIGTERM)
-    patient.communicate(timeout=20)
-    assert patient.returncode == 0
+    rest, _ = patient.communicate(timeout=20)
+    assert patient.returncode == 0, "".join(seen) + rest
+    assert time.monotonic() - waited < 20
     bad = serve(config, "--node-rank", "2")
     output, _ = bad.communicate(timeout=120)
     assert bad.returncode == 1 and ("--node-rank 2: actor's worker group spans 2 nodes, so the node rank is 0 "
