@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 def make_engine(backend: str, cfg: ActorSection, policy: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase,
                 device: torch.device, stop_ids: tuple[int, ...], seed: int,
                 gpu_ranks: list[int] | None = None) -> RolloutEngine:
-    """`policy`: the trainer's model on this rank (None on a rollout rank, whose engine loads its
-    own copy); `gpu_ranks`: the actor ranks whose GPUs an engine in processes of its own spans
-    (None: in this process)."""
+    """`policy`: the trainer's model on this rank (None on a rollout rank, or a skeleton whose shards
+    the trainer has yet to read: the engine loads its own copy); `gpu_ranks`: the actor ranks whose
+    GPUs an engine in processes of its own spans (None: in this process)."""
     log.info("rollout backend: %s", backend)
     if backend == "vllm":
         try:

@@ -25,8 +25,9 @@ from rolefleet.actor.rollout import RolloutEngine, derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
-from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs
+from rolefleet.common.modeling import compile_decoder_layers, lm_logprobs, load_causal_lm
 from rolefleet.common.stop_tokens import merged
+from rolefleet.trainer.loading import is_pending
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,11 @@ class HFRolloutEngine(RolloutEngine):
     def __init__(self, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                  cfg: ActorSection, dtype: torch.dtype | None, stop_ids: tuple[int, ...]):
         """`stop_ids`: the checkpoint's own (`stop_tokens.checkpoint_stop_ids`); each request may add more."""
-        self.model = _engine_copy(policy, dtype or torch.float32)
+        if policy is None or is_pending(policy):  # a rollout rank, or a trainer's shards still to be read
+            self.model = load_causal_lm(cfg.model_name_or_path, device, dtype or torch.float32,
+                                        bool(cfg.trust_remote_code)).eval()
+        else:
+            self.model = _engine_copy(policy, dtype or torch.float32)
         self.stop_ids = stop_ids
         # The checkpoint's generation defaults (a repetition penalty, say) would reshape the sampling
         # distribution behind the recorded logprobs: only the request's sampling parameters apply.

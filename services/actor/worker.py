@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from rolefleet.actor import transport
 from rolefleet.actor.engines import make_engine
@@ -25,9 +26,11 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection, RoleFleetConfig
 from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, release_memory
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, warn_if_turn_runs_on
+from rolefleet.trainer.loading import build_on_meta, is_pending
 from rolefleet.trainer.lora import merged_shapes
 from rolefleet.trainer.profiling import profiled
 from rolefleet.trainer.ranks import Ranks, global_rank, global_world, new_subgroups
+from rolefleet.trainer.sharding import sharding_wanted
 from rolefleet.trainer.steps import PartialUpdate
 from rolefleet.trainer.worker import TrainingWorker
 from rolefleet.trainer.workers import collective
@@ -52,8 +55,8 @@ class ActorWorker(TrainingWorker):
         self.placement = p = replace(placement, engine_size=engine_size(cfg, self.backend, placement))
         self.parts = {"all": list(range(world)), "trainers": p.train_ranks, "engines": p.engine_ranks}
         self.ranks, sync_group = self._join_parts()
-        self.tokenizer = load_tokenizer(cfg.model_name_or_path)
-        model = load_causal_lm(cfg.model_name_or_path, self.device)
+        self.tokenizer = load_tokenizer(cfg.model_name_or_path, bool(cfg.trust_remote_code))
+        model = self._load_policy(cfg.model_name_or_path)
         self._read_model_facts(model)
         self.model = model if self.rank in p.train_ranks else None  # a rollout rank's engine has its own copy
         choice = transport.choose(p, self.backend)
@@ -115,15 +118,25 @@ class ActorWorker(TrainingWorker):
         # What a weight sync carries, in order (the full shapes: taken before the trainer shards).
         self.weight_shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
+    def _load_policy(self, path: str):
+        """A training rank that shards gets a skeleton filled shard by shard when the trainer shards
+        it (`trainer.loading`): no rank ever holds the whole model. Adapters are injected into
+        whole weights, so a LoRA policy loads whole."""
+        cfg = self.cfg
+        if self.rank in self.placement.train_ranks and sharding_wanted(cfg, self.ranks) and not cfg.lora.enabled:
+            if (skeleton := build_on_meta(AutoModelForCausalLM, path, bool(cfg.trust_remote_code))) is not None:
+                return skeleton
+        return load_causal_lm(path, self.device, trust_remote_code=bool(cfg.trust_remote_code))
+
     def _load_reference(self):
         """The reference model; None with adapters on the same model (the policy with them off is it)."""
         cfg = self.cfg
         if cfg.reference_is_the_policy:
             return None
-        if cfg.ref_model_name_or_path == cfg.model_name_or_path:
-            ref_model = copy.deepcopy(self.model)  # same weights: skip a second read from disk
+        if cfg.ref_model_name_or_path != cfg.model_name_or_path or is_pending(self.model):
+            ref_model = self._load_policy(cfg.ref_model_name_or_path)  # a skeleton of its own to fill
         else:
-            ref_model = load_causal_lm(cfg.ref_model_name_or_path, self.device)
+            ref_model = copy.deepcopy(self.model)  # same weights: skip a second read from disk
         ref_model.requires_grad_(False).eval()
         return ref_model  # with `ref_offload`, the trainer moves it to host memory
 

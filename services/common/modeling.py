@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
@@ -41,17 +42,39 @@ def check_model_path(path: str) -> str:
     return path
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(check_model_path(path))
+def model_source(path: str) -> Path | None:
+    """The local directory of a model: `path` itself, or a hub id's cached snapshot (None if not cached)."""
+    if Path(path).is_dir():
+        return Path(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception:  # not an id, or not in the cache: only from_pretrained's own lookup is left
+        return None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(check_model_path(path), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_causal_lm(path: str, device: torch.device) -> PreTrainedModel:
-    """fp32 master weights (forwards run under bf16 autocast on CUDA, see `compute_dtype`)."""
-    model = AutoModelForCausalLM.from_pretrained(check_model_path(path), dtype=torch.float32)
+def load_pretrained(auto_class, path: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                    trust_remote_code: bool = False) -> PreTrainedModel:
+    """The whole model on `device` in `dtype` (fp32: master weights; forwards run under bf16
+    autocast on CUDA, see `compute_dtype`). On a GPU the checkpoint's tensors go to it one at a
+    time, cast there: the host never holds an fp32 copy, only the file's pages as they are read."""
+    placement = {"device_map": {"": device}} if device.type == "cuda" else {}
+    model = auto_class.from_pretrained(check_model_path(path), dtype=dtype, trust_remote_code=trust_remote_code,
+                                       **placement)
     return disable_dropout(model).to(device)
+
+
+def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                   trust_remote_code: bool = False) -> PreTrainedModel:
+    return load_pretrained(AutoModelForCausalLM, path, device, dtype, trust_remote_code)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

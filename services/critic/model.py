@@ -6,15 +6,19 @@ import torch
 from transformers import AutoModel
 
 from rolefleet.common.batch import SequenceBatch
-from rolefleet.common.modeling import check_model_path, disable_dropout, response_hidden
+from rolefleet.common.modeling import load_pretrained, response_hidden
+from rolefleet.trainer.loading import build_on_meta
 
 
 class ValueModel(torch.nn.Module):
-    def __init__(self, path: str):
+    def __init__(self, path: str, device: torch.device, on_meta: bool = False, trust_remote_code: bool = False):
+        """`on_meta`: the backbone as a skeleton that the trainer's sharding fills (`trainer.loading`),
+        where its checkpoint can be read by shard."""
         super().__init__()
         # AutoModel takes the backbone weights of a causal-LM checkpoint and drops its LM head.
-        self.backbone = disable_dropout(AutoModel.from_pretrained(check_model_path(path), dtype=torch.float32))
-        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
+        backbone = build_on_meta(AutoModel, path, trust_remote_code) if on_meta else None
+        self.backbone = backbone or load_pretrained(AutoModel, path, device, trust_remote_code=trust_remote_code)
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1, device=device)
         # Zero init: values start at 0, so early advantages are the raw returns, not head noise.
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)

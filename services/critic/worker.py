@@ -9,6 +9,7 @@ from rolefleet.common.config import CriticSection, RoleFleetConfig
 from rolefleet.critic.model import ValueModel
 from rolefleet.critic.trainer import ValueTrainer
 from rolefleet.trainer.ranks import Ranks, global_world
+from rolefleet.trainer.sharding import sharding_wanted
 from rolefleet.trainer.worker import TrainingWorker
 from rolefleet.trainer.workers import collective
 
@@ -23,7 +24,8 @@ class CriticWorker(TrainingWorker):
         self.ranks = Ranks.of(None)  # every rank trains
         self.rank = self.ranks.rank
         self.parts = dict.fromkeys(("all", "trainers"), list(range(global_world())))
-        self.model = ValueModel(cfg.model_name_or_path).to(self.device)
+        self.model = ValueModel(cfg.model_name_or_path, self.device, on_meta=sharding_wanted(cfg, self.ranks),
+                                trust_remote_code=bool(cfg.trust_remote_code))
         self.model.eval()
         self.trainer = ValueTrainer(self.model, self.device, cfg, seed, self.ranks)
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from rolefleet.trainer.loading import materialize
 from rolefleet.trainer.ranks import Ranks
 
 
@@ -48,6 +49,8 @@ def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.de
     for module in full_precision:
         fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(), offload_policy=where)
     fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=where)
+    # A model built on the meta device gets its weights now, each rank its shards (where FSDP keeps them).
+    materialize(root, torch.device("cpu") if isinstance(where, CPUOffloadPolicy) else device)
 
 
 def full_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

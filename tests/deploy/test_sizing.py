@@ -53,7 +53,7 @@ def test_the_estimate_is_what_save_trainer_writes(tmp_path, kind):
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     path = str(tmp_path / "model")
     value_model = kind == "value model"
-    model = ValueModel(path) if value_model else LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = ValueModel(path, torch.device("cpu")) if value_model else LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     written = saved_weights_bytes(model, tmp_path / "checkpoint")
     cfg = parse_config(run_config(path))
     estimate = sizing.trainer_state_bytes(ModelDims.read(path), cfg.critic if value_model else cfg.actor, value_model)

@@ -83,6 +83,8 @@ class RendezvousSection(_Section):
 class _TrainerSection(Endpoint):
     model_name_or_path: Optional[ExpandedPath] = Field(None, description="the model this trainer starts from; default "
                                                        "model.model_name_or_path")
+    trust_remote_code: Optional[bool] = Field(None, description="run the model's own Python files; default "
+                                              "model.trust_remote_code")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch per update")
