@@ -45,6 +45,7 @@ NEAR = 0.9  # an estimate above this share of the GPU is a warning; above the wh
 COMPILED_ACTIVATION_SHARE = 0.65
 ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
 OFFLOAD_CHUNK = 2**30  # the AdamW state `offload: optimizer` brings to the GPU at once (trainer/optim.py)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ModelDims:
     tied: bool
     attention_bias: bool = False  # q, k, v biases
     output_bias: bool = False  # an o_proj bias too (Llama's attention_bias; Qwen2 has none)
+    stored_bytes: int = 2  # bytes a parameter in the checkpoint's files (its config's dtype; bf16 unless said)
 
     @classmethod
     def of_config(cls, config: dict, where: str = "config.json") -> ModelDims:
@@ -74,7 +76,8 @@ class ModelDims:
                    intermediate=config["intermediate_size"], vocab=config["vocab_size"],
                    tied=bool(config.get("tie_word_embeddings", False)),
                    attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-                   output_bias=bool(config.get("attention_bias")) and config.get("model_type") != "qwen2")
+                   output_bias=bool(config.get("attention_bias")) and config.get("model_type") != "qwen2",
+                   stored_bytes=DTYPE_BYTES.get(config.get("dtype") or config.get("torch_dtype") or "bfloat16", 2))
 
     @classmethod
     def read(cls, path: str) -> ModelDims:
@@ -165,6 +168,11 @@ class Estimate:
     held: list[Part] = field(default_factory=list)
     phases: dict[str, list[Part]] = field(default_factory=dict)
     host: list[Part] = field(default_factory=list)  # what offloading puts in the node's memory instead
+    load: list[Part] = field(default_factory=list)  # the process's host memory while it loads (then freed)
+
+    @property
+    def load_total(self) -> float:
+        return sum(p.bytes for p in self.load)
 
     @property
     def host_total(self) -> float:
@@ -304,6 +312,11 @@ def _add_policy_trainer(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate, wo
     if own_reference:
         (est.host if a.ref_offload else est.held).append(Part("reference weights (fp32)", 4 * dims.params / share))
     phases = {"update": [*update, _head_chunk(dims, a.logprob_chunk_tokens)]}
+    models = 2 if own_reference and a.ref_model_name_or_path != a.model_name_or_path else 1
+    est.load = _load_parts(dims, share, sharded and not _adapters(a), "policy", models)
+    if sharded and _adapters(a):  # adapters go into whole weights: each GPU holds the model until it shards
+        phases["load"] = [Part("the whole policy before it is sharded (fp32; LoRA loads whole)",
+                               4 * dims.params * (1 - 1 / share))]
     if own_reference and a.ref_offload and not ref_layers_only:
         phases["logprobs"] = [Part("reference visiting the GPU (fp32)", 4 * dims.params / share),
                               _head_chunk(dims, a.logprob_chunk_tokens)]
@@ -314,10 +327,17 @@ def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate
     workers = max(1, len(cfg.devices.critic))
     sharded = cfg.critic.sharding == "fsdp" and workers > 1
     held, update, host = _trainer_parts(dims, cfg.critic, workers, sharded, "value model")
-    return Estimate("critic", gpu, held=held, phases={"update": update}, host=host)
+    return Estimate("critic", gpu, held=held, phases={"update": update}, host=host,
+                    load=_load_parts(dims, workers if sharded else 1, sharded, "value model"))
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+def _load_parts(dims: ModelDims, share: int, by_shard: bool, prefix: str, models: int = 1) -> list[Part]:
+    """Host memory a trainer's process holds while it loads (`trainer/loading.py`): sharded, its
+    share of the checkpoint's rows, read by slice; whole, the checkpoint's pages as they stream to
+    the GPU (the fp32 copy is cast there). `models`: checkpoints read (a reference of its own)."""
+    read = dims.stored_bytes * dims.params / (share if by_shard else 1)
+    what = f"{prefix} checkpoint, " + ("this rank's rows" if by_shard else "read whole")
+    return [Part(what + (f" (x{models}: the reference's too)" if models > 1 else ""), models * read)]
 
 
 def reward_estimate(cfg: RoleFleetConfig, gpu: str) -> Estimate:
@@ -398,15 +418,16 @@ def host_capacity() -> Optional[float]:
         return None
 
 
-def node_host_bytes(plans: list[GpuPlan], roles: list[str] | None = None) -> dict[str, float]:
+def node_host_bytes(plans: list[GpuPlan], roles: list[str] | None = None, loading: bool = False) -> dict[str, float]:
     """Host memory that offloading puts on each node (its name; "" for this machine's GPUs), of
-    `roles` (None: every role)."""
+    `roles` (None: every role); `loading`: with what every process holds while it loads (they
+    start together)."""
     nodes: dict[str, float] = {}
     for g in plans:
         node = g.gpu.rpartition(":")[0]
         for est in g.estimates:
             if roles is None or est.role in roles:
-                nodes[node] = nodes.get(node, 0.0) + est.host_total
+                nodes[node] = nodes.get(node, 0.0) + est.host_total + (est.load_total if loading else 0.0)
     return nodes
 
 
@@ -433,11 +454,11 @@ def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[f
                 problems.append(f"{line} will not fit; would help: {'; '.join(settings_that_help(cfg, est))}")
             else:
                 warnings.append(f"{line} is near the GPU's memory")
-    need = node_host_bytes(plans, roles).get("", 0.0)
+    need = node_host_bytes(plans, roles, loading=True).get("", 0.0)
     if host is not None and need > NEAR * host:
-        offloading = sorted({e.role for g in plans for e in g.estimates if e.role in roles and e.host})
-        line = (f"{', '.join(offloading)}: an estimated {need / GIB:.1f} GiB of host memory for offloaded state "
-                f"(of {host / GIB:.1f} GiB here; pinned memory cannot be swapped out)")
+        using = sorted({e.role for g in plans for e in g.estimates if e.role in roles and (e.host or e.load)})
+        line = (f"{', '.join(using)}: an estimated {need / GIB:.1f} GiB of host memory for offloaded state and "
+                f"loading (of {host / GIB:.1f} GiB here; pinned memory cannot be swapped out)")
         if need > host:
             problems.append(f"{line} will not fit; would help: actor.lora.rank=16, fewer offloaded parts, or more "
                             "GPUs to shard over")
@@ -499,12 +520,17 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
                     lines.append(f"    {phase:9} {part.bytes / GIB:8.2f} GiB  {part.what}")
             for part in est.host:
                 lines.append(f"    host      {part.bytes / GIB:8.2f} GiB  {part.what} (node memory, not the GPU)")
+            for part in est.load:
+                lines.append(f"    loading   {part.bytes / GIB:8.2f} GiB  {part.what} (node memory while it loads)")
             if g.verdict in ("over", "near"):
                 lines += [f"    would help: {s}" for s in settings_that_help(cfg, est)]
+    loading = node_host_bytes(plans, loading=True)
     for node, need in node_host_bytes(plans).items():
-        if need:
-            of = f" of {host / GIB:.1f} GiB here" if host and not node else ""
-            lines.append(f"host memory{f' of {node}' if node else ''}: {need / GIB:.1f} GiB{of} for offloaded state")
+        if not (need or loading[node]):
+            continue
+        of = f" of {host / GIB:.1f} GiB here" if host and not node else ""
+        lines.append(f"host memory{f' of {node}' if node else ''}: {need / GIB:.1f} GiB{of} for offloaded state, "
+                     f"{loading[node] / GIB:.1f} GiB while the roles load")
     if not lines:
         lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
     # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.

@@ -121,6 +121,8 @@ def materialize(root: torch.nn.Module, device: torch.device) -> None:
     """Give every skeleton under `root` (already sharded) real memory on `device` and read each
     rank's shard of its weights from the checkpoint; the fp32 master copy is cast from the
     checkpoint's dtype one shard at a time."""
+    from safetensors import safe_open
+
     from rolefleet.common import progress
 
     for model in [m for m in root.modules() if m in _PENDING]:
@@ -128,35 +130,36 @@ def materialize(root: torch.nn.Module, device: torch.device) -> None:
         # to_empty gives the parameters memory and would leave the buffers garbage: they were real.
         buffers = {name: b.clone() for name, b in model.named_buffers()}
         model.to_empty(device=device)
+        params = list(model.named_parameters())
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
-            params = list(model.named_parameters())
             for i, (name, param) in enumerate(params):
-                _read_shard(param, pending.checkpoint, pending.keys[name])
+                key = pending.keys[name]
+                # Opened per tensor (a header parse): the file's pages read so far are unmapped
+                # after each, so the process never holds more of the checkpoint than one tensor's.
+                with safe_open(pending.checkpoint.files[key], framework="pt") as f:
+                    _read_shard(param, f.get_slice(key))
                 progress.report("loading weights", i + 1, len(params))
 
 
-def _read_shard(param: torch.Tensor, checkpoint: SafetensorsCheckpoint, key: str) -> None:
-    from safetensors import safe_open
-
-    with safe_open(checkpoint.files[key], framework="pt") as f:
-        source = f.get_slice(key)
-        if not isinstance(param, DTensor):
-            param.copy_(source[:])
+def _read_shard(param: torch.Tensor, source) -> None:
+    """`source`: the checkpoint tensor's slice handle (nothing read yet)."""
+    if not isinstance(param, DTensor):
+        param.copy_(source[:])
+        return
+    local = param.to_local()
+    mesh = param.device_mesh
+    if tuple(param.placements) == (Shard(0),):
+        # FSDP2's pieces: torch.chunk over the mesh, the last ones shorter (or empty).
+        rows = param.shape[0]
+        per = -(-rows // mesh.size())
+        start = min(rows, per * mesh.get_local_rank())
+        stop = min(rows, start + per)
+        if stop - start == local.shape[0]:
+            if stop > start:
+                local.copy_(source[start:stop])
             return
-        local = param.to_local()
-        mesh = param.device_mesh
-        if tuple(param.placements) == (Shard(0),):
-            # FSDP2's pieces: torch.chunk over the mesh, the last ones shorter (or empty).
-            rows = param.shape[0]
-            per = -(-rows // mesh.size())
-            start = min(rows, per * mesh.get_local_rank())
-            stop = min(rows, start + per)
-            if stop - start == local.shape[0]:
-                if stop > start:
-                    local.copy_(source[start:stop])
-                return
-        # Another layout: the whole tensor on every rank, each keeping its part (no communication).
-        whole = distribute_tensor(source[:].to(local.device), mesh, param.placements, src_data_rank=None)
-        local.copy_(whole.to_local())
+    # Another layout: the whole tensor on every rank, each keeping its part (no communication).
+    whole = distribute_tensor(source[:].to(local.device), mesh, param.placements, src_data_rank=None)
+    local.copy_(whole.to_local())

@@ -125,13 +125,40 @@ def test_lora_holds_the_frozen_weights_in_bf16_and_trains_adapters_alone(tmp_pat
 
 def test_what_offloading_puts_in_host_memory_is_checked_against_the_machine(tmp_path):
     cfg = cfg_for(small_model(tmp_path), "actor.offload=optimizer", "actor.ref_offload=true")
-    need = ModelDims.read(cfg.actor.model_name_or_path).params * (8 + 4)
+    dims = ModelDims.read(cfg.actor.model_name_or_path)
+    # AdamW state and reference offloaded, and the checkpoint read while the actor loads.
+    need = dims.params * (8 + 4 + dims.stored_bytes)
     problems, warnings = memory_problems(cfg, ["actor"], None, host=need / 2)
     [problem] = problems
     assert problem.startswith(f"actor: an estimated {need / GIB:.1f} GiB of host memory") and "will not fit" in problem
     assert memory_problems(cfg, ["actor"], None, host=need / 0.95)[1]  # near: a warning
     assert memory_problems(cfg, ["actor"], None, host=need * 2) == ([], [])
-    assert memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=1.0) == ([], [])  # nothing offloaded
+    loading = dims.params * dims.stored_bytes  # nothing offloaded: only what loading holds for a while
+    assert memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=2 * loading) == ([], [])
+    assert memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=loading / 2)[0]
+
+
+def test_what_a_process_holds_while_it_loads(tmp_path):
+    model = small_model(tmp_path, dtype="float32")
+    dims = ModelDims.read(model)
+    p, stored = dims.params, dims.stored_bytes
+    assert stored == 4  # as its config says; a config that says nothing: bf16
+    assert ModelDims.of_config(SMALL).stored_bytes == 2
+
+    def loads(*overrides):
+        [gpu, *_] = plan(cfg_for(model, *overrides), 80 * GIB)
+        return {e.role: e for e in gpu.estimates}
+
+    one = loads()["actor"]  # one GPU: the checkpoint streams to it whole, cast to fp32 there
+    assert [(x.what, x.bytes) for x in one.load] == [("policy checkpoint, read whole", stored * p)]
+    assert "load" not in one.phases
+    four = loads("devices.actor=[0, 1, 2, 3]")["actor"]  # sharded: each rank reads its rows
+    assert [(x.what, x.bytes) for x in four.load] == [("policy checkpoint, this rank's rows", stored * p / 4)]
+    assert "load" not in four.phases  # the weights land in their shards: no transient on the GPU
+    # Adapters go into whole weights: each GPU holds the whole fp32 policy until it is sharded.
+    lora = loads("devices.actor=[0, 1, 2, 3]", "actor.lora.rank=2")["actor"]
+    assert [x.bytes for x in lora.phases["load"]] == [4 * p * 3 / 4]
+    assert lora.load[0].bytes == stored * p
 
 
 def test_two_sharded_workers_hold_half_each(tmp_path):
