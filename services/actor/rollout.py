@@ -74,7 +74,7 @@ def backend_problem(backend: str, has_gpu: bool, installed: bool, workers: int =
                 f"training GPUs; this actor has {workers} workers that each train and generate: set "
                 "devices.rollout to some of devices.actor, give the actor one GPU, or set actor.rollout.backend=hf")
     if not installed:
-        return ("vllm is not installed in this environment: install it with `pip install 'rolefleet[vllm]'`, "
+        return ("vllm is not installed in this environment: install it as README.md's GPU install section says, "
                 "or set actor.rollout.backend=hf")
     if not has_gpu:
         return "vllm needs a CUDA GPU and the actor has none: give it devices.actor, or set actor.rollout.backend=hf"

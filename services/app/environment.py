@@ -1,6 +1,7 @@
 """`rolefleet env`: what a bug report needs to say about this machine (as `trl env` does): RoleFleet
-and the stack's versions, the GPUs and their driver, whether NCCL and flash-attention kernels are
-there, and the rollout engine `actor.rollout.backend: auto` would pick here.
+and the stack's versions, the GPUs and their driver, whether NCCL, flash-attention kernels and vLLM
+can run here, the rollout engine `actor.rollout.backend: auto` would pick, and where the installed
+versions differ from the tested GPU install's pins (constraints/gpu-h200.txt in a checkout).
 
 Each probe is guarded: a piece that is missing or broken is a value of the report (its error), never
 a failed command, since a broken install is what the report is for. Versions come from package
@@ -21,15 +22,33 @@ from pathlib import Path
 # A probe answers its key's value, or several rows (`cuda available` and one per visible GPU).
 Probe = Callable[[], "str | dict[str, str]"]
 
-PACKAGES = ("transformers", "vllm", "grpcio", "protobuf", "pydantic", "accelerate", "peft")
+PACKAGES = ("transformers", "tokenizers", "safetensors", "triton", "vllm", "grpcio", "protobuf", "pydantic",
+            "accelerate", "peft")
 GIB = 1024**3
+# The pins of the GPU install that ran on the H200 (README.md, "GPU install"), relative to a checkout.
+CONSTRAINTS = Path("constraints") / "gpu-h200.txt"
 
 
 def package_version(name: str) -> str:
+    return installed(name) or "not installed"
+
+
+def installed(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+        return None
+
+
+def declared(dist: str, extra: str = "") -> list:
+    """The requirements `dist`'s metadata declares on this platform: its own, or with `extra` that
+    extra's alone."""
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(line) for line in importlib.metadata.requires(dist) or []]
+    if not extra:
+        return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return [r for r in reqs if r.marker is not None and "extra" in str(r.marker) and r.marker.evaluate({"extra": extra})]
 
 
 def rolefleet_install() -> str:
@@ -114,9 +133,12 @@ def nccl() -> str:
     import torch
     import torch.distributed as dist
 
+    from rolefleet.app.preflight import gpu_count
+
     if not (dist.is_available() and dist.is_nccl_available()):
         return "not in this torch build"
-    return ".".join(str(part) for part in torch.cuda.nccl.version())
+    version = ".".join(str(part) for part in torch.cuda.nccl.version())
+    return version if gpu_count() > 0 else f"{version}, not usable: no CUDA GPU"
 
 
 def flash_sdp() -> str:
@@ -144,6 +166,31 @@ def flash_attn() -> str:
     return f"{flash_attn.__version__} (imports)"
 
 
+def vllm_usable() -> str:
+    """Whether the installed vLLM can generate here, from metadata (importing it takes seconds): the
+    torch release its kernels were built against and a CUDA GPU decide; a release outside RoleFleet's
+    `vllm` extra's range, or other requirements it declares at other versions, make it untested.
+    Requirements that are absent are not counted: the tested install leaves vLLM's unused kernel
+    packages out on purpose (constraints/gpu-h200.txt)."""
+    from rolefleet.app.preflight import gpu_count
+
+    version = installed("vllm")
+    if version is None:
+        return "not installed (README.md, GPU install)"
+    problems, untested = [], []
+    for r in declared("vllm"):
+        if (have := installed(r.name)) is not None and not r.specifier.contains(have, prereleases=True):
+            (problems if r.name == "torch" else untested).append(f"it needs {r.name}{r.specifier}, this is {have}")
+    if gpu_count() == 0:
+        problems.append("no CUDA GPU")
+    ranges = [r.specifier for r in declared("rolefleet", extra="vllm") if r.name == "vllm"]
+    if ranges and not ranges[0].contains(version, prereleases=True):
+        untested.insert(0, f"outside rolefleet's vllm{ranges[0]}")
+    if problems:
+        return f"{version}, not usable: " + "; ".join(problems + untested)
+    return f"{version}, usable" + (", untested: " + "; ".join(untested) if untested else "")
+
+
 def rollout_engine() -> str:
     """What `actor.rollout.backend: auto` picks for an actor of one process that sees this
     process's GPUs: the decision the actor itself makes (`actor/rollout.py`), and why."""
@@ -155,6 +202,54 @@ def rollout_engine() -> str:
         return "vllm (vllm is installed and a CUDA GPU is visible)"
     why = backend_problem("vllm", has_gpu, installed)
     return f"hf ({why.removesuffix(', or set actor.rollout.backend=hf')})"
+
+
+def checkout_constraints() -> Path | None:
+    """The pins file of the checkout this rolefleet runs from; an install from a wheel has none."""
+    import rolefleet
+
+    path = Path(rolefleet.__file__).resolve().parent.parent / CONSTRAINTS
+    return path if path.is_file() else None
+
+
+def read_pins(text: str) -> dict[str, str]:
+    """A constraints file's `name==version` lines by canonical name (comments and blank lines skipped)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in text.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if line and not line.startswith("#"):
+            req = Requirement(line)
+            specs = list(req.specifier)
+            if len(specs) != 1 or specs[0].operator != "==":  # a range would pin nothing
+                raise ValueError(f"{line!r}: a pin is name==version")
+            pins[canonicalize_name(req.name)] = specs[0].version
+    return pins
+
+
+def pin_differences(path: Path | None = None) -> dict[str, str]:
+    """A summary row, then a row per installed package whose version differs from its pin; the pins
+    that are not installed share one row (on a CPU machine, vLLM and the CUDA libraries)."""
+    from packaging.specifiers import SpecifierSet
+
+    path = path or checkout_constraints()
+    if path is None:
+        return {"tested pins": f"not compared: no checkout beside this rolefleet (its {CONSTRAINTS})"}
+    pins = read_pins(path.read_text())
+    rows, absent = {}, []
+    for name, pinned in pins.items():
+        have = installed(name)
+        if have is None:
+            absent.append(name)
+        elif not SpecifierSet(f"=={pinned}").contains(have, prereleases=True):  # 2.11.0+cu130 is 2.11.0
+            rows[f"pin {name}"] = f"{have} installed, pinned {pinned}"
+    summary = f"{CONSTRAINTS}: " + (f"all {len(pins)} installed as pinned" if not rows and not absent else
+                                     f"{len(rows)} of {len(pins)} differ" + (" (a row each below)" if rows else ""))
+    if absent:
+        summary += f"; {len(absent)} not installed: {', '.join(absent)}"
+    return {"tested pins": summary, **rows}
 
 
 PROBES: tuple[tuple[str, Probe], ...] = (
@@ -170,7 +265,9 @@ PROBES: tuple[tuple[str, Probe], ...] = (
     ("nccl", nccl),
     ("flash sdp (torch)", flash_sdp),
     ("flash_attn", flash_attn),
+    ("vllm usable", vllm_usable),
     ("rollout engine (auto)", rollout_engine),
+    ("tested pins", pin_differences),
 )
 
 

@@ -20,7 +20,7 @@ def test_auto_takes_vllm_only_where_it_can_run(setting, gpu, installed, chosen):
 
 
 def test_vllm_where_it_cannot_run_names_the_key_and_the_fix():
-    with pytest.raises(ValueError, match=r"actor\.rollout\.backend: vllm is not installed .*pip install 'rolefleet\[vllm\]'"):
+    with pytest.raises(ValueError, match=r"actor\.rollout\.backend: vllm is not installed .*README\.md's GPU install"):
         choose_backend("vllm", True, False)
     with pytest.raises(ValueError, match=r"actor\.rollout\.backend: vllm needs a CUDA GPU"):
         choose_backend("vllm", False, True)

@@ -583,7 +583,7 @@ def test_the_dockerfile_installs_the_project_with_its_extras_from_files_the_buil
     assert any(re.search(r"pip install --no-deps .*/src", r) for r in runs), runs  # the real sources, last
     assert any("torch.version.cuda" in r and "$TORCH" in r for r in runs)  # the wrong torch build fails the build
     copied = [src for kind, a in steps if kind == "COPY" and "--from=" not in a for src in a.split()[:-1]]
-    assert set(copied) == {"pyproject.toml", "README.md", "services", "deploy/wheelhouse"}
+    assert set(copied) == {"pyproject.toml", "README.md", "services", "deploy/wheelhouse", "constraints/gpu-h200.txt"}
     assert (REPO / "deploy" / "wheelhouse").is_dir()  # a clean clone has it (its README), so COPY finds it
     ignored = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
                if p.strip() and not p.startswith("#")]
