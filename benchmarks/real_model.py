@@ -29,13 +29,13 @@ CONFIG = "configs/smollm2_arithmetic.yaml"
 
 
 def gpu_settings(compile_layers: bool = True) -> tuple[str, ...]:
-    """GPU 0 and the one-GPU settings of configs/gpu_1x.yaml; none on a machine without CUDA (a
-    smoke run of the script)."""
+    """GPU 0 (the config's) and the one-GPU settings of configs/gpu_1x.yaml; the CPU on a machine
+    without CUDA (a smoke run of the script)."""
     import torch
 
     if not torch.cuda.is_available():
-        return ()
-    return ("devices.actor=[0]", "actor.rollout.backend=hf", f"actor.compile_layers={str(compile_layers).lower()}",
+        return ("devices=cpu",)
+    return ("actor.rollout.backend=hf", f"actor.compile_layers={str(compile_layers).lower()}",
             "actor.max_tokens_per_micro_batch=32768")
 
 

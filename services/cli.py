@@ -36,7 +36,10 @@ def checked_config(args, command: str, roles: list[str] | None = None) -> RoleFl
 
 
 def cmd_up(args) -> int:
-    cfg = checked_config(args, "up")
+    from rolefleet.app.placement import placed
+
+    cfg = placed(load_config(args.config, args.overrides))  # devices: auto becomes this machine's map, said
+    preflight(cfg, cfg.roles(), command="up")
     from rolefleet.up import RoleFailed, up
 
     try:
@@ -233,9 +236,15 @@ def cmd_deploy(args) -> int:
 def cmd_plan(args) -> int:
     """Every GPU of the config's device map with what its roles will need; 1 if one will not fit."""
     from rolefleet.app.memory import GIB, describe, gpu_capacity, host_capacity, plan
+    from rolefleet.app.placement import placed, visible_gpus
 
     cfg = load_config(args.config, args.overrides)
     capacity = args.gpu_gib * GIB if args.gpu_gib else gpu_capacity()
+    if cfg.devices.auto:  # the map `up` would choose: on this machine's GPUs, or on --gpus of --gpu-gib
+        gpus = [capacity] * args.gpus if args.gpus is not None else [capacity or g for g in visible_gpus()]
+        cfg = placed(cfg, gpus, say=print)
+        if not gpus:
+            print("(give --gpus N --gpu-gib G for the map devices: auto chooses on a machine of N such GPUs)")
     plans = plan(cfg, capacity)
     print(describe(cfg, plans, host_capacity()))
     if capacity is None and plans:
@@ -393,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.add_argument("--gpu-gib", type=float, default=None, help="memory of one GPU in GiB (default: this machine's)")
+    p.add_argument("--gpus", type=_at_least(0), default=None, help="devices: auto: choose the map for this many "
+                   "GPUs (default: this machine's)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("env", help="this machine for a bug report: the stack's versions, GPUs and driver, NCCL, "

@@ -12,6 +12,7 @@ from typing import Optional
 
 import grpc
 
+from rolefleet.common import progress
 from rolefleet.common.config import RoleFleetConfig, split_device
 from rolefleet.common.gpu_metrics import GpuSampler
 from rolefleet.launch import in_torchrun, launch_node, rank_main
@@ -182,11 +183,16 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     if group is None and layout.world > 1:
         from rolefleet.trainer.workers import WorkerGroup
 
+        progress.report(f"starting {layout.world} worker processes")
         group = WorkerGroup.start(role, layout.world, cfg.model_dump(mode="json"), worker_factory(role))
+    models = role != "reward" or any(s.kind == "model" for s in cfg.reward.scoring_sources())
+    progress.report("loading models" if models else "loading reward functions")
     core, add_servicers = ROLE_BUILDERS[role](cfg, group)
+    progress.report("opening its ports")
     handle = await start_server(role, section, add_servicers, security)
     if ready_file:
         write_ready_file(ready_file, handle)
+    progress.report("serving")
     gpu_sampler = GpuSampler.start_for(role, node_devices(cfg, role, 0))  # None without NVIDIA GPUs
     watch = asyncio.ensure_future(handle.report_broken(lambda: core.status().broken))  # noqa: RUF006 - until exit
 
@@ -206,6 +212,7 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
 def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None, node_rank: int = 0) -> int:
     """Serve `role`; over several nodes, be node `node_rank`'s agent of its worker group (node 0's
     rank 0 serves); started by torchrun, be one rank of the group."""
+    progress.report("config loaded")
     try:
         if in_torchrun():  # a launcher of the user's (PyTorchJob, srun torchrun) started this rank
             rank_main(role, cfg.model_dump(mode="json"), node_rank or int(os.environ.get("GROUP_RANK", "0")),

@@ -1,7 +1,9 @@
 """`rolefleet up`: start every role of a config as its own process on this machine, run, stop all.
 
-Each role gets CUDA_VISIBLE_DEVICES from its device group (empty: CPU) and a ready file through
-which it reports the ports it bound, so configs may use port 0 and runs never collide. Children die
+Each role gets CUDA_VISIBLE_DEVICES from its device group (empty: CPU; `devices: auto` is chosen
+before, `app/placement.py`), a ready file through which it reports the ports it bound, so configs
+may use port 0 and runs never collide, and a progress file (`common/progress.py`) whose latest stage
+`up` shows while the role starts, within its start-up limit (`app/startup.py`). Children die
 with the supervisor (PR_SET_PDEATHSIG), so an interrupted `up` leaves no process behind.
 Restart-with-backoff of crashed roles belongs to the fault-tolerance work; today a crashed role
 stops the run with a non-zero exit.
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
+from rolefleet.app.startup import StartupLimit, startup_limit
+from rolefleet.common import progress
 from rolefleet.common.config import ConfigError, RoleFleetConfig, dial_host, dump_config
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.rpc.auth import write_run_token
@@ -34,7 +38,7 @@ from rolefleet.trainer.nodes import layout_for
 from rolefleet.trainer.workers import free_port
 
 log = logging.getLogger(__name__)
-READY_TIMEOUT_S = 300.0
+PROGRESS_EVERY_S = 10.0  # how often `up` shows what the roles still starting are doing
 STATUS_TIMEOUT_S = 30.0
 STOP_GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1
@@ -67,6 +71,8 @@ class RoleProcess:
     log_file: Optional[IO]
     nodes: list[subprocess.Popen] = field(default_factory=list)  # node 1, 2 ... of a group over several
     node_logs: list[IO] = field(default_factory=list)
+    progress_file: Optional[Path] = None  # where its processes report their start-up stages
+    started: float = field(default_factory=time.monotonic)
 
     def poll(self) -> Optional[int]:
         """None while every process of the role runs; else the code of one that ended (the server's
@@ -136,6 +142,8 @@ class Supervisor:
         K`, logging to <role>.node<K>.log), all meeting on loopback at a port free now."""
         ready = self.workdir / f"{role}.ready.json"
         ready.unlink(missing_ok=True)  # a restart: the dead process's ports are not this one's readiness
+        progress_file = self.workdir / f"{role}.progress.jsonl"
+        progress_file.unlink(missing_ok=True)
         self.overrides[role] = overrides
         layout = layout_for(role, self.cfg)
         if layout.spans:
@@ -143,29 +151,35 @@ class Supervisor:
         mode = "a" if role in self.procs else "w"
         log_file = open(self.logs / f"{role}.log", mode) if log_to_file else None
         level = "info" if log_to_file else logging.getLevelName(logging.getLogger().level).lower()
-        proc = self._spawn(role, 0, [*overrides, "--ready-file", str(ready)], level, log_file)
-        rp = RoleProcess(role, proc, ready, log_file)
+        proc = self._spawn(role, 0, [*overrides, "--ready-file", str(ready)], level, log_file, progress_file)
+        rp = RoleProcess(role, proc, ready, log_file, progress_file=progress_file)
         for node in range(1, layout.nodes):
             rp.node_logs.append(open(self.logs / f"{role}.node{node}.log", mode))
             # Its own metrics port: the server's (kept over restarts) is taken on this one machine.
             args = [*overrides, f"{role}.metrics_port=0", "--node-rank", str(node)]
-            rp.nodes.append(self._spawn(role, node, args, level, rp.node_logs[-1]))
+            rp.nodes.append(self._spawn(role, node, args, level, rp.node_logs[-1], progress_file))
         self.procs[role] = rp
         log.info("started %s (pid %d%s)", role, proc.pid, "".join(f", node {k} pid {p.pid}"
                                                                   for k, p in enumerate(rp.nodes, start=1)))
         return rp
 
-    def _spawn(self, role: str, node: int, args: list[str], level: str, log_file: Optional[IO]) -> subprocess.Popen:
+    def _spawn(self, role: str, node: int, args: list[str], level: str, log_file: Optional[IO],
+               progress_file: Path) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "rolefleet.cli", "--log-level", level, "serve", role, *args,
                "--config", str(self.config_path)]
+        env = role_env(self.cfg, role, node) | {progress.PROGRESS_FILE_ENV: str(progress_file)}
         # A session of its own: a Ctrl-C in the terminal reaches `up` alone, which stops the
         # children in order (coordinator first) instead of all at once.
-        return subprocess.Popen(cmd, env=role_env(self.cfg, role, node), stdout=log_file, stderr=log_file,
+        return subprocess.Popen(cmd, env=env, stdout=log_file, stderr=log_file,
                                 start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
 
     def wait_ready(self, roles: list[str]) -> dict[str, dict]:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        """The ports of `roles` once each has written its ready file. Every PROGRESS_EVERY_S the
+        latest stage of each role still starting is shown; a role past its start-up limit
+        (`run.startup_timeout_s`) or one that exits fails the run."""
+        limits = {role: startup_limit(self.cfg, role) for role in roles}
         ports: dict[str, dict] = {}
+        shown = time.monotonic()
         while len(ports) < len(roles):
             for role in roles:
                 rp = self.procs[role]
@@ -176,11 +190,26 @@ class Supervisor:
                                      f"the end of {self.logs / (name + '.log')}:\n{self.log_tail(name)}")
                 if role not in ports and (p := rp.ports()) is not None:
                     ports[role] = p
-            if time.monotonic() > deadline:
-                missing = sorted(set(roles) - set(ports))
-                raise RoleFailed(f"roles not ready after {READY_TIMEOUT_S:.0f}s: {missing}")
+                elif role not in ports and time.monotonic() - rp.started > limits[role].seconds:
+                    raise RoleFailed(self.too_slow(role, limits[role]))
+            starting = [role for role in roles if role not in ports]
+            if starting and time.monotonic() - shown >= PROGRESS_EVERY_S:
+                for role in starting:
+                    print(f"rolefleet: {self.starting(role)}", flush=True)
+                shown = time.monotonic()
             time.sleep(0.1)
         return ports
+
+    def starting(self, role: str) -> str:
+        """"actor: loading weights (3 of 8), 42 s": the role's latest stage and its time so far."""
+        rp = self.procs[role]
+        stage = progress.describe(progress.latest(rp.progress_file) if rp.progress_file else None)
+        return f"{role}: {stage}, {time.monotonic() - rp.started:.0f} s"
+
+    def too_slow(self, role: str, limit: StartupLimit) -> str:
+        return (f"{self.starting(role)}: not ready within {limit.seconds:.0f} s ({limit.why}); if it is still "
+                f"making progress, give it longer with run.startup_timeout_s=SECONDS. The end of "
+                f"{self.logs / (role + '.log')}:\n{self.log_tail(role)}")
 
     def check_identity(self, addresses: dict[str, str], ports: dict[str, dict]) -> None:
         """Each address must be answered by the process this run started, not a server left over
@@ -291,9 +320,10 @@ def with_run_token(cfg: RoleFleetConfig) -> tuple[RoleFleetConfig, Optional[Path
 
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
+    from rolefleet.app.placement import placed
     from rolefleet.serve import run_security
 
-    cfg, made_token = with_run_token(cfg)
+    cfg, made_token = with_run_token(placed(cfg))  # `rolefleet up` has chosen already; a caller of its own not
     try:
         run_security(cfg, "client")  # `up`'s own calls (the identity check) present the run's token and certificate
     except StartupError as exc:
@@ -301,7 +331,8 @@ def up(cfg: RoleFleetConfig) -> int:
     out = cfg.run.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
-    config_path.write_text(dump_config(cfg))  # every role reads the same resolved config
+    # Every role reads the same resolved config, devices: auto as the map chosen (restarts, `serve`).
+    config_path.write_text(dump_config(cfg))
     servers = [r for r in cfg.roles() if r != "coordinator"]
     with tempfile.TemporaryDirectory(prefix="rolefleet-up-") as tmp:
         sup = Supervisor(cfg, config_path, Path(tmp))

@@ -445,7 +445,14 @@ def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str], node: int = 0) ->
     """`rolefleet serve ROLE` (compose, Helm): the process must see as many GPUs as its group lists
     (on its node, for a group over several); otherwise the role would silently run on fewer GPUs,
     or on the CPU."""
+    from rolefleet.app.placement import gpu_roles
+
     problems = []
+    if cfg.devices.auto and set(roles) & set(gpu_roles(cfg)) and (seen := gpu_count()):
+        # The map `auto` stands for is chosen by `up` for the whole run; one role alone cannot.
+        problems.append(f"devices: auto, and this process sees {seen} GPU{'s' if seen > 1 else ''}: a role started "
+                        "by itself is given no map (`rolefleet up` chooses one and saves it in the run's config.yaml); "
+                        "set devices to a map (`rolefleet plan CONFIG` shows the one auto picks here), or devices: cpu")
     for role in roles:
         by_node = cfg.devices.by_node(role) if role in GPU_ROLES else []  # coordinator: no GPU
         wanted = len(by_node[node][1]) if node < len(by_node) else 0

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from rolefleet import __version__
+from rolefleet.app.placement import require_map
 from rolefleet.app.preflight import GPU_ROLES
 from rolefleet.common.config import RoleFleetConfig, split_device
 from rolefleet.deploy.inputs import (
@@ -92,8 +93,9 @@ ROLE_SUMMARY = {
 def render_compose(cfg: RoleFleetConfig, config_path: str, overrides: Sequence[str] = ()) -> str:
     """The whole docker-compose.yml for `cfg`, which is the file `config_path` (relative to the
     directory the compose file lives in) with `overrides` (key=value) applied; every service gets them
-    too. Raises ValueError for a devices map that spans several nodes, for an override of a key compose
-    sets itself, and for a model path that the mounts below cannot reach."""
+    too. Raises ValueError for `devices: auto`, for a devices map that spans several nodes, for an
+    override of a key compose sets itself, and for a model path that the mounts below cannot reach."""
+    require_map(cfg, "a compose file")
     roles = cfg.roles()
     gpus = {role: gpu_ids(cfg, role) for role in roles}
     config_path = str(PurePosixPath(config_path))  # ./configs/x.yaml and configs/x.yaml render alike

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from rolefleet.app.placement import require_map
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.deploy import sizing
 from rolefleet.deploy.inputs import (
@@ -81,7 +82,9 @@ def _placement(cfg: RoleFleetConfig, role: str) -> dict[str, Any]:
 def placement_values(cfg: RoleFleetConfig) -> dict[str, Any]:
     """Chart values placing the run's GPU roles: `{role: {gpus, nodeSelector? | nodes, nodeNames}}`
     for actor, reward and (when the algorithm uses one) critic, plus ReadWriteMany output storage
-    when the roles span several nodes (every pod mounts the output volume)."""
+    when the roles span several nodes (every pod mounts the output volume). Raises ValueError for
+    `devices: auto`."""
+    require_map(cfg, "the chart's placement")
     values: dict[str, Any] = {}
     nodes: set[str] = set()
     for role in cfg.roles():

@@ -15,6 +15,7 @@ import threading
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+from rolefleet.common import progress
 from rolefleet.common.batch import token_budget_groups
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.modeling import check_model_path, disable_dropout, pick_device, release_memory
@@ -55,6 +56,7 @@ class RewardModelScorer:
     def _load_model(self) -> torch.nn.Module:
         # The head size is in the config: refuse before loading any weights.
         num_labels = AutoConfig.from_pretrained(self.path).num_labels
+        progress.report(f"loading reward model {self.path}")
         if num_labels != 1:
             raise ValueError(f"reward model {self.path}: a reward model has one output (num_labels=1), this "
                              f"checkpoint has num_labels={num_labels} (a classifier, or a causal LM without "

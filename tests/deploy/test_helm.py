@@ -650,6 +650,16 @@ def test_two_node_placement_pins_each_role_to_its_node(placement):
 
 # --- values_for ---------------------------------------------------------------------------------
 
+def test_the_chart_needs_the_devices_map_and_not_auto(tmp_path):
+    """`devices: auto` (a config without devices) stands for the map `rolefleet up` chooses on its
+    own machine: installed as it is, every pod would run on the CPU without a word."""
+    raw = {k: v for k, v in default_config().items() if k != "devices"}
+    assert "config: devices is auto (the default without a devices map)" in failure(
+        "--set-file", f"config={write(tmp_path / 'auto.yaml', raw)}")
+    docs = render("--set-file", f"config={write(tmp_path / 'cpu.yaml', raw | {'devices': 'cpu'})}")
+    assert [gpu_limit(docs, role) for role in ("actor", "reward", "critic")] == [None, None, None]
+
+
 def test_placement_of_local_devices_is_gpu_counts_only():
     devices = default_config()["devices"]
     assert placement_values(parse_config(default_config())) == {

@@ -22,7 +22,8 @@ def test_gsm8k_example_config_runs_and_logs_per_source_rewards(tiny_model_dir, t
     tokenizer.save_pretrained(model)
 
     out = tmp_path / "run"
-    proc = rolefleet("up", "configs/gsm8k.yaml", f"model.model_name_or_path={model}", f"run.output_dir={out}",
+    proc = rolefleet("up", "configs/gsm8k.yaml", "devices=cpu", f"model.model_name_or_path={model}",
+                     f"run.output_dir={out}",
                      "train.total_steps=2", "train.prompts_per_step=4", "train.samples_per_prompt=2",
                      "sampling.max_new_tokens=8", "data.max_prompt_tokens=100", "data.overlong=truncate",
                      "actor.num_threads=1")

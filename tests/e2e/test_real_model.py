@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.real_model, pytest.mark.timeout(300)]
 
 def test_grpo_of_the_real_model_with_its_chat_template_stop_token_and_evaluation(real_model_dir, tmp_path):
     out = tmp_path / "run"
-    proc = rolefleet("up", "configs/smollm2_arithmetic.yaml", f"model.model_name_or_path={real_model_dir}",
+    proc = rolefleet("up", "configs/smollm2_arithmetic.yaml", "devices=cpu",
+                     f"model.model_name_or_path={real_model_dir}",
                      f"run.output_dir={out}", "train.total_steps=1", "train.prompts_per_step=2",
                      "train.samples_per_prompt=4", "sampling.max_new_tokens=32", "eval.every=1", "eval.max_prompts=4",
                      # Checkpoints: tests/e2e/test_chaos.py; here, a gigabyte of writing each.

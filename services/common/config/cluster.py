@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_serializer, model_validator
 
 from rolefleet.common.config.base import _DEVICE, Endpoint, _Section, split_device
 
@@ -78,8 +78,19 @@ class PipelineSection(_Section):
 DeviceList = list[Union[int, str]]
 
 
+DEVICE_WORDS = ("auto", "cpu")
+
+
 class DevicesSection(_Section):
-    """GPU groups, as in verl guides: ints are local GPU indices, "node:i" names another node."""
+    """GPU groups, as in verl guides: ints are local GPU indices, "node:i" names another node.
+
+    The section also takes a word in place of the map: `auto` (the default: `rolefleet up` chooses
+    a map from the GPUs of its machine, `app/placement.py`, and saves it in the run's config) or
+    `cpu` (every role on the CPU: the map without groups). A map that is given is used as it is; an
+    unresolved `auto` has no groups, so whatever reads it without choosing first sees the CPU, and
+    must say so (`auto` tells it apart)."""
+
+    _auto: bool = PrivateAttr(False)
 
     actor: DeviceList = Field(default_factory=list, description="the actor's GPUs (one worker each); empty: CPU")
     reward: DeviceList = Field(default_factory=list, description="the reward's GPUs (a reward model); empty: CPU")
@@ -88,6 +99,42 @@ class DevicesSection(_Section):
     colocate: list[list[Literal["actor", "reward", "critic"]]] = Field(
         default_factory=list, description="sets of roles that share GPUs on purpose, e.g. [[actor, critic]]; "
         "groups that overlap otherwise are a config error")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _word(cls, data, handler):
+        if data is not None and not isinstance(data, str):
+            return handler(data)
+        word = "auto" if data is None else data  # `devices:` with nothing after it is left unset
+        if word not in DEVICE_WORDS:
+            raise ValueError(f"{word!r} is not a devices map nor one of its words: auto (up chooses from this "
+                             "machine's GPUs), cpu (no GPU)")
+        section = handler({})
+        section._auto = word == "auto"
+        return section
+
+    @model_serializer(mode="wrap")
+    def _as_word(self, handler):
+        # Saved and passed on (the run's config.yaml, the worker ranks) as written: a map chosen for
+        # `auto` is saved as that map, so restarts and `serve` see the choice, not the word.
+        if self._auto:
+            return "auto"
+        return "cpu" if self.is_cpu and not self.colocate else handler(self)
+
+    @classmethod
+    def of(cls, value) -> DevicesSection:
+        """The section from its YAML value: a word or a map."""
+        return cls.model_validate(value)
+
+    @property
+    def auto(self) -> bool:
+        """`devices: auto` not yet resolved into a map."""
+        return self._auto
+
+    @property
+    def is_cpu(self) -> bool:
+        """No role has a GPU (`devices: cpu`, or an unresolved `auto`)."""
+        return not (self.actor or self.reward or self.critic)
 
     @field_validator("actor", "reward", "critic", "rollout")
     @classmethod

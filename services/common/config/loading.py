@@ -12,7 +12,11 @@ import yaml
 from pydantic import ValidationError
 
 from rolefleet.common.config.base import ConfigError
+from rolefleet.common.config.cluster import DEVICE_WORDS
 from rolefleet.common.config.root import RoleFleetConfig
+
+# Sections that also take a word in place of their mapping; a dotted override inside one starts a map.
+SECTION_WORDS = {"devices": DEVICE_WORDS}
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -24,6 +28,9 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
+        if i == 0 and child in SECTION_WORDS.get(part, ()):
+            # `devices: cpu` with devices.actor=[0]: the word's map (no groups) with the actor's GPUs.
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
         node = child

@@ -36,7 +36,7 @@ class RoleFleetConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     security: SecuritySection = Field(default_factory=SecuritySection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
-    devices: DevicesSection = Field(default_factory=DevicesSection)
+    devices: DevicesSection = Field(default_factory=lambda: DevicesSection.of("auto"))
 
     @field_validator("algorithm")
     @classmethod

@@ -22,6 +22,10 @@ class RunSection(_Section):
                               "many times (the coordinator with run.resume=true), and the coordinator recovers "
                               "from a lost role as often: it reloads the newest checkpoint into every trainer "
                               "role and goes on from there; 0: a lost role ends the run")
+    startup_timeout_s: Optional[float] = Field(None, gt=0, description="seconds `rolefleet up` gives each role "
+                                               "to load its models and serve; default 300 plus 5 a GB of the "
+                                               "weights the role loads (bf16): about 5 minutes for a 135M model, "
+                                               "half an hour for a 70B policy and its reference")
     call_trace: bool = Field(False, description="write every role call the coordinator makes, with its start and "
                              "end, to <output_dir>/calls.trace.json (Chrome trace event format: open it in "
                              "Perfetto or chrome://tracing) to see which role waits for which")

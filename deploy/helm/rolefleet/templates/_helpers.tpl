@@ -108,13 +108,29 @@ tests/deploy/test_helm.py keeps this list in step with the algorithm presets).
 {{- end }}
 
 {{/*
+A role's entries in the run config's devices map, as a JSON list. `devices: cpu` lists none. `devices:
+auto` (also what a config without devices means) stands for the map `rolefleet up` chooses on the
+machine it runs on: pods need the map itself, so it is refused rather than read as the CPU.
+*/}}
+{{- define "rolefleet.deviceEntries" -}}
+{{- $cfg := include "rolefleet.config" .root | fromYaml }}
+{{- $devices := get $cfg "devices" }}
+{{- if kindIs "map" $devices }}
+{{- toJson (get $devices .role | default list) }}
+{{- else if eq (toString $devices) "cpu" }}
+{{- toJson list }}
+{{- else }}
+{{- fail "config: devices is auto (the default without a devices map), which stands for the map `rolefleet up` chooses on its own machine; the chart needs the map itself: set devices to a map (`rolefleet plan CONFIG --gpus N --gpu-gib G` prints the one auto picks), or devices: cpu" }}
+{{- end }}
+{{- end }}
+
+{{/*
 The nodes a role's devices map names ("node:i" entries), in the order they first appear, as a JSON
 list; [] when its entries are local GPU indices or it has none.
 */}}
 {{- define "rolefleet.deviceNodes" -}}
-{{- $cfg := include "rolefleet.config" .root | fromYaml }}
 {{- $nodes := list }}
-{{- range $entry := dig "devices" .role list $cfg | default list }}
+{{- range $entry := include "rolefleet.deviceEntries" . | fromJsonArray }}
 {{- $text := toString $entry }}
 {{- if contains ":" $text }}
 {{- $node := regexReplaceAll ":[0-9]+$" $text "" }}
@@ -165,8 +181,7 @@ nodes must give it as many GPUs each.
 {{- if eq .role "coordinator" }}
 {{- 0 }}
 {{- else }}
-{{- $cfg := include "rolefleet.config" .root | fromYaml }}
-{{- $devices := dig "devices" .role list $cfg | default list }}
+{{- $devices := include "rolefleet.deviceEntries" . | fromJsonArray }}
 {{- $listed := len $devices }}
 {{- $nodes := include "rolefleet.deviceNodes" . | fromJsonArray }}
 {{- if gt (len $nodes) 1 }}
