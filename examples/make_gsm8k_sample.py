@@ -1,6 +1,7 @@
 """Writes examples/gsm8k_sample.jsonl and examples/gsm8k_sample.parquet: 64 grade-school word
 problems in GSM8K's answer format, generated here from templates with a fixed seed (nothing is
-downloaded; the same files come out every time).
+downloaded; the same files come out every time), and examples/gsm8k_sample_test.jsonl: 16 more,
+none of them among the 64, held out for evaluation (configs/gsm8k.yaml's eval.path).
 
 Each record has
   question  chat messages: one user message, the problem and how to give the answer
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 SEED = 12
-RECORDS = 64
+RECORDS, TEST_RECORDS = 64, 16
 INSTRUCTION = 'Solve the problem step by step, then give the final answer on its own last line as "#### <number>".'
 NAMES = [("Maya", "she", "her"), ("Omar", "he", "his"), ("Lena", "she", "her"), ("Tariq", "he", "his"),
          ("Ines", "she", "her"), ("Kofi", "he", "his"), ("Priya", "she", "her"), ("Jonas", "he", "his")]
@@ -139,9 +140,12 @@ def main(out_dir: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = records()
-    with open(out_dir / "gsm8k_sample.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    # The test records continue the training records' stream: the training files stay as they were.
+    rows = records(count=RECORDS + TEST_RECORDS)
+    rows, test = rows[:RECORDS], rows[RECORDS:]
+    for name, part in (("gsm8k_sample.jsonl", rows), ("gsm8k_sample_test.jsonl", test)):
+        with open(out_dir / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in part)
     pq.write_table(pa.Table.from_pylist(rows), out_dir / "gsm8k_sample.parquet")
 
 

@@ -261,6 +261,20 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_data(args) -> int:
+    from rolefleet.tasks.gsm8k_prep import prepare
+
+    try:
+        written = prepare(args.out, args.source, args.name, args.test_source)
+    except OSError as e:  # an unwritable OUT is the user's argument, not a crash
+        raise ConfigError(f"data {args.dataset}: cannot write {args.out}: {e.strerror or e}") from None
+    for w in written:
+        print(f"{w.path}: {w.rows} rows ({w.source})")
+    train, test = (w.path for w in written)
+    print(f"train on them: rolefleet up configs/gsm8k.yaml data.path={train} eval.path={test}")
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from rolefleet.app.tiny_model import make_tiny_model
 
@@ -410,6 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "flash kernels, and the rollout engine `actor.rollout.backend: auto` would pick")
     p.add_argument("--json", action="store_true", help="one JSON object of the same keys, for machines")
     p.set_defaults(fn=cmd_env)
+
+    p = sub.add_parser("data", help="prepare a dataset's train and test splits as a shipped config reads them")
+    p.add_argument("dataset", choices=["gsm8k"], help="gsm8k: train.parquet and test.parquet for configs/gsm8k.yaml")
+    p.add_argument("out", help="the directory to write them into")
+    p.add_argument("--source", default="openai/gsm8k", metavar="PATH_OR_ID",
+                   help="a hub dataset id, read from the local cache or the hub (default openai/gsm8k), or a local "
+                   "copy: a save_to_disk directory, or a JSONL, JSON or Parquet file of the training split")
+    p.add_argument("--name", help="the hub dataset's configuration (default for openai/gsm8k: main)")
+    p.add_argument("--test-source", metavar="PATH_OR_ID", help="the test split's own source, when --source has "
+                   "none (a file, a saved Dataset)")
+    p.set_defaults(fn=cmd_data)
 
     p = sub.add_parser("tiny-model", help="build a tiny model + tokenizer directory offline")
     p.add_argument("out")

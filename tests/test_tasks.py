@@ -117,11 +117,15 @@ def arithmetic(expr: str) -> float:
 
 def test_the_gsm8k_sample_is_what_its_script_makes_and_its_answers_add_up(tmp_path):
     sample_script().main(tmp_path)
-    assert (tmp_path / "gsm8k_sample.jsonl").read_bytes() == (EXAMPLES / "gsm8k_sample.jsonl").read_bytes()
+    for name in ("gsm8k_sample.jsonl", "gsm8k_sample_test.jsonl"):
+        assert (tmp_path / name).read_bytes() == (EXAMPLES / name).read_bytes(), name
     rows = [json.loads(line) for line in (EXAMPLES / "gsm8k_sample.jsonl").read_text().splitlines()]
+    test = [json.loads(line) for line in (EXAMPLES / "gsm8k_sample_test.jsonl").read_text().splitlines()]
     assert pq.read_table(EXAMPLES / "gsm8k_sample.parquet").to_pylist() == rows
     assert len(rows) == 64 and len({r["answer"] for r in rows}) == 64
-    for row in rows:
+    # The held-out split shares no problem with the training one (eval/train_overlap 0).
+    assert len(test) == 16 and not {json.dumps(r["question"]) for r in test} & {json.dumps(r["question"]) for r in rows}
+    for row in rows + test:
         *steps, last = row["answer"].split("\n")
         assert re.fullmatch(r"#### \d+", last), last
         for expr, result in re.findall(r"<<([^=]+)=(\d+)>>", row["answer"]):

@@ -146,7 +146,8 @@ def check_data(cfg: RoleFleetConfig) -> list[str]:
                 PromptDataset.for_eval(cfg)
         elif d.path:
             read_prompts(d.path, d.format, Columns(d.prompt_key, d.answer_key,
-                                                   None if d.extra_keys is None else tuple(d.extra_keys)))
+                                                   None if d.extra_keys is None else tuple(d.extra_keys)),
+                         split=d.split, name=d.name)
     except DataError as e:
         return [str(e)]  # it names its key
     except (OSError, ValueError) as e:

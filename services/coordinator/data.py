@@ -1,4 +1,4 @@
-"""Prompt batches for the run: a built-in task or a prompt file (JSONL, Parquet), chat template and
+"""Prompt batches for the run: a built-in task or a prompt source (tasks/files.py), chat template and
 token limit applied once at load, reshuffled every epoch, with a position a checkpoint saves and a
 resume restores (docs/data.md)."""
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 EVAL_SEED = 7_919  # the held-out draw of a built-in task: a stream apart from the training draw's
 # The keys an eval file's problems are reported under (its errors are read_prompts' own, which name data.*).
-_EVAL_KEYS = re.compile(r"\bdata\.(path|format|prompt_key|answer_key|extra_keys)\b")
+_EVAL_KEYS = re.compile(r"\bdata\.(path|format|split|name|prompt_key|answer_key|extra_keys)\b")
 _STATE_KEYS = ("version", "position", "epoch", "seed", "shuffle", "records", "fingerprint", "source")
 
 
@@ -79,7 +79,8 @@ class PromptDataset:
         `records`: the task's records when drawn by the caller."""
         if cfg.path:
             columns = Columns(cfg.prompt_key, cfg.answer_key, None if cfg.extra_keys is None else tuple(cfg.extra_keys))
-            prompts, source = read_prompts(cfg.path, cfg.format, columns), source or cfg.path
+            prompts = read_prompts(cfg.path, cfg.format, columns, split=cfg.split, name=cfg.name)
+            source = source or cfg.path
         else:
             source = source or f"data.task {cfg.task}"
             records = records if records is not None else make_task(cfg.task, cfg.size, seed)

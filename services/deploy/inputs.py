@@ -41,8 +41,9 @@ def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
     if role not in ALL_ROLES:
         raise ValueError(f"unknown role {role!r} (one of {', '.join(ALL_ROLES)})")
     # Every role validates the whole config at start, and that opens the prompt files.
-    inputs = [Input(key, path, "file") for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path))
-              if path]
+    inputs = [Input(f"{key}.path", _local_data(key, section), "file") for key, section in (("data", cfg.data),
+                                                                                            ("eval", cfg.eval))
+              if section.path]
     if role in MODEL_KEYS:  # the trainer roles: each loads its own models (weights and tokenizer)
         inputs += [Input(key, _get(cfg, key), "model") for key in MODEL_KEYS[role]]
     elif role == "coordinator":
@@ -51,6 +52,16 @@ def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
     elif role == "reward":
         inputs += _reward_inputs(cfg)
     return [i for i in inputs if i.path]
+
+
+def _local_data(key: str, section) -> str:
+    from rolefleet.tasks.files import source_format
+    from rolefleet.tasks.hf import local_copy_hint
+
+    if source_format(section.path, section.format, key) == "hub":  # nothing on disk to mount, and no hub to read
+        raise ValueError(f"{key}.path: {section.path!r} is a hub dataset id, and a deployment's roles read no hub "
+                         f"(HF_HUB_OFFLINE=1 in the image): {local_copy_hint(section.path, section.name)}")
+    return section.path
 
 
 def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:

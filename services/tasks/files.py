@@ -1,26 +1,33 @@
-"""Prompt files: JSONL (one JSON object a line) or Parquet (one record a row).
+"""Prompt sources: JSONL (one JSON object a line), JSON (an array of objects, or JSON lines),
+Parquet (one record a row), a `datasets` save_to_disk directory and a hub dataset id (both read
+through the `datasets` library: `hf`).
 
 Each record has a prompt column (plain text, or chat messages: a list of {role, content}), an
 optional ground-truth column (a string or a number), and any other columns, which go to the reward
 as `PromptRecord.extra`. Column names may be dotted to reach into a nested object or struct
 (`reward_model.ground_truth`, as verl's preprocessed Parquet files hold it). Every problem is a
-DataError naming the file, the line (JSONL, from 1 as editors count) or row (Parquet, from 0 as
-pandas and pyarrow count) and the column.
+DataError naming the source, the line (JSONL, from 1 as editors count) or row (Parquet and
+`datasets`, from 0 as pandas and pyarrow count; a JSON array's record, from 0 as its index) and
+the column.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from rolefleet.tasks import DataError
+from rolefleet.tasks.hf import check_split, hub_table, is_saved, looks_like_hub_id, saved_splits, saved_table
 
-FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+FILE_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
+FORMATS = ("jsonl", "json", "parquet", "datasets", "hub")
 Messages = list[dict[str, Any]]
-_PARQUET_BATCH_ROWS = 4096
+Row = tuple[str, dict[str, Any]]  # (where: named by every error about the row, the row)
+_BATCH_ROWS = 4096
 _SHOWN_CHARS = 80
 
 
@@ -35,7 +42,7 @@ class Columns:
 
 @dataclass(frozen=True)
 class RawPrompt:
-    """A record as the file holds it, before any chat template or token limit."""
+    """A record as the source holds it, before any chat template or token limit."""
 
     where: str  # "data.jsonl:3" or "data.parquet row 2": named by every error about this record
     prompt: Union[str, Messages]
@@ -47,27 +54,82 @@ class RawPrompt:
         return isinstance(self.prompt, list)
 
 
-def file_format(path: str | Path, fmt: Optional[str] = None) -> str:
-    """`fmt` when given, else the format the extension names."""
+def source_format(path: str | Path, fmt: Optional[str] = None, key: str = "data") -> str:
+    """`fmt` when given, else what `path` is: a file by its extension, a save_to_disk directory, or
+    a hub dataset id (when nothing here has that name). ValueError, naming `key`'s keys, when it is
+    none of them."""
+    local = Path(path)
     if fmt is not None:
         return fmt
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"cannot tell the format of {path} from its extension (known: "
-                         f"{', '.join(FORMATS)}); set data.format to jsonl or parquet")
-    return FORMATS[suffix]
+    if local.is_dir():
+        if not is_saved(local):
+            raise ValueError(_not_saved(path, key))
+        return "datasets"
+    suffix = local.suffix.lower()
+    if suffix in FILE_FORMATS:
+        return FILE_FORMATS[suffix]
+    if not local.exists():
+        if looks_like_hub_id(str(path)):
+            return "hub"
+        raise ValueError(f"{key}.path {path} is no file, directory or hub dataset id")
+    raise ValueError(f"cannot tell the format of {path} from its extension (known: {', '.join(FILE_FORMATS)}); "
+                     f"set {key}.format to one of {', '.join(FORMATS)}")
 
 
-def read_prompts(path: str | Path, fmt: Optional[str] = None, columns: Columns = Columns()) -> list[RawPrompt]:
-    """Every record of a JSONL or Parquet file, checked; at least one."""
-    rows = _jsonl_rows(path) if file_format(path, fmt) == "jsonl" else _parquet_rows(path, columns)
-    prompts = [_prompt(row, where, columns) for where, row in rows]
+def check_source(path: str, fmt: Optional[str], split: str, key: str = "data") -> str:
+    """What the config checks of `key`.path before anything starts: the source exists as its format
+    needs (a hub id is checked when it is loaded: that may need the network), and a saved
+    DatasetDict has the split `key`.split names. Returns the format; ValueError naming the key."""
+    fmt = source_format(path, fmt, key)
+    if fmt == "datasets":
+        if not (Path(path).is_dir() and is_saved(path)):
+            raise ValueError(_not_saved(path, key))
+        try:
+            splits = saved_splits(path)
+            if splits is not None:
+                check_split(splits, split, path)
+        except DataError as e:  # it names data.*: the config check names the section it checks
+            raise ValueError(re.sub(r"\bdata\.", f"{key}.", str(e))) from None
+    elif fmt != "hub" and not Path(path).is_file():
+        raise ValueError(f"{key}.path {path} is not a file")
+    return fmt
+
+
+def _not_saved(path: str | Path, key: str) -> str:
+    return (f"{key}.path {path} is a directory but not a `datasets` save_to_disk directory (one holds "
+            "dataset_dict.json, or state.json and dataset_info.json): name a JSONL, JSON or Parquet file, or a "
+            "directory that `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote")
+
+
+def read_prompts(path: str | Path, fmt: Optional[str] = None, columns: Columns = Columns(), *,
+                 split: str = "train", name: Optional[str] = None) -> list[RawPrompt]:
+    """Every record of a prompt source, checked; at least one. `split` picks a DatasetDict's or a
+    hub dataset's split, `name` a hub dataset's configuration."""
+    prompts = [_prompt(row, where, columns) for where, row in read_rows(path, fmt, columns, split=split, name=name)]
     if not prompts:
         raise DataError(f"data.path: {path} holds no records")
     return prompts
 
 
-def _jsonl_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def read_rows(path: str | Path, fmt: Optional[str] = None, columns: Optional[Columns] = None, *,
+              split: str = "train", name: Optional[str] = None) -> Iterator[Row]:
+    """The rows of a prompt source as it holds them. With `columns`, a column missing from a
+    source that has a schema (Parquet, `datasets`) is an error before any row is read."""
+    fmt = source_format(path, fmt)
+    if fmt == "jsonl":
+        return _jsonl_rows(path)
+    if fmt == "json":
+        return _json_rows(path)
+    if fmt == "parquet":
+        return _parquet_rows(path, columns)
+    if fmt not in ("datasets", "hub"):
+        raise DataError(f"data.format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    where, table = saved_table(path, split) if fmt == "datasets" else hub_table(str(path), name, split)
+    _check_columns(where, table.column_names, columns)
+    return _arrow_rows(where, table.with_format("arrow").iter(batch_size=_BATCH_ROWS))
+
+
+def _jsonl_rows(path: str | Path) -> Iterator[Row]:
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -78,15 +140,43 @@ def _jsonl_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"data.path: {where}: not JSON ({e})") from None
-                if not isinstance(obj, dict):
-                    raise DataError(f"data.path: {where}: expected a JSON object with a prompt column, "
-                                    f"got {type(obj).__name__}")
-                yield where, obj
+                yield where, _object(obj, where)
     except UnicodeDecodeError as e:
         raise DataError(f"data.path: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _parquet_rows(path: str | Path, columns: Columns) -> Iterator[tuple[str, dict[str, Any]]]:
+def _json_rows(path: str | Path) -> Iterator[Row]:
+    """An array of records, or JSON lines under a .json name (what `Dataset.to_json` writes)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"data.path: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):
+            raise DataError(f"data.path: {path}: not a JSON array ({e})") from None
+        yield from _jsonl_rows(path)  # JSON lines, or broken: the line reader says which line
+        return
+    if isinstance(whole, list):
+        for i, obj in enumerate(whole):
+            where = f"{path} record {i}"
+            yield where, _object(obj, where)
+    elif isinstance(whole, dict) and "\n" in text.strip():
+        # One object over many lines: a wrapper ({"data": [...]}) or a single pretty-printed record.
+        raise DataError(f"data.path: {path} holds one JSON object (keys: {', '.join(map(str, whole))}), not "
+                        "records: a .json prompt file is an array of objects, or one object a line")
+    else:
+        yield from _jsonl_rows(path)
+
+
+def _object(obj: Any, where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise DataError(f"data.path: {where}: expected a JSON object with a prompt column, got {type(obj).__name__}")
+    return obj
+
+
+def _parquet_rows(path: str | Path, columns: Optional[Columns]) -> Iterator[Row]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -94,19 +184,30 @@ def _parquet_rows(path: str | Path, columns: Columns) -> Iterator[tuple[str, dic
         file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"data.path: {path} is not a readable Parquet file ({e})") from None
-    names = file.schema_arrow.names
-    # A missing column is missing in every row: say so once, before reading any.
+    _check_columns(str(path), file.schema_arrow.names, columns)
+    return _arrow_rows(str(path), file.iter_batches(batch_size=_BATCH_ROWS))
+
+
+def _check_columns(where: str, names: list[str], columns: Optional[Columns]) -> None:
+    """A column missing from a schema is missing in every row: said once, before reading any."""
+    if columns is None:
+        return
     for key, what in ((columns.prompt, "data.prompt_key"), *((k, "data.extra_keys") for k in columns.extra or ())):
         if key not in names and key.split(".")[0] not in names:
-            raise DataError(f"{what}: {path} has no column {key!r} (columns: {', '.join(names)})")
+            raise DataError(f"{what}: {where} has no column {key!r} (columns: {', '.join(names)})")
+
+
+def _arrow_rows(where: str, batches: Iterable[Any]) -> Iterator[Row]:
+    import pyarrow as pa
+
     row = 0
     try:
-        for batch in file.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+        for batch in batches:
             for obj in batch.to_pylist():
-                yield f"{path} row {row}", obj
+                yield f"{where} row {row}", obj
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"data.path: {path}: cannot read row {row} or the rows after it ({e})") from None
+        raise DataError(f"data.path: {where}: cannot read row {row} or the rows after it ({e})") from None
 
 
 def _prompt(row: dict[str, Any], where: str, columns: Columns) -> RawPrompt:

@@ -37,7 +37,7 @@ DEPLOYABLE = {
     "gpu_1x.yaml": TO_POLICY,
     "gpu_7b.yaml": TO_POLICY,
     "gpu_tools.yaml": TO_POLICY,
-    "gsm8k.yaml": ["data.path=inputs/gsm8k_sample.jsonl"],  # models/chat-model already
+    "gsm8k.yaml": ["data.path=inputs/gsm8k_sample.jsonl", "eval.path=inputs/eval.jsonl"],  # models/chat-model already
     "smollm2_arithmetic.yaml": TO_POLICY,
 }
 VOLUMES = ["--set", "model.existingClaim=models", "--set", "inputs.hostPath=/data/inputs"]
@@ -167,12 +167,22 @@ def test_an_input_outside_models_or_inputs_is_a_config_error_naming_the_key(work
                                                                              directory):
     (workdir / "examples").mkdir(exist_ok=True)
     shutil.copy(REPO / "examples" / "gsm8k_sample.jsonl", workdir / "examples")
-    code, out, err = helm_values(CONFIGS / "gsm8k.yaml", ["algorithm=ppo", "data.path=inputs/train.jsonl", override],
-                                 capsys)
+    code, out, err = helm_values(CONFIGS / "gsm8k.yaml", ["algorithm=ppo", "data.path=inputs/train.jsonl",
+                                                         "eval.path=inputs/eval.jsonl", override], capsys)
     assert code == 2 and not out
     assert err.startswith(f"rolefleet: {key}: {path!r} is outside ./{directory}"), err
     volume = "model" if directory == "models" else "inputs"
     assert f"put it under ./{directory}, copied onto the volume that {volume}.existingClaim or {volume}.hostPath" in err
+
+
+def test_a_hub_dataset_id_is_refused_with_how_to_make_a_local_copy(workdir, capsys):
+    """The images read no hub (HF_HUB_OFFLINE=1): a dataset id would fail in every pod at start."""
+    code, out, err = helm_values(CONFIGS / "gsm8k.yaml", ["data.path=openai/gsm8k", "data.name=main",
+                                                         "eval.path=inputs/eval.jsonl"], capsys)
+    assert code == 2 and not out
+    assert err.startswith("rolefleet: data.path: 'openai/gsm8k' is a hub dataset id, and a deployment's roles read "
+                          "no hub (HF_HUB_OFFLINE=1 in the image): prepare a local copy"), err
+    assert "datasets.load_dataset('openai/gsm8k', 'main').save_to_disk(DIR)" in err
 
 
 def test_user_code_outside_inputs_is_refused(workdir, capsys):

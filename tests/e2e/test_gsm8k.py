@@ -1,8 +1,11 @@
-"""The step from the demo to a real run, on the CPU: `rolefleet up configs/gsm8k.yaml` (real role
-processes) on the project's GSM8K-format sample, chat messages through the model's chat template,
-GRPO with the math and format rewards; the run completes and logs each source's reward."""
+"""The step from the demo to a real run, on the CPU, as docs/coming-from-verl-trl.md gives it:
+`rolefleet data gsm8k` prepares the project's GSM8K-format sample (as a save_to_disk copy of GSM8K
+would be), then `rolefleet up configs/gsm8k.yaml` (real role processes) trains on its train split,
+chat messages through the model's chat template, GRPO with the math and format rewards, and
+evaluates on its test split; the run completes and logs each source's reward and the evaluations."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -10,6 +13,8 @@ from transformers import AutoTokenizer
 
 from rolefleet.app.tiny_model import TINY_CHAT_TEMPLATE
 from tests.e2e.procs import read_metrics, rolefleet
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -21,15 +26,27 @@ def test_gsm8k_example_config_runs_and_logs_per_source_rewards(tiny_model_dir, t
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(model)
 
+    data = tmp_path / "gsm8k"
+    prep = rolefleet("data", "gsm8k", str(data), "--source", str(REPO / "examples" / "gsm8k_sample.parquet"),
+                     "--test-source", str(REPO / "examples" / "gsm8k_sample_test.jsonl"))
+    printed, _ = prep.communicate(timeout=60)
+    assert prep.returncode == 0 and f"{data}/test.parquet: 16 rows" in printed, printed
+
     out = tmp_path / "run"
-    proc = rolefleet("up", "configs/gsm8k.yaml", "devices=cpu", f"model.model_name_or_path={model}",
-                     f"run.output_dir={out}",
+    proc = rolefleet("up", "configs/gsm8k.yaml", f"model.model_name_or_path={model}",
+                     f"run.output_dir={out}", f"data.path={data}/train.parquet", f"eval.path={data}/test.parquet",
                      "train.total_steps=2", "train.prompts_per_step=4", "train.samples_per_prompt=2",
                      "sampling.max_new_tokens=8", "data.max_prompt_tokens=100", "data.overlong=truncate",
-                     "actor.num_threads=1")
+                     "eval.max_prompts=4", "actor.num_threads=1")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
-    records = read_metrics(out / "metrics.jsonl")
+    everything = read_metrics(out / "metrics.jsonl")
+    # The starting policy evaluated (a record of its own, step 0), and again after the last step.
+    evaluations = [r for r in everything if "eval/reward/mean" in r]
+    assert [r["step"] for r in evaluations] == [0, 2]
+    assert all(r["eval/prompts"] == 4 and r["eval/correct/mean"] == 0.0 and r["eval/errors"] == 0 for r in evaluations)
+    assert "eval      0  reward 0.000  pass@1 0.000" in output
+    records = [r for r in everything if "reward/mean" in r]
     assert [r["step"] for r in records] == [1, 2]
     # Both sources scored every sample (the tiny model cannot write '#', so both give 0 here).
     for r in records:

@@ -1,4 +1,4 @@
-"""The checks that need modules above the config: the built-in tasks and prompt file formats
+"""The checks that need modules above the config: the built-in tasks and prompt sources
 (rolefleet.tasks) and the built-in reward functions (rolefleet.reward.functions).
 
 `common/` sits below them (rolefleet.tasks imports ConfigError from here), so they are imported
@@ -21,11 +21,12 @@ def known_task(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def file_format(path: str, fmt: Optional[str]) -> str:
-    """`fmt` when given, else the format the extension names (an unknown one: ValueError)."""
-    from rolefleet.tasks.files import file_format
+def check_source(path: str, fmt: Optional[str], split: str, key: str) -> str:
+    """The format of the prompt source `key`.path names, checked as far as it can be without reading
+    it (ValueError naming the key)."""
+    from rolefleet.tasks.files import check_source
 
-    return file_format(path, fmt)
+    return check_source(path, fmt, split, key)
 
 
 def reward_function_names() -> list[str]:

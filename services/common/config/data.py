@@ -4,14 +4,16 @@ held-out prompts (eval) and the rollouts' sampling.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from rolefleet.common.config.app_checks import file_format, known_task
+from rolefleet.common.config.app_checks import check_source, known_task
 from rolefleet.common.config.base import MIN_TEMPERATURE, _Section
 from rolefleet.common.config.paths import ExpandedPath
+
+# What a prompt source is (docs/data.md): a file, a `datasets` save_to_disk directory, a hub dataset id.
+SourceFormat = Literal["jsonl", "json", "parquet", "datasets", "hub"]
 
 
 class ModelSection(_Section):
@@ -20,10 +22,15 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     task: Optional[str] = Field("addition", description="built-in prompt generator (rolefleet.tasks)")
-    path: Optional[ExpandedPath] = Field(None, description="JSONL or Parquet file of prompts (docs/data.md); "
-                                         "overrides task")
-    format: Optional[Literal["jsonl", "parquet"]] = Field(
-        None, description="format of data.path; default: from its extension (.jsonl/.ndjson, .parquet/.pq)")
+    path: Optional[ExpandedPath] = Field(None, description="prompts (docs/data.md): a JSONL, JSON or Parquet file, "
+                                         "a `datasets` save_to_disk directory, or a hub dataset id; overrides task")
+    format: Optional[SourceFormat] = Field(
+        None, description="format of data.path; default: from its extension (.jsonl/.ndjson, .json, .parquet/.pq), "
+        "datasets for a save_to_disk directory, hub for an id that names nothing here")
+    split: str = Field("train", min_length=1, description="split of a save_to_disk DatasetDict or a hub dataset "
+                       "(files and a saved Dataset are one split)")
+    name: Optional[str] = Field(None, min_length=1, description="configuration of a hub dataset (load_dataset's "
+                                "name: main for openai/gsm8k)")
     prompt_key: str = Field("prompt", min_length=1, description="column of the prompt: text, or chat messages "
                             "(a list of {role, content}); dotted to reach into a nested object")
     answer_key: str = Field("ground_truth", min_length=1, description="column of the ground truth (a string "
@@ -49,10 +56,8 @@ class DataSection(_Section):
     def _one_source(self) -> DataSection:
         if not self.task and not self.path:
             raise ValueError("set data.task or data.path")
-        if self.path and not Path(self.path).is_file():
-            raise ValueError(f"data.path {self.path} is not a file")
         if self.path:
-            file_format(self.path, self.format)  # an unknown extension without data.format is an error now
+            check_source(self.path, self.format, self.split, "data")  # before any role loads a model
         if self.tools and self.chat_template is False:
             raise ValueError("data.tools are rendered by the chat template: data.chat_template must not be false")
         if self.prompt_key == self.answer_key:
@@ -71,11 +76,13 @@ class EvalSection(_Section):
     task: Optional[str] = Field(None, description="built-in task of the held-out prompts; default (with no "
                                 "eval.path): data.task, on a draw disjoint from the training prompts (they are "
                                 "left out of training)")
-    path: Optional[ExpandedPath] = Field(None, description="JSONL or Parquet file of held-out prompts, read like "
-                                         "data.path (with data's chat template and token limit); a run on data.path "
+    path: Optional[ExpandedPath] = Field(None, description="held-out prompts, any source data.path takes, read like "
+                                         "it (with data's chat template and token limit); a run on data.path "
                                          "needs one")
-    format: Optional[Literal["jsonl", "parquet"]] = Field(None, description="format of eval.path; default: from "
-                                                           "its extension")
+    format: Optional[SourceFormat] = Field(None, description="format of eval.path; default: told from it as "
+                                               "data.format is from data.path")
+    split: str = Field("test", min_length=1, description="split of a save_to_disk DatasetDict or a hub dataset")
+    name: Optional[str] = Field(None, min_length=1, description="configuration of a hub dataset; default data.name")
     prompt_key: Optional[str] = Field(None, min_length=1, description="prompt column of eval.path; default "
                                       "data.prompt_key")
     answer_key: Optional[str] = Field(None, min_length=1, description="ground-truth column; default data.answer_key")
@@ -105,12 +112,7 @@ class EvalSection(_Section):
         if self.path and self.task:
             raise ValueError("set one of eval.path and eval.task")
         if self.path:
-            if not Path(self.path).is_file():
-                raise ValueError(f"eval.path {self.path} is not a file")
-            try:
-                file_format(self.path, self.format)
-            except ValueError as e:
-                raise ValueError(str(e).replace("data.format", "eval.format")) from None
+            check_source(self.path, self.format, self.split, "eval")
         return self
 
 

@@ -160,7 +160,8 @@ class RoleFleetConfig(_Section):
         """The held-out prompts as a data source: eval's file or task, read and rendered like
         `data` (its chat template and token limit)."""
         d, e = self.data, self.eval
-        return DataSection(task=None if e.path else (e.task or d.task), path=e.path, format=e.format,
+        return DataSection(task=None if e.path else (e.task or d.task), path=e.path, format=e.format, split=e.split,
+                           name=e.name or d.name,
                            prompt_key=e.prompt_key or d.prompt_key, answer_key=e.answer_key or d.answer_key,
                            extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
                            chat_template=d.chat_template, tools=d.tools, max_prompt_tokens=d.max_prompt_tokens,
