@@ -33,7 +33,7 @@ def test_gsm8k_example_config_runs_and_logs_per_source_rewards(tiny_model_dir, t
     assert prep.returncode == 0 and f"{data}/test.parquet: 16 rows" in printed, printed
 
     out = tmp_path / "run"
-    proc = rolefleet("up", "configs/gsm8k.yaml", f"model.model_name_or_path={model}",
+    proc = rolefleet("up", "configs/gsm8k.yaml", "devices=cpu", f"model.model_name_or_path={model}",
                      f"run.output_dir={out}", f"data.path={data}/train.parquet", f"eval.path={data}/test.parquet",
                      "train.total_steps=2", "train.prompts_per_step=4", "train.samples_per_prompt=2",
                      "sampling.max_new_tokens=8", "data.max_prompt_tokens=100", "data.overlong=truncate",
