@@ -22,6 +22,7 @@ from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
 from rolefleet.actor.rollout import RolloutEngine, choose_backend, derived_seed, vllm_installed
 from rolefleet.actor.trainer import PolicyTrainer
 from rolefleet.actor.types import LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.common import progress
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection, RoleFleetConfig
 from rolefleet.common.modeling import compute_dtype, load_causal_lm, load_tokenizer, release_memory
@@ -62,6 +63,7 @@ class ActorWorker(TrainingWorker):
         choice = transport.choose(p, self.backend)
         self.engine: RolloutEngine | None = None
         if self.rank in p.engine_ranks:
+            progress.report(f"building the {self.backend} rollout engine")
             own_processes = choice is transport.VllmLink
             if own_processes and self.model is None:
                 model = None  # the engine loads its own copy: leave it the GPU
@@ -71,6 +73,7 @@ class ActorWorker(TrainingWorker):
         del model
         self.ref_model, self.trainer = None, None
         if self.model is not None:
+            progress.report("building the trainer")
             self.ref_model = self._load_reference()
             self.trainer = PolicyTrainer(self.model, self.ref_model, self.device, cfg, seed, self.ranks)
         release_memory()

@@ -107,13 +107,17 @@ def check_adapters(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
 
     problems = []
     for role in wanted:
-        lora, path = getattr(cfg, role).lora, getattr(cfg, role).model_name_or_path
+        section = getattr(cfg, role)
+        lora, path = section.lora, section.model_name_or_path
         try:
-            merged_shapes(AutoConfig.from_pretrained(path, local_files_only=True), lora)
+            config = AutoConfig.from_pretrained(path, local_files_only=True,
+                                                trust_remote_code=bool(section.trust_remote_code))
+        except Exception:  # noqa: BLE001 - an unreadable config: the role's own load says what is wrong
+            continue
+        try:
+            merged_shapes(config, lora)
         except ValueError as exc:
             problems.append(f"{role}.lora.target_modules={lora.target_modules!r}: {exc} (model {path})")
-        except OSError:
-            continue  # an unreadable config: the role's own load says what is wrong
     return problems
 
 

@@ -50,7 +50,8 @@ class PromptDataset:
         held_out = None
         if cfg.eval.enabled and not cfg.data.path and cfg.eval_data().task == cfg.data.task:  # a draw of this task
             held_out = {r.prompt for r in cls.for_eval(cfg).records}
-        return cls.from_config(cfg.data, cfg.run.seed, tokenizer_path=cfg.actor.model_name_or_path, exclude=held_out)
+        return cls.from_config(cfg.data, cfg.run.seed, tokenizer_path=cfg.actor.model_name_or_path, exclude=held_out,
+                               trust_remote_code=bool(cfg.actor.trust_remote_code))
 
     @classmethod
     def for_eval(cls, cfg: RoleFleetConfig) -> PromptDataset:
@@ -61,9 +62,11 @@ class PromptDataset:
             if d.task:  # a draw of its own seed, without repeats (a task may give a problem twice)
                 records = make_task(d.task, 4 * cfg.eval.max_prompts, cfg.run.seed * 1_000_003 + EVAL_SEED)
                 unique = list({json.dumps(r.prompt, sort_keys=True): r for r in records}.values())
-                dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, records=unique, source=f"eval.task {d.task}")
+                dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, records=unique, source=f"eval.task {d.task}",
+                                          trust_remote_code=bool(cfg.actor.trust_remote_code))
             else:
-                dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, source=f"eval.path {d.path}")
+                dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, source=f"eval.path {d.path}",
+                                          trust_remote_code=bool(cfg.actor.trust_remote_code))
         except DataError as e:
             raise DataError(_EVAL_KEYS.sub(r"eval.\1", str(e))) from None
         dataset.records = dataset.records[:cfg.eval.max_prompts]
@@ -72,7 +75,7 @@ class PromptDataset:
     @classmethod
     def from_config(cls, cfg: DataSection, seed: int, tokenizer_path: Optional[str] = None, *,
                     exclude: Optional[set[str]] = None, records: Optional[list[PromptRecord]] = None,
-                    source: Optional[str] = None) -> PromptDataset:
+                    source: Optional[str] = None, trust_remote_code: bool = False) -> PromptDataset:
         """`tokenizer_path`: the model whose tokenizer applies the chat template and counts prompt
         tokens; loaded only when `data.chat_template` or `data.max_prompt_tokens` needs it.
         `exclude`: rendered prompts left out (held out for evaluation), counted as `data/held_out`.
@@ -93,7 +96,7 @@ class PromptDataset:
             key = "data.chat_template" if chat else "data.max_prompt_tokens"
             if tokenizer_path is None:
                 raise DataError(f"{key}: needs the actor model's tokenizer, and no model was given")
-            tokenizer = load_tokenizer(tokenizer_path, key)
+            tokenizer = load_tokenizer(tokenizer_path, key, trust_remote_code)
         renderer = PromptRenderer(tokenizer, tokenizer_path or "", chat_template=chat,
                                   max_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong, tools=cfg.tools)
         rendered = renderer.render_all(prompts)

@@ -26,15 +26,16 @@ _COUNT_BATCH = 1024  # prompts per tokenizer call: fast tokenizers spread a batc
 _NAMED_OVERLONG = 3  # overlong prompts an error names
 
 
-def load_tokenizer(path: str, key: str) -> Any:
-    """The tokenizer of the model at `path`; `key` is the setting that needs it (for the error)."""
+def load_tokenizer(path: str, key: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of the model at `path`; `key` is the setting that needs it (for the error);
+    `trust_remote_code`: the actor's (a tokenizer of the model's own code)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError(f"{key}: needs the transformers package where the coordinator runs, to load "
                         f"the tokenizer of {path}") from None
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure to load is the same problem for the user
         raise DataError(f"{key}: cannot load the tokenizer of {path} (the coordinator renders and counts "
                         f"prompts with the actor model's tokenizer): {e}") from None

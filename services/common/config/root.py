@@ -52,6 +52,8 @@ class RoleFleetConfig(_Section):
         for section in (self.actor, self.critic):
             if section.model_name_or_path is None:
                 section.model_name_or_path = default
+            if section.trust_remote_code is None:
+                section.trust_remote_code = self.model.trust_remote_code
         if self.actor.ref_model_name_or_path is None:
             self.actor.ref_model_name_or_path = self.actor.model_name_or_path
         if self.actor.model_name_or_path is None:
