@@ -75,7 +75,7 @@ class VllmRolloutEngine(RolloutEngine):
         with _engine_environment(gpus):
             self.llm = LLM(
                 model=model_path, dtype="float32" if cfg.compute_dtype == "float32" else "bfloat16", seed=seed,
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=True, trust_remote_code=bool(cfg.trust_remote_code),
                 gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
                 enable_prefix_caching=v.enable_prefix_caching, enable_sleep_mode=self.sleep_level > 0,
                 logprobs_mode="processed_logprobs",

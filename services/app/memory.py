@@ -312,8 +312,7 @@ def _add_policy_trainer(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate, wo
     if own_reference:
         (est.host if a.ref_offload else est.held).append(Part("reference weights (fp32)", 4 * dims.params / share))
     phases = {"update": [*update, _head_chunk(dims, a.logprob_chunk_tokens)]}
-    models = 2 if own_reference and a.ref_model_name_or_path != a.model_name_or_path else 1
-    est.load = _load_parts(dims, share, sharded and not _adapters(a), "policy", models)
+    est.load = _load_parts(dims, share, sharded and not _adapters(a), "policy")
     if sharded and _adapters(a):  # adapters go into whole weights: each GPU holds the model until it shards
         phases["load"] = [Part("the whole policy before it is sharded (fp32; LoRA loads whole)",
                                4 * dims.params * (1 - 1 / share))]
@@ -327,17 +326,22 @@ def critic_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate
     workers = max(1, len(cfg.devices.critic))
     sharded = cfg.critic.sharding == "fsdp" and workers > 1
     held, update, host = _trainer_parts(dims, cfg.critic, workers, sharded, "value model")
-    return Estimate("critic", gpu, held=held, phases={"update": update}, host=host,
-                    load=_load_parts(dims, workers if sharded else 1, sharded, "value model"))
+    share, adapters = workers if sharded else 1, _adapters(cfg.critic)
+    phases = {"update": update}
+    if sharded and adapters:  # as the policy's: whole weights until they are sharded
+        phases["load"] = [Part("the whole value model before it is sharded (fp32; LoRA loads whole)",
+                               4 * dims.params * (1 - 1 / share))]
+    return Estimate("critic", gpu, held=held, phases=phases, host=host,
+                    load=_load_parts(dims, share, sharded and not adapters, "value model"))
 
 
-def _load_parts(dims: ModelDims, share: int, by_shard: bool, prefix: str, models: int = 1) -> list[Part]:
+def _load_parts(dims: ModelDims, share: int, by_shard: bool, prefix: str) -> list[Part]:
     """Host memory a trainer's process holds while it loads (`trainer/loading.py`): sharded, its
     share of the checkpoint's rows, read by slice; whole, the checkpoint's pages as they stream to
-    the GPU (the fp32 copy is cast there). `models`: checkpoints read (a reference of its own)."""
+    the GPU (the fp32 copy is cast there). A reference of its own is read after the policy, not
+    beside it."""
     read = dims.stored_bytes * dims.params / (share if by_shard else 1)
-    what = f"{prefix} checkpoint, " + ("this rank's rows" if by_shard else "read whole")
-    return [Part(what + (f" (x{models}: the reference's too)" if models > 1 else ""), models * read)]
+    return [Part(f"{prefix} checkpoint, " + ("this rank's rows" if by_shard else "read whole"), read)]
 
 
 def reward_estimate(cfg: RoleFleetConfig, gpu: str) -> Estimate:
@@ -454,11 +458,16 @@ def memory_problems(cfg: RoleFleetConfig, roles: list[str], capacity: Optional[f
                 problems.append(f"{line} will not fit; would help: {'; '.join(settings_that_help(cfg, est))}")
             else:
                 warnings.append(f"{line} is near the GPU's memory")
-    need = node_host_bytes(plans, roles, loading=True).get("", 0.0)
+    need = node_host_bytes(plans, roles).get("", 0.0)
+    loading = node_host_bytes(plans, roles, loading=True).get("", 0.0)
+    if host is not None and need <= NEAR * host < loading:
+        # Pages of the checkpoint files, read while the roles start: the kernel can reclaim them.
+        warnings.append(f"an estimated {loading / GIB:.1f} GiB of host memory while the roles load (offloaded "
+                        f"state and the checkpoints being read; of {host / GIB:.1f} GiB here): start-up may swap")
     if host is not None and need > NEAR * host:
-        using = sorted({e.role for g in plans for e in g.estimates if e.role in roles and (e.host or e.load)})
-        line = (f"{', '.join(using)}: an estimated {need / GIB:.1f} GiB of host memory for offloaded state and "
-                f"loading (of {host / GIB:.1f} GiB here; pinned memory cannot be swapped out)")
+        using = sorted({e.role for g in plans for e in g.estimates if e.role in roles and e.host})
+        line = (f"{', '.join(using)}: an estimated {need / GIB:.1f} GiB of host memory for offloaded state "
+                f"(of {host / GIB:.1f} GiB here; pinned memory cannot be swapped out)")
         if need > host:
             problems.append(f"{line} will not fit; would help: actor.lora.rank=16, fewer offloaded parts, or more "
                             "GPUs to shard over")
@@ -530,7 +539,7 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
             continue
         of = f" of {host / GIB:.1f} GiB here" if host and not node else ""
         lines.append(f"host memory{f' of {node}' if node else ''}: {need / GIB:.1f} GiB{of} for offloaded state, "
-                     f"{loading[node] / GIB:.1f} GiB while the roles load")
+                     f"{loading[node] / GIB:.1f} GiB in all while the roles load")
     if not lines:
         lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
     # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.

@@ -15,7 +15,6 @@ from rolefleet.common.config import RoleFleetConfig
 STARTUP_BASE_S = 300.0  # imports, worker processes and a small model's load, on a busy CI machine too
 # Reading and placing weights: 200 MB/s, a network volume's pace, with room for vLLM's warm-up.
 STARTUP_S_PER_GB = 5.0
-BF16 = 2  # bytes a parameter of a checkpoint as it is usually stored and loaded
 
 
 @dataclass(frozen=True)
@@ -30,26 +29,30 @@ def default_startup_timeout_s(weight_bytes: float) -> float:
 
 
 def role_weight_bytes(cfg: RoleFleetConfig, role: str) -> Optional[float]:
-    """Bytes (bf16) of the models `role` loads: the actor's policy and its reference (unless the
-    reference is the policy with its adapters off), the critic's value model, the reward's models;
-    None when a model's config.json cannot be read here (a hub id not yet downloaded)."""
+    """Bytes of the models `role` loads, as their checkpoints store them (their configs' dtype): the
+    actor's policy and its reference (unless the reference is the policy with its adapters off),
+    the critic's value model, the reward's models; None when a model's config.json cannot be read
+    here (a hub id not yet downloaded)."""
     from rolefleet.app.memory import ModelDims
+
+    def stored(path: str, scorer: bool = False) -> float:
+        dims = ModelDims.read(path)
+        return float(dims.stored_bytes * (dims.scorer_params if scorer else dims.params))
 
     try:
         if role == "actor":
-            params = ModelDims.read(cfg.actor.model_name_or_path).params
+            weights = stored(cfg.actor.model_name_or_path)
             if not cfg.actor.reference_is_the_policy:
-                params += ModelDims.read(cfg.actor.ref_model_name_or_path).params
+                weights += stored(cfg.actor.ref_model_name_or_path)
         elif role == "critic":
-            params = ModelDims.read(cfg.critic.model_name_or_path).params
+            weights = stored(cfg.critic.model_name_or_path)
         elif role == "reward":
-            params = sum(ModelDims.read(s.path).scorer_params for s in cfg.reward.scoring_sources()
-                         if s.kind == "model")
+            weights = sum(stored(s.path, scorer=True) for s in cfg.reward.scoring_sources() if s.kind == "model")
         else:
-            params = 0
+            weights = 0.0
     except (OSError, ValueError):  # ConfigError: no config.json, or one without the dimensions
         return None
-    return float(BF16 * params)
+    return weights
 
 
 def startup_limit(cfg: RoleFleetConfig, role: str) -> StartupLimit:
@@ -58,6 +61,7 @@ def startup_limit(cfg: RoleFleetConfig, role: str) -> StartupLimit:
         return StartupLimit(cfg.run.startup_timeout_s, "run.startup_timeout_s, set in the config")
     weights = role_weight_bytes(cfg, role)
     seconds = default_startup_timeout_s(weights or 0.0)
-    of = "its models' size not known here" if weights is None else f"{weights / 1e9:.1f} GB of model weights"
+    of = ("its models' size not known here (a hub model still to download: the download counts too)"
+          if weights is None else f"{weights / 1e9:.1f} GB of model weights")
     return StartupLimit(seconds, f"run.startup_timeout_s unset: {STARTUP_BASE_S:.0f} s + "
                                  f"{STARTUP_S_PER_GB:.0f} s a GB, for {of}")

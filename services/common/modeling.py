@@ -43,14 +43,23 @@ def check_model_path(path: str) -> str:
 
 
 def model_source(path: str) -> Path | None:
-    """The local directory of a model: `path` itself, or a hub id's cached snapshot (None if not cached)."""
+    """The local directory of a model: `path` itself, or a hub id's snapshot with its config and
+    safetensors weights: the cached one, else downloaded (unless HF_HUB_OFFLINE); None where
+    neither is possible (from_pretrained's own lookup is left)."""
     if Path(path).is_dir():
         return Path(path)
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(path, local_files_only=True))
-    except Exception:  # not an id, or not in the cache: only from_pretrained's own lookup is left
+    wanted = ["*.json", "*.safetensors"]
+    try:
+        return Path(snapshot_download(path, allow_patterns=wanted, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not an id, or not (wholly) in the cache
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None
+    try:
+        return Path(snapshot_download(path, allow_patterns=wanted))
+    except Exception:  # noqa: BLE001 - unreachable, or no such repository: from_pretrained will say which
         return None
 
 

@@ -24,7 +24,9 @@ class CriticWorker(TrainingWorker):
         self.ranks = Ranks.of(None)  # every rank trains
         self.rank = self.ranks.rank
         self.parts = dict.fromkeys(("all", "trainers"), list(range(global_world())))
-        self.model = ValueModel(cfg.model_name_or_path, self.device, on_meta=sharding_wanted(cfg, self.ranks),
+        # Adapters are injected into whole weights: a LoRA critic loads whole (`trainer.loading`).
+        on_meta = sharding_wanted(cfg, self.ranks) and not cfg.lora.enabled
+        self.model = ValueModel(cfg.model_name_or_path, self.device, on_meta=on_meta,
                                 trust_remote_code=bool(cfg.trust_remote_code))
         self.model.eval()
         self.trainer = ValueTrainer(self.model, self.device, cfg, seed, self.ranks)

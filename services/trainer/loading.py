@@ -48,6 +48,8 @@ class SafetensorsCheckpoint:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
+            if not all((directory / name).is_file() for name in names):  # an interrupted download
+                return None
         elif (directory / "model.safetensors").is_file():
             names, weight_map = ["model.safetensors"], None
         else:
@@ -86,7 +88,8 @@ def build_on_meta(auto_class, path: str, trust_remote_code: bool = False) -> tor
     directory = model_source(path)
     checkpoint = SafetensorsCheckpoint.open(directory) if directory is not None else None
     if checkpoint is None:
-        log.info("%s: no safetensors weights to read by shard; every rank loads the whole model", path)
+        log.warning("%s: no (complete) safetensors weights to read by shard; every rank loads the whole model "
+                    "before sharding it", path)
         return None
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
@@ -103,8 +106,8 @@ def build_on_meta(auto_class, path: str, trust_remote_code: bool = False) -> tor
         else:
             keys[name] = key
     if problems:
-        log.info("%s: its safetensors do not match the model's parameters (%s); every rank loads the whole model",
-                 path, "; ".join(problems[:3]))
+        log.warning("%s: its safetensors do not match the model's parameters (%s); every rank loads the whole "
+                    "model before sharding it", path, "; ".join(problems[:3]))
         return None
     if getattr(model, "can_generate", lambda: False)() and (directory / "generation_config.json").is_file():
         # Its eos ids end responses (`stop_tokens.checkpoint_stop_ids`), as a loaded model's would.
@@ -137,7 +140,7 @@ def materialize(root: torch.nn.Module, device: torch.device) -> None:
             for i, (name, param) in enumerate(params):
                 key = pending.keys[name]
                 # Opened per tensor (a header parse): the file's pages read so far are unmapped
-                # after each, so the process never holds more of the checkpoint than one tensor's.
+                # after each, so besides its own shards the process holds one tensor's pages at most.
                 with safe_open(pending.checkpoint.files[key], framework="pt") as f:
                     _read_shard(param, f.get_slice(key))
                 progress.report("loading weights", i + 1, len(params))

@@ -285,8 +285,17 @@ class WorkerGroup:
         # A role error: rank 0's, or a worker's (one that only some ranks raised is still an error).
         refused = refused or next((error for error, _ in replies.values() if error is not None), None)
         if refused is not None:
+            self._end_if_a_rank_is_gone(name)
             raise refused
         return result
+
+    def _end_if_a_rank_is_gone(self, name: str) -> None:
+        """A role error from a collective may be another rank's death seen first (a checkpoint save
+        whose peer was killed): then the role ends as for any lost rank (its callers see it gone
+        and recover) rather than answer as if the request were at fault."""
+        time.sleep(WATCH_PERIOD_S)  # the death's exit code, or the lost connection, to arrive
+        if self._lost is not None or any(p.exitcode is not None for p in self.processes):
+            self.fail(f"{name} failed while a rank was lost")
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stopping = True

@@ -126,16 +126,17 @@ def test_lora_holds_the_frozen_weights_in_bf16_and_trains_adapters_alone(tmp_pat
 def test_what_offloading_puts_in_host_memory_is_checked_against_the_machine(tmp_path):
     cfg = cfg_for(small_model(tmp_path), "actor.offload=optimizer", "actor.ref_offload=true")
     dims = ModelDims.read(cfg.actor.model_name_or_path)
-    # AdamW state and reference offloaded, and the checkpoint read while the actor loads.
-    need = dims.params * (8 + 4 + dims.stored_bytes)
+    need = dims.params * (8 + 4)  # AdamW state and reference offloaded
     problems, warnings = memory_problems(cfg, ["actor"], None, host=need / 2)
     [problem] = problems
     assert problem.startswith(f"actor: an estimated {need / GIB:.1f} GiB of host memory") and "will not fit" in problem
     assert memory_problems(cfg, ["actor"], None, host=need / 0.95)[1]  # near: a warning
     assert memory_problems(cfg, ["actor"], None, host=need * 2) == ([], [])
-    loading = dims.params * dims.stored_bytes  # nothing offloaded: only what loading holds for a while
+    # Nothing offloaded: the checkpoint's pages while loading are reclaimable, a warning at most.
+    loading = dims.params * dims.stored_bytes
     assert memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=2 * loading) == ([], [])
-    assert memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=loading / 2)[0]
+    problems, [warning] = memory_problems(cfg_for(small_model(tmp_path)), ["actor"], None, host=loading / 2)
+    assert problems == [] and "while the roles load" in warning
 
 
 def test_what_a_process_holds_while_it_loads(tmp_path):

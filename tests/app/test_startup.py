@@ -60,4 +60,4 @@ def test_a_model_not_readable_here_gets_the_base(tmp_path):
     cfg = parse_config({"model": {"model_name_or_path": "someone/not-downloaded"}})
     assert role_weight_bytes(cfg, "actor") is None
     limit = startup_limit(cfg, "actor")
-    assert limit.seconds == 300 and limit.why.endswith("for its models' size not known here")
+    assert limit.seconds == 300 and limit.why.endswith("(a hub model still to download: the download counts too)")

@@ -4,11 +4,19 @@ the head and resumes them."""
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.critic.core import CriticCore
+
+
+@pytest.fixture
+def no_process_group_left():
+    yield
+    if dist.is_initialized():  # offload=params made one of this process alone
+        dist.destroy_process_group()
 
 
 def critic(model_dir, *overrides):
@@ -96,3 +104,13 @@ def test_the_planner_counts_the_critics_adapters(tmp_path):
     plain = parse_config({"model": {"model_name_or_path": str(tmp_path)}, "algorithm": "ppo",
                           "devices": {"actor": [0], "critic": [1]}}, [])
     assert any(s.startswith("critic.lora.rank=16") for s in settings_that_help(plain, critic_estimate(plain, dims, "1")))
+
+
+def test_a_sharded_lora_critic_loads_whole_weights_to_put_its_adapters_in(tiny_model_dir, no_process_group_left):
+    """offload=params shards (over one process): a LoRA critic still loads whole (its adapters are
+    injected into whole weights), not as a skeleton read by shard, and learns."""
+    core = critic(tiny_model_dir, "critic.offload=params")
+    assert core.worker.trainer.sharded
+    b = batch()
+    before = ((core.compute_values(b) - torch.linspace(-1, 1, b.num_response_tokens)) ** 2).mean().item()
+    assert fit(core, b, 10) < before

@@ -19,8 +19,8 @@ SourceFormat = Literal["jsonl", "json", "parquet", "datasets", "hub"]
 class ModelSection(_Section):
     model_name_or_path: Optional[ExpandedPath] = Field(None, description="default for actor and critic models")
     trust_remote_code: bool = Field(False, description="run the Python files a model directory or hub repository "
-                                    "ships (architectures transformers lacks): code from the model's source runs in "
-                                    "every role that loads it (docs/security.md); default for actor and critic")
+                                    "ships (architectures transformers lacks) in the actor, the critic and the "
+                                    "coordinator's tokenizer (docs/security.md); default for actor and critic")
 
 
 class DataSection(_Section):
