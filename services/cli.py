@@ -236,13 +236,24 @@ def cmd_deploy(args) -> int:
 def cmd_plan(args) -> int:
     """Every GPU of the config's device map with what its roles will need; 1 if one will not fit."""
     from rolefleet.app.memory import GIB, describe, gpu_capacity, host_capacity, plan
-    from rolefleet.app.placement import placed, visible_gpus
+    from rolefleet.app.placement import NothingFits, placed, visible_gpus
 
     cfg = load_config(args.config, args.overrides)
+    if args.gpus is not None and not cfg.devices.auto:  # it would be ignored: the map names its own GPUs
+        given = "cpu" if cfg.devices.is_cpu else "a map"
+        raise ConfigError(f"plan --gpus: applies to devices: auto only (the map it chooses on N GPUs), and this "
+                          f"config's devices is {given}, planned as it is: leave --gpus out (--gpu-gib still sets "
+                          "the GPU size), or add devices=auto")
     capacity = args.gpu_gib * GIB if args.gpu_gib else gpu_capacity()
     if cfg.devices.auto:  # the map `up` would choose: on this machine's GPUs, or on --gpus of --gpu-gib
         gpus = [capacity] * args.gpus if args.gpus is not None else [capacity or g for g in visible_gpus()]
-        cfg = placed(cfg, gpus, say=print)
+        try:
+            cfg = placed(cfg, gpus, say=print)
+        except NothingFits as e:  # the error points here for the itemized figures: the closest map's plan
+            print("devices: auto: no map fits; the closest one tried:")
+            print(describe(e.closest, e.plans, host_capacity()))
+            print(f"rolefleet: {e}", file=sys.stderr)
+            return 1
         if not gpus:
             print("(give --gpus N --gpu-gib G for the map devices: auto chooses on a machine of N such GPUs)")
     plans = plan(cfg, capacity)

@@ -210,6 +210,16 @@ def test_serve_takes_its_node_rank_from_the_flag_or_the_environment(config_file,
     assert "ROLEFLEET_NODE_RANK='one' is not a node rank: a whole number from 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("devices", [["devices.actor=[0]"], ["devices=cpu"]])
+def test_plan_refuses_gpus_for_a_config_whose_devices_are_given(config_file, capsys, devices):
+    """--gpus N chooses the map of devices: auto; with a map or cpu it would be silently ignored."""
+    assert cli.main(["plan", str(config_file), *devices, "--gpus", "2", "--gpu-gib", "80"]) == 2
+    captured = capsys.readouterr()
+    assert "rolefleet: plan --gpus: applies to devices: auto only" in captured.err
+    assert captured.out == ""  # no plan printed for a map the user may think was placed on 2 GPUs
+    assert cli.main(["plan", str(config_file), *devices, "--gpu-gib", "80"]) == 0  # the map, planned as it is
+
+
 def test_train_preflights_before_the_coordinator_starts(config_file, capsys, nothing_starts):
     assert cli.main(["train", str(config_file)]) == 2  # no role addresses in the config
     assert "set actor.address (or a fixed actor.port)" in capsys.readouterr().err

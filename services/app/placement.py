@@ -8,11 +8,13 @@ role for a reward model (`kind: model`; functions run on the CPU); never the coo
 GPU they all share it. On several, the roles get GPUs of their own while the actor keeps most: a
 reward model one, the critic a quarter of the rest (one at least), the actor what is left, training
 and generating on each of them (with `actor.rollout.backend: vllm` or engines over several GPUs, the
-first half of them generate and the rest train: vLLM runs apart from the trainer). Where that does
-not fit by the memory planner's estimate (`app/memory.py`), or there are too few GPUs, the roles
-spread over every GPU together. When nothing fits, the choice fails with the planner's figures
-rather than go to the CPU. No GPU: the CPU. A CPU worker group over nodes (`<role>.nodes`,
-`actor.rollout.workers`) is a CPU setting the config asks for: the CPU too.
+first half of them generate and the rest train: vLLM runs apart from the trainer; an actor with no
+GPU left to train beside its engines is refused). Where that does not fit by the memory planner's
+estimate (`app/memory.py`), or there are too few GPUs, the roles spread over every GPU together.
+When nothing fits, the choice fails with the planner's figures and the closest map it tried
+(`NothingFits`, which `rolefleet plan` itemizes) rather than go to the CPU. No GPU: the CPU. A CPU
+worker group over nodes (`<role>.nodes`, `actor.rollout.workers`) is a CPU setting the config asks
+for: the CPU too.
 
 GPUs of different sizes are planned as the smallest of them. The chosen map is written into the
 run's saved config, so restarts and `serve` read that map, not the word.
@@ -39,6 +41,16 @@ class Placement:
     plans: list[GpuPlan] = field(default_factory=list)  # the planner's view of the map; [] on the CPU
 
 
+class NothingFits(ConfigError):
+    """No map of `devices: auto` fits: the planner's figures in the message, and the map that came
+    closest (`closest`, the config with that map, and its `plans`) for `rolefleet plan` to itemize."""
+
+    def __init__(self, message: str, closest: RoleFleetConfig, plans: list[GpuPlan]):
+        super().__init__(message)
+        self.closest = closest
+        self.plans = plans
+
+
 def gpu_roles(cfg: RoleFleetConfig) -> list[str]:
     """The run's roles that have GPU work, in the order they are given GPUs."""
     reward_model = any(s.kind == "model" for s in cfg.reward.scoring_sources())
@@ -47,7 +59,8 @@ def gpu_roles(cfg: RoleFleetConfig) -> list[str]:
 
 def choose_devices(cfg: RoleFleetConfig, gpus: Sequence[Optional[float]]) -> Placement:
     """The devices map for `cfg` on GPUs of `gpus` bytes each (None: not known; [] no GPU). Raises
-    ConfigError, with the planner's figures, when no map fits."""
+    NothingFits, with the planner's figures and the closest map, when no map fits; ConfigError when
+    the actor's GPUs are too few for its rollout engines."""
     if not gpus:
         return Placement(DevicesSection.of("cpu"), 0, None, "no CUDA GPU here")
     if (reason := cpu_group_setting(cfg)) is not None:
@@ -64,7 +77,8 @@ def choose_devices(cfg: RoleFleetConfig, gpus: Sequence[Optional[float]]) -> Pla
         if not any(g.verdict == "over" for g in plans):
             return Placement(devices, len(gpus), capacity, _fit(plans, name), plans)
         tried.append((name, trial, plans))
-    raise ConfigError(nothing_fits(cfg, len(gpus), capacity, tried))
+    name, trial, plans = min(tried, key=lambda t: max(g.total for g in t[2]))
+    raise NothingFits(nothing_fits(cfg, len(gpus), capacity, name, trial, plans), trial, plans)
 
 
 def cpu_group_setting(cfg: RoleFleetConfig) -> Optional[str]:
@@ -83,7 +97,25 @@ def candidates(cfg: RoleFleetConfig, n: int) -> list[tuple[str, DevicesSection]]
     enough, then every role over all of them."""
     roles = gpu_roles(cfg)
     out = [("apart", _apart(cfg, roles, n))] if n > 1 and len(roles) > 1 else []
-    return out + [("together" if len(roles) > 1 else "alone", _together(cfg, roles, n))]
+    out.append(("together" if len(roles) > 1 else "alone", _together(cfg, roles, n)))
+    kept = [(name, d) for name, d in out if engines_problem(cfg, len(d.actor)) is None]
+    if not kept:  # the last map gives the actor the most GPUs: name its count
+        raise ConfigError(engines_problem(cfg, len(out[-1][1].actor)))
+    return kept
+
+
+def engines_problem(cfg: RoleFleetConfig, gpus: int) -> Optional[str]:
+    """Why an actor of `gpus` GPUs cannot run its vLLM engines of several GPUs, or None. They generate
+    apart from training, so at least one GPU must be left to train: on fewer, the actor's GPUs would
+    all train and generate, which `backend_problem` (actor/rollout.py) refuses for vLLM."""
+    size = cfg.actor.rollout.vllm.tensor_parallel_size
+    if size == 1 or gpus > size:
+        return None
+    workers = " (actor.workers sets its GPU count)" if cfg.actor.workers else ""
+    return (f"devices: auto: vLLM with actor.rollout.vllm.tensor_parallel_size={size} needs {size + 1} GPUs for "
+            f"the actor in this layout ({size} to generate apart from training, one at least to train), and it has "
+            f"{gpus} here{workers}: lower tensor_parallel_size, set actor.rollout.backend=hf with "
+            "tensor_parallel_size=1, or set devices to a map of your own")
 
 
 def _apart(cfg: RoleFleetConfig, roles: list[str], n: int) -> DevicesSection:
@@ -134,11 +166,10 @@ def _layout(name: str) -> str:
             "alone": "the actor, the only role with GPU work, on every GPU"}[name]
 
 
-def nothing_fits(cfg: RoleFleetConfig, n: int, capacity: float,
-                 tried: list[tuple[str, RoleFleetConfig, list[GpuPlan]]]) -> str:
-    """Why no map was chosen: the over-full GPUs of the map that came closest, each role's estimate
-    there, and what would lower the largest."""
-    name, trial, plans = min(tried, key=lambda t: max(g.total for g in t[2]))
+def nothing_fits(cfg: RoleFleetConfig, n: int, capacity: float, name: str, trial: RoleFleetConfig,
+                 plans: list[GpuPlan]) -> str:
+    """Why no map was chosen: the over-full GPUs of the map that came closest (`name`: its layout;
+    `trial`: the config with it), each role's estimate there, and what would lower the largest."""
     over = [g for g in plans if g.verdict == "over"]
     same: dict[str, list[str]] = {}  # GPUs of one group over by the same figures, named together
     for g in over:

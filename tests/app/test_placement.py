@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rolefleet.app.memory import GIB, plan
-from rolefleet.app.placement import announce, candidates, choose_devices, placed, require_map
+from rolefleet.app.placement import NothingFits, announce, candidates, choose_devices, placed, require_map
 from rolefleet.app.shapes import SHAPES
 from rolefleet.common.config import ConfigError, load_config, parse_config
 
@@ -88,6 +88,32 @@ def test_vllm_on_several_gpus_generates_apart_from_training(small):
     assert chosen(cfg, 1) == {"actor": [0], "rollout": [0]}  # one worker runs vLLM beside its trainer
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_vllm_engines_that_would_leave_no_gpu_to_train_are_refused(small, gpus):
+    """Engines of two GPUs on an actor of two: every GPU would train and generate, the layout
+    `backend_problem` refuses for vLLM; auto says so instead of choosing it."""
+    cfg = config(small, actor={"rollout": {"backend": "vllm", "vllm": {"tensor_parallel_size": 2}}})
+    with pytest.raises(ConfigError, match=rf"vLLM with actor.rollout.vllm.tensor_parallel_size=2 needs 3 GPUs for the actor in this "
+                                          rf"layout \(2 to generate apart from training, one at least to train\), "
+                                          rf"and it has {gpus} here: .*actor.rollout.backend=hf"):
+        choose_devices(cfg, [H100] * gpus)
+    assert chosen(cfg, 3) == {"actor": [0, 1, 2], "rollout": [0, 1]}  # one GPU left to train
+
+
+def test_a_layout_too_small_for_the_engines_gives_way_to_one_that_is_not(small):
+    """PPO on four GPUs with engines of three: on GPUs of its own the actor has three, none left
+    to train; sharing all four with the critic leaves one."""
+    from rolefleet.actor.placement import ActorPlacement, rollout_ranks
+    from rolefleet.actor.rollout import backend_problem
+
+    cfg = config(small, "ppo", actor={"rollout": {"backend": "vllm", "vllm": {"tensor_parallel_size": 3}}})
+    assert [name for name, _ in candidates(cfg, 4)] == ["together"]
+    placed_cfg = cfg.model_copy(update={"devices": choose_devices(cfg, [H100] * 4).devices})
+    assert placed_cfg.devices.rollout == [0, 1, 2] and placed_cfg.devices.actor == [0, 1, 2, 3]
+    split = ActorPlacement(4, rollout_ranks(placed_cfg)).split
+    assert backend_problem("vllm", True, True, 4, split) is None  # the config's own check accepts it
+
+
 def test_roles_share_the_gpus_when_gpus_of_their_own_would_not_fit(tmp_path):
     """PPO of a 7B model on four GPUs: on GPUs of its own (three) the actor's shard is larger than
     sharded over all four beside the critic's quarter; on GPUs between the two figures only the
@@ -118,6 +144,10 @@ def test_a_model_too_big_for_any_map_is_refused_with_the_planners_figures(tmp_pa
     assert " + critic " in message and "`rolefleet plan CONFIG --gpus 1 --gpu-gib 24.0` itemizes it" in message
     assert "actor.offload=optimizer" in message and "devices: cpu" in message
     assert "more GPUs" not in message  # every GPU of the machine is in the map already
+    # The closest map comes with the error, for `rolefleet plan` to itemize.
+    assert isinstance(refused.value, NothingFits)
+    assert refused.value.closest.devices.actor == [0] and refused.value.closest.devices.critic == [0]
+    assert [g.gpu for g in refused.value.plans] == ["0"] and refused.value.plans[0].verdict == "over"
 
 
 def test_no_gpu_or_a_cpu_worker_group_is_the_cpu(small):
@@ -203,6 +233,23 @@ def test_plan_shows_the_map_auto_chooses(small, tmp_path, capsys):
     assert "  critic: GPU 1\n" in out and "GPU 1: " in out and "(fits)" in out  # and the plan of that map
     assert main(["plan", str(path), "--gpus", "0"]) == 0
     assert "devices: auto: every role on the CPU (no CUDA GPU here)" in capsys.readouterr().out
+
+
+def test_plan_itemizes_the_closest_map_when_none_fits(tmp_path, capsys):
+    """The error of `devices: auto` sends the user to `rolefleet plan` for the figures: plan prints
+    them for the map that came closest, then the error, and exits 1 (a plan that does not fit)."""
+    from rolefleet.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": "ppo", "model": {"model_name_or_path": model(tmp_path / "7b",
+                                                                                            "qwen2.5-7b")}}))
+    assert main(["plan", str(path), "--gpus", "1", "--gpu-gib", "24"]) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "devices: auto: no map fits; the closest one tried:" in out
+    assert "GPU 0: " in out and "(over)" in out and "  actor: " in out and "  critic: " in out
+    assert "    held  " in out  # itemized: each role's parts, not only its total
+    assert "rolefleet: devices: auto: no map of actor, critic on 1 GPU of 24.0 GiB fits" in captured.err
 
 
 def test_deploy_files_and_a_role_started_alone_refuse_auto(small, monkeypatch):

@@ -564,7 +564,9 @@ def test_the_dockerfile_pins_its_cuda_base_and_runs_rolefleet_serve_as_a_non_roo
     steps = instructions()
     args = {k: v for k, v in (a.split("=", 1) for kind, a in steps if kind == "ARG" and "=" in a)}
     # By default the GPU image (the container tier builds the CPU one for real: tests/containers).
-    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-(cudnn-)?runtime-ubuntu2[24]\.04", args["BASE_IMAGE"])
+    # CUDA 13.0, as the pinned torch (constraints/gpu-h200.txt: 2.11.0 is PyPI's CUDA 13.0 build);
+    # Ubuntu 24.04, whose python3 is the 3.12 the pins ran on.
+    assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-(cudnn-)?runtime-ubuntu24\.04", args["BASE_IMAGE"])
     assert (args["TORCH"], args["EXTRAS"]) == ("cuda", "vllm")
     stages = [a for kind, a in steps if kind == "FROM"]
     assert stages[0] == "${BASE_IMAGE} AS system" and stages[-1] == "system"
