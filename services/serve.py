@@ -40,7 +40,7 @@ def _actor(cfg: RoleFleetConfig, group=None):
 
     core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound,
                      rollout_ranks=rollout_ranks(cfg), group=group)
-    core.checkpoint_root = cfg.checkpoint.root(cfg.run)
+    core.checkpoint_root, core.snapshot_root = cfg.checkpoint.root(cfg.run), cfg.checkpoint.snapshot.root(cfg.run)
     return core, functools.partial(server.add_to_server, core)
 
 
@@ -57,7 +57,7 @@ def _critic(cfg: RoleFleetConfig, group=None):
     from rolefleet.critic.core import CriticCore
 
     core = CriticCore(cfg.critic, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound, group=group)
-    core.checkpoint_root = cfg.checkpoint.root(cfg.run)
+    core.checkpoint_root, core.snapshot_root = cfg.checkpoint.root(cfg.run), cfg.checkpoint.snapshot.root(cfg.run)
     return core, functools.partial(server.add_to_server, core)
 
 

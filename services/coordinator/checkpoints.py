@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from rolefleet.common.config import RoleFleetConfig
-from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 from rolefleet.coordinator.journal import Journal
-from rolefleet.trainer.checkpoint import MANIFEST, latest_checkpoint, prune, step_dir, write_json
+from rolefleet.trainer.checkpoint import MANIFEST, complete_checkpoints, prune, step_dir, write_json
 
 log = logging.getLogger(__name__)
 STATE_FILE = "coordinator.json"
@@ -106,7 +108,12 @@ class Checkpointer:
     def __init__(self, cfg: RoleFleetConfig, journal: Journal | None = None):
         self.cfg, self.journal = cfg, journal
         self.root = cfg.checkpoint.root(cfg.run).resolve()  # roles are told absolute paths
+        snapshot = cfg.checkpoint.snapshot
+        self.snapshots = snapshot.root(cfg.run).resolve() if snapshot.enabled else None
+        # This coordinator's own snapshots: a role never meets another run's (or start's) under its path.
+        self.instance = os.urandom(4).hex()
         self.last_saved = time.monotonic()  # `checkpoint.every_minutes` counts from here (the run's start)
+        self.recovery: dict[str, float] = {}  # the last recovery's metrics, for the next step's record
 
     def start_fresh(self) -> None:
         """A new run (not resuming) in a directory with an earlier run's checkpoints: they are moved
@@ -116,6 +123,17 @@ class Checkpointer:
             aside = self.root.with_name(f"{self.root.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
             self.root.rename(aside)
             log.warning("a new run (run.resume is false): the earlier run's checkpoints moved to %s", aside)
+        self.drop_snapshots()
+
+    def drop_snapshots(self) -> None:
+        """Snapshots are for recovering the run that wrote them: gone with a new run and a finished one."""
+        if self.snapshots is not None:
+            shutil.rmtree(self.snapshots, ignore_errors=True)
+
+    def take_recovery(self) -> dict[str, float]:
+        """The last recovery's metrics (`recovery/*`), once: for the first record after it."""
+        taken, self.recovery = self.recovery, {}
+        return taken
 
     def trained(self, step: int, samples, policy_version: int) -> None:
         """Step `step` was trained on `samples`: the journal refuses a sample id trained twice."""
@@ -130,17 +148,7 @@ class Checkpointer:
         warm-up); `state`: the coordinator's part."""
         start, step = time.perf_counter(), state.step
         path = step_dir(self.root, step)
-        path.mkdir(parents=True, exist_ok=True)
-        actor, critic = await asyncio.gather(
-            roles.actor.save_checkpoint(actor_step, str(path / "actor")),
-            roles.critic.save_checkpoint(step, str(path / "critic")) if roles.critic else _nothing())
-        write_json(path / STATE_FILE, {"version": STATE_VERSION, **state.to_dict()})
-        roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
-        if critic is not None:
-            roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
-        manifest = {"step": step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm, "created": time.time(),
-                    "roles": roles_done, "coordinator": STATE_FILE}
-        write_json(path / MANIFEST, manifest)
+        manifest = await self._write(roles, state, actor_step, path)
         if self.journal is not None:
             self.journal.record_checkpoint(step, str(path), manifest)
         for old in prune(self.root, self.cfg.checkpoint.keep):
@@ -149,13 +157,65 @@ class Checkpointer:
         log.info("checkpoint of step %d written to %s in %.1f s", step, path, time.perf_counter() - start)
         return path
 
+    async def snapshot(self, roles, state: CoordinatorState, actor_step: int) -> float:
+        """A snapshot of `state.step` (`checkpoint.snapshot`): a checkpoint in memory, the trainers'
+        parts on their own machines; once it is complete the previous one goes. Its seconds."""
+        start = time.perf_counter()
+        try:
+            await self._write(roles, state, actor_step, step_dir(self.snapshots / self.instance, state.step))
+        except (FailedPrecondition, InvalidArgument, OSError) as exc:  # a full or missing memory volume, say
+            log.warning("snapshots are off for the rest of the run: the snapshot of step %d failed (%s); a lost "
+                        "trainer is recovered from the checkpoints (checkpoint.every_minutes, checkpoint.every)",
+                        state.step, exc)
+            self.snapshots = None
+            return 0.0
+        for _, old in self._snapshots()[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+        for other in self.snapshots.iterdir():  # an earlier coordinator start's, superseded now
+            if other.name != self.instance:
+                shutil.rmtree(other, ignore_errors=True)
+        return time.perf_counter() - start
+
+    def _snapshots(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete snapshot, by step."""
+        if self.snapshots is None or not self.snapshots.is_dir():
+            return []
+        return sorted(found for start in self.snapshots.iterdir() if start.is_dir()
+                      for found in complete_checkpoints(start))
+
+    async def _write(self, roles, state: CoordinatorState, actor_step: int, path: Path) -> dict:
+        """The trainers' parts (at once), the coordinator's state, then the manifest; the manifest."""
+        path.mkdir(parents=True, exist_ok=True)
+        actor, critic = await asyncio.gather(
+            roles.actor.save_checkpoint(actor_step, str(path / "actor")),
+            roles.critic.save_checkpoint(state.step, str(path / "critic")) if roles.critic else _nothing())
+        write_json(path / STATE_FILE, {"version": STATE_VERSION, **state.to_dict()})
+        roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
+        if critic is not None:
+            roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
+        manifest = {"step": state.step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm,
+                    "created": time.time(), "roles": roles_done, "coordinator": STATE_FILE}
+        write_json(path / MANIFEST, manifest)
+        return manifest
+
     async def restore(self, roles) -> CoordinatorState | None:
-        """Load the newest complete checkpoint into the roles; its coordinator state (None: there
-        is none yet, the run starts at step 1)."""
-        path = latest_checkpoint(self.root)
-        if path is None:
-            log.warning("run.resume: no complete checkpoint under %s; starting from step 1", self.root)
-            return None
+        """Load the newest complete checkpoint or snapshot into the roles; its coordinator state
+        (None: there is none yet, the run starts at step 1). A snapshot that a trainer does not
+        hold (its machine's memory went with it: a pod moved) gives way to the next newest."""
+        # Newest first; a checkpoint before a snapshot of the same step (it is on lasting storage).
+        found = sorted([(step, 1, path) for step, path in complete_checkpoints(self.root)]
+                       + [(step, 0, path) for step, path in self._snapshots()], reverse=True)
+        for step, durable, path in found:
+            try:
+                return await self._load(roles, path)
+            except InvalidArgument as exc:
+                if durable:
+                    raise
+                log.warning("snapshot of step %d not loaded (%s); trying the next newest", step, exc)
+        log.warning("run.resume: no complete checkpoint under %s; starting from step 1", self.root)
+        return None
+
+    async def _load(self, roles, path: Path) -> CoordinatorState:
         manifest = json.loads((path / MANIFEST).read_text())
         if (manifest["roles"].get("critic") is not None) != (roles.critic is not None):
             raise FailedPrecondition(f"run.resume: the checkpoint {path} was taken "
@@ -169,9 +229,13 @@ class Checkpointer:
             state = CoordinatorState.from_dict(saved)
         except ValueError as exc:  # before any role loads anything
             raise FailedPrecondition(f"run.resume: {path / STATE_FILE}: {exc}") from None
+        # Both answered before anything is concluded: a load still running must not land after the next one.
         actor, critic = await asyncio.gather(
             roles.actor.load_checkpoint(str(path / "actor")),
-            roles.critic.load_checkpoint(str(path / "critic")) if roles.critic else _nothing())
+            roles.critic.load_checkpoint(str(path / "critic")) if roles.critic else _nothing(), return_exceptions=True)
+        for failed in (actor, critic):
+            if isinstance(failed, BaseException):
+                raise failed
         for name, loaded in (("actor", actor), ("critic", critic)):
             expected = manifest["roles"].get(name)
             if loaded is not None and (loaded.step, loaded.model_version) != (expected["step"], expected["model_version"]):

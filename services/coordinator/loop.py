@@ -88,7 +88,14 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
                     failures, failed_at = (failures + 1 if status.step <= failed_at else 1), max(failed_at, status.step)
                     if failures > cfg.run.max_restarts or status.stop_requested:
                         raise
+                    lost_at, since = status.step, time.monotonic()
                     resumed = await _recover(cfg, roles, checkpointer, exc, failures)
+                    # Whole steps trained again (the one in flight is not counted: it never ended).
+                    checkpointer.recovery = {"recovery/steps_lost": float(lost_at - resumed.step),
+                                             "recovery/seconds": time.monotonic() - since}
+                    print(f"rolefleet: recovered: continuing after step {resumed.step} "
+                          f"({lost_at - resumed.step} finished steps to train again)", flush=True)
+            checkpointer.drop_snapshots()  # the run ended as it meant to: nothing left to recover
         finally:
             if watch is not None:
                 watch.cancel()
@@ -108,11 +115,11 @@ async def _steps(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: 
 async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointer, lost: Unavailable,
                    attempt: int) -> CoordinatorState:
     """A role went away mid-run (its process died; `rolefleet up`, compose or Kubernetes start it
-    again): once every role answers, the newest checkpoint goes back into the trainer roles (a
-    restarted one starts from its initial weights, the others moved on since) and the run goes on
-    from its step."""
+    again): once every role answers, the newest snapshot (the step before the one in flight) or
+    checkpoint goes back into the trainer roles (a restarted one starts from its initial weights,
+    the others may have applied the step in flight) and the run goes on from its step."""
     print(f"rolefleet: a role was lost ({lost}); recovery {attempt} of {cfg.run.max_restarts}: waiting for every "
-          "role, then resuming from the newest checkpoint", flush=True)
+          "role, then resuming from the newest snapshot or checkpoint", flush=True)
     deadline = time.monotonic() + cfg.train.connect_timeout_s
     for client in (roles.actor, roles.reward, roles.critic):
         while client is not None:

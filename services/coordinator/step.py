@@ -151,6 +151,8 @@ class StepBody:
         now = time.perf_counter()
         seconds = {"generate": rollout.generate_s, "score": score_s, "update": update_s, "step": now - since}
         added = await schedule.updated(rollout, actor_result, now, seconds)
+        # A snapshot of the trainers, what a lost one resumes from (a checkpoint instead when one is due).
+        snapshot = {} if self.checkpointer.due(step) else await self.snapshot()
 
         # 5. The record, with an evaluation when due (after the step's time: no part of a training step).
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
@@ -164,7 +166,7 @@ class StepBody:
             record["critic_warmup"] = 1.0
         if step == 1:
             record.update(self.dataset.stats)  # what the load kept, filtered and truncated
-        record.update(added)
+        record.update(added, **snapshot, **self.checkpointer.take_recovery())
         if self.evaluator is not None and self.evaluator.due(step):
             # Async mode: in the train stage, so the next update waits for it, while generation goes
             # on within the bound and takes the rollout engine in turns with it (evaluation.py).
@@ -210,11 +212,23 @@ class StepBody:
 
     async def save(self) -> None:
         """A checkpoint after the last step: the data of its batches (and of dropped ones) is used."""
+        s = self._saved_state()
+        await self.checkpointer.save(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
+        self.saved = s.step
+
+    async def snapshot(self) -> dict[str, float]:
+        """A snapshot of the step just trained (`checkpoint.snapshot`): its seconds, for the record."""
+        if self.checkpointer.snapshots is None:
+            return {}
+        s = self._saved_state()
+        seconds = await self.checkpointer.snapshot(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
+        return {"checkpoint/snapshot_s": seconds}
+
+    def _saved_state(self) -> CoordinatorState:
         s = self.state
         self.dataset.position = s.batches_used * self.cfg.train.prompts_per_step
         s.data = self.dataset.state_dict()
-        await self.checkpointer.save(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
-        self.saved = s.step
+        return s
 
     async def save_if_stopped(self) -> None:
         """After the last step of a stopped run, a checkpoint of it (`checkpoint.at_end`): it can resume."""

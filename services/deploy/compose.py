@@ -61,6 +61,11 @@ GRAFANA_PORT = 3000
 # The directory of a file the config names (outside ./configs and ./models) is mounted read-only at
 # INPUTS_DIR/<n>, one per directory, numbered in the order the roles' inputs name them.
 RUNS_DIR, CONFIGS_DIR = "/runs", "/configs"
+# Snapshots (checkpoint.snapshot) on a memory-backed volume that every role container mounts: it
+# outlives a role container's restart (the others keep it mounted), not the whole project. A
+# container's own /dev/shm (the default path) is 64 MiB and gone with its restart.
+SNAPSHOTS_DIR = "/snapshots"
+SNAPSHOTS_VOLUME = {"driver": "local", "driver_opts": {"type": "tmpfs", "device": "tmpfs"}}
 # Where the directories of the TLS files and the token file are mounted (read-only), one per
 # directory, numbered in the order of these keys.
 SECRETS_DIR = "/etc/rolefleet/secrets"
@@ -104,13 +109,16 @@ def render_compose(cfg: RoleFleetConfig, config_path: str, overrides: Sequence[s
     secrets = secret_mounts(cfg)
     inputs = InputMounts(config_dir)
     shared = [*overrides, f"run.output_dir={RUNS_DIR}/{cfg.run.name}", *secrets.overrides]
+    snapshots = cfg.checkpoint.snapshot.enabled
+    if snapshots:
+        shared.append(f"checkpoint.snapshot.dir={SNAPSHOTS_DIR}/{cfg.run.name}")
     parts = [_header(config_path, overrides, gpus, cfg.coordinator.http_enabled, cfg, secrets),
              "name: rolefleet\n", "services:\n"]
     for role in roles:
-        service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs)
+        service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs, snapshots=snapshots)
         parts.append(_service_yaml(role, service, _role_comment(role, gpus[role])))
         for node in range(1, layout_for(role, cfg).nodes):  # a worker group over containers (CPU workers)
-            service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs, node)
+            service = _role_service(cfg, role, gpus[role], config_name, shared, secrets, inputs, node, snapshots)
             parts.append(_service_yaml(f"{role}-node{node}", service, [
                 f"{role} node {node} of its worker group: torch's elastic agent of this container's ranks, which",
                 f"meet the others at the rendezvous of the {role} service; restarted when it dies (the group forms",
@@ -119,7 +127,8 @@ def render_compose(cfg: RoleFleetConfig, config_path: str, overrides: Sequence[s
         "prometheus: scrapes every role's /metrics port (deploy/prometheus/prometheus.yml, alerts.yml)"]))
     parts.append(_service_yaml("grafana", _grafana(), [
         "grafana: the dashboards of deploy/grafana, over Prometheus"]))
-    parts.append(yaml.safe_dump({"volumes": {"runs": {}, "prometheus": {}}}, sort_keys=False))
+    volumes = {"runs": {}, "prometheus": {}, **({"snapshots": SNAPSHOTS_VOLUME} if snapshots else {})}
+    parts.append(yaml.safe_dump({"volumes": volumes}, sort_keys=False))
     return "".join(parts)
 
 
@@ -139,14 +148,16 @@ def gpu_ids(cfg: RoleFleetConfig, role: str) -> list[str]:
 # --- the role services ---------------------------------------------------------------------------
 
 def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_name: str, shared: list[str],
-                  secrets: SecretMounts, inputs: InputMounts, node: int = 0) -> dict[str, Any]:
-    """The service of `role`, or of node `node` >= 1 of its worker group (no gRPC: node 0 serves)."""
+                  secrets: SecretMounts, inputs: InputMounts, node: int = 0, snapshots: bool = False) -> dict[str, Any]:
+    """The service of `role`, or of node `node` >= 1 of its worker group (no gRPC: node 0 serves);
+    `snapshots`: with the snapshot volume."""
     reads = inputs.place(cfg, role)
     command = [role, "--config", f"{CONFIGS_DIR}/{config_name}", *(["--node-rank", str(node)] if node else []),
                *shared, *reads.overrides, *_endpoint_overrides(cfg, role)]
     if layout_for(role, cfg).spans:  # the group's nodes meet at node 0's container, by its service name
         command.append(f"{role}.rendezvous.host={role}")
-    volumes = ["runs:" + RUNS_DIR, *reads.volumes, *secrets.volumes]
+    volumes = ["runs:" + RUNS_DIR, *(["snapshots:" + SNAPSHOTS_DIR] if snapshots else []), *reads.volumes,
+               *secrets.volumes]
     service: dict[str, Any] = {"image": IMAGE, "build": {"context": ".", "dockerfile": DOCKERFILE},
                                "command": [_literal(word) for word in command]}
     if gpus:
@@ -223,7 +234,7 @@ def _literal(word: str) -> str:
 
 def _owned_keys() -> set[str]:
     """Keys compose sets on every command line itself (what holds inside a container)."""
-    keys = {"run.output_dir", "coordinator.http_host", "coordinator.http_port"}
+    keys = {"run.output_dir", "checkpoint.snapshot.dir", "coordinator.http_host", "coordinator.http_port"}
     for role in GRPC_PORTS:
         keys |= {f"{role}.host", f"{role}.port", f"{role}.metrics_port", f"{role}.address", f"{role}.rendezvous.host"}
     return keys

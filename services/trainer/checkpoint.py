@@ -27,6 +27,7 @@ save interrupted anywhere leaves either no `<dir>` or no manifest, and resume ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -229,10 +230,31 @@ def _role_dir(core, path: str) -> Path:
         raise InvalidArgument("path", "no checkpoint directory given")
     if "\x00" in path:
         raise InvalidArgument("path", "has a NUL character")
-    target, root = Path(path), core.checkpoint_root
-    if root is not None and not target.resolve().is_relative_to(Path(root).resolve()):
-        raise InvalidArgument("path", f"{path} is outside the run's checkpoint directory {root} (checkpoint.dir)")
+    target = Path(path)
+    roots = [Path(r).resolve() for r in (core.checkpoint_root, core.snapshot_root) if r is not None]
+    if roots and not any(target.resolve().is_relative_to(root) for root in roots):
+        raise InvalidArgument("path", f"{path} is outside the run's checkpoint directory {core.checkpoint_root} "
+                              f"(checkpoint.dir) and its snapshot directory {core.snapshot_root} "
+                              "(checkpoint.snapshot.dir)")
     return target
+
+
+def is_snapshot(core, path: str) -> bool:
+    """Whether `path` names one of the role's per-step snapshots (no export files; pruned by the role)."""
+    root = core.snapshot_root
+    return root is not None and Path(path).resolve().is_relative_to(Path(root).resolve())
+
+
+def prune_snapshots(root: Path, role: str, keep: int = 2) -> None:
+    """The role's own snapshots under `root` (`<instance>/step-N/<role>`), all but the newest `keep`
+    removed: on a machine of its own (a pod's memory volume) the coordinator's pruning never
+    reaches them. Two stay: the newest may be one whose manifest the coordinator has yet to write."""
+    done = sorted((int(m.group(1)), d / role) for d in root.glob("*/step-*") if (m := _STEP_DIR.match(d.name))
+                  and (d / role / "role.json").is_file())
+    for _, path in done[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the step's directory, once no role's part is left in it
+            path.parent.rmdir()
 
 
 ROLE_KEYS = ("model_version", "last_step")

@@ -9,6 +9,8 @@ status and the weight digest are the same for both roles; a role adds its reques
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rolefleet.common.modeling import release_memory
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
 from rolefleet.trainer import checkpoint
@@ -24,9 +26,10 @@ class TrainerRole:
         self.workers = Workers(worker, group)
         self.state = TrainerState(role, versioned)  # model lock, step ledger, model version
         self._lock = self.state.lock
-        # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir);
-        # None: anywhere (a core used in-process).
+        # Where SaveCheckpoint and LoadCheckpoint may read and write (serve sets the run's checkpoint.dir
+        # and checkpoint.snapshot.dir); None: anywhere (a core used in-process).
         self.checkpoint_root = None
+        self.snapshot_root = None
 
     @property
     def ledger(self) -> StepLedger:
@@ -38,7 +41,12 @@ class TrainerRole:
         """The trainer's state as of `step` (its last applied one) into `path`; a repeat answers
         from disk."""
         with self._lock:
-            return checkpoint.save_role(self, step, path, self._save_state, self.write_hf_files)
+            if not checkpoint.is_snapshot(self, path):
+                return checkpoint.save_role(self, step, path, self._save_state, self.write_hf_files)
+            # A snapshot is for resuming alone (never exported): no config or tokenizer files.
+            info = checkpoint.save_role(self, step, path, self._save_state, lambda work: None)
+            checkpoint.prune_snapshots(Path(self.snapshot_root), self.role)
+            return info
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         with self._lock:

@@ -120,13 +120,15 @@ def test_resume_without_a_checkpoint_starts_from_step_one(make_config, tmp_path)
     assert status.step == 2 and actor.policy_version == 2
 
 
-def test_a_lost_role_is_recovered_from_the_newest_checkpoint(make_config, tmp_path):
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_a_lost_role_is_recovered_from_the_newest_snapshot_or_checkpoint(make_config, tmp_path, snapshots):
     """The critic's process 'dies' at step 4 and comes back fresh (its initial weights): the run
-    reloads checkpoint 2 into both trainers, trains steps 3-6 again, and ends as a run without a
-    loss would, every sample trained once."""
+    reloads the snapshot of step 3 (without snapshots: checkpoint 2, and trains step 3 again) into
+    both trainers and ends as a run without a loss would, every sample trained once."""
     from rolefleet.common.errors import Unavailable
 
-    common = ("algorithm=ppo", "train.total_steps=6", "checkpoint.every=2", "train.samples_per_prompt=2")
+    common = ("algorithm=ppo", "train.total_steps=6", "checkpoint.every=2", "train.samples_per_prompt=2",
+              f"checkpoint.snapshot.enabled={str(snapshots).lower()}", f"checkpoint.snapshot.dir={tmp_path / 'shm'}")
     straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
     _, straight_actor, straight_critic = run(straight_cfg)
 
@@ -155,7 +157,53 @@ def test_a_lost_role_is_recovered_from_the_newest_checkpoint(make_config, tmp_pa
     ids = journal_ids(cfg)
     assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
-        assert [step for step, _ in journal.rewound()] == [3]  # step 3 was trained twice in the log only
+        # Without snapshots step 3 was trained twice (in the log only: the journal keeps it once).
+        assert [step for step, _ in journal.rewound()] == ([] if snapshots else [3])
+    [after] = [r for r in metrics(cfg) if "recovery/steps_lost" in r]
+    assert (after["step"], after["recovery/steps_lost"]) == ((4, 0) if snapshots else (3, 1))
+    assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").iterdir())  # a finished run's are gone
+
+
+def test_a_trainer_lost_while_writing_a_snapshot_resumes_from_the_complete_one_before(make_config, tmp_path):
+    """The critic dies halfway through its part of the snapshot of step 3 (its directory left
+    `.partial`, no manifest): the run goes back to the snapshot of step 2, the newest complete one,
+    trains step 3 again, and ends as a run without a loss would."""
+    from rolefleet.common.errors import Unavailable
+
+    common = ("algorithm=ppo", "train.total_steps=5", "train.samples_per_prompt=2",
+              "checkpoint.every_minutes=0", f"checkpoint.snapshot.dir={tmp_path / 'shm'}")
+    straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
+    _, straight_actor, straight_critic = run(straight_cfg)
+    cfg = make_config(*common, f"run.output_dir={tmp_path / 'lost'}")
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    actor = ActorCore(cfg.actor, cfg.run.seed)
+
+    class CriticDyingInASnapshot(InProcessCriticClient):
+        died_in = None
+
+        async def save_checkpoint(self, step, path):
+            if step == 3 and CriticDyingInASnapshot.died_in is None:
+                CriticDyingInASnapshot.died_in = path
+                (tmp_path / path).with_name("critic.partial").mkdir(parents=True)  # what it had written
+                self.core = CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)  # restarted
+                raise Unavailable("critic: connection refused")
+            return await super().save_checkpoint(step, path)
+
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  CriticDyingInASnapshot(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)))
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    assert status.state == RunState.FINISHED
+    assert CriticDyingInASnapshot.died_in.startswith(str(tmp_path / "shm"))  # a snapshot's write, not a checkpoint's
+    assert actor.digest() == straight_actor.digest() and roles.critic.core.digest() == straight_critic.digest()
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        assert [step for step, _ in journal.rewound()] == [3]
+    # Step 3 was lost in flight (its record not yet written): no finished step was trained again.
+    [after] = [r for r in metrics(cfg) if "recovery/steps_lost" in r]
+    assert (after["step"], after["recovery/steps_lost"]) == (3, 0)
+    # Every step but the last (a checkpoint at the end instead) took its snapshot.
+    assert [r["step"] for r in metrics(cfg) if r.get("checkpoint/snapshot_s", 0) > 0] == [1, 2, 3, 4]
 
 
 def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(make_config, tmp_path):

@@ -591,3 +591,21 @@ def test_the_dockerfile_installs_the_project_with_its_extras_from_files_the_buil
                if p.strip() and not p.startswith("#")]
     assert {".git", ".venv", "runs", "models", ".tools"} <= set(ignored)
     assert not [p for p in ignored if p.rstrip("/") in copied or p in ("*", "services/*")]
+
+
+def test_snapshots_go_to_a_memory_volume_every_role_container_mounts():
+    """A container's own /dev/shm is small and gone with its restart: the snapshots (checkpoint.snapshot)
+    go to a tmpfs volume that outlives a role container's restart, at a path every role is told."""
+    rendered = yaml.safe_load(render())
+    assert rendered["volumes"]["snapshots"] == {"driver": "local", "driver_opts": {"type": "tmpfs", "device": "tmpfs"}}
+    for name in ("coordinator", "actor", "critic", "reward"):
+        service = rendered["services"][name]
+        assert "snapshots:/snapshots" in service["volumes"], name
+        assert "checkpoint.snapshot.dir=/snapshots/8gpu" in service["command"], name
+    off = yaml.safe_load(render("checkpoint.snapshot.enabled=false"))
+    assert "snapshots" not in off["volumes"]
+    for service in (s for s in off["services"].values() if "command" in s):
+        assert "snapshots:/snapshots" not in service["volumes"]
+        assert not any(word.startswith("checkpoint.snapshot.dir=") for word in service["command"])
+    with pytest.raises(ValueError, match="compose sets checkpoint.snapshot.dir itself"):
+        render("checkpoint.snapshot.dir=/elsewhere")

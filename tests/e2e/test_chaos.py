@@ -11,6 +11,7 @@ import time
 import pytest
 
 from rolefleet.coordinator.journal import Journal
+from rolefleet.trainer.checkpoint import complete_checkpoints
 from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, write_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.e2e]
@@ -69,7 +70,10 @@ def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
         ids = journal.trained_sample_ids()
         assert len(ids) == len(set(ids)) == total * cfg.train.prompts_per_step * 2  # none lost, none twice
         assert journal.starts() == 2  # the coordinator: started, killed, resumed
-        assert journal.rewound()  # steps after a checkpoint were trained again, and are counted once
+    # Each trainer's loss cost at most the step in flight: the run went back to the snapshot of the
+    # step before it (the coordinator's own restart too), never to an older checkpoint.
+    lost = [r["recovery/steps_lost"] for r in read_metrics(metrics) if "recovery/steps_lost" in r]
+    assert len(lost) >= 2 and all(n == 0 for n in lost), lost
     assert processes_mentioning(resolved) == []
 
 
@@ -116,12 +120,36 @@ def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, 
     assert not (cfg.run.out / "checkpoints").exists() or not any((cfg.run.out / "checkpoints").iterdir())
 
 
-def test_with_no_checkpoint_keys_a_killed_actor_is_recovered_from_the_default_checkpoints(make_config, tmp_path):
-    """The defaults protect a trainer: the checkpoint of step 0 (and every `checkpoint.every_minutes`)."""
-    cfg = make_config("algorithm=grpo", "train.total_steps=12", "train.samples_per_prompt=2", "data.size=256")
-    assert cfg.checkpoint.every == 0 and cfg.checkpoint.every_minutes > 0  # the shipped defaults
-    output, _ = kill_once(cfg, tmp_path, "actor", at_step=4)
-    assert "recovery 1 of 3" in output
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_under_the_defaults_a_killed_trainer_costs_at_most_the_step_in_flight(make_config, tmp_path, role):
+    """The shipped defaults protect a trainer with a snapshot after every step (and the checkpoint of
+    step 0 behind it): the run goes on after the last finished step, and ends with the weights of a
+    run that lost nothing."""
+    cfg = make_config("algorithm=ppo", "train.total_steps=8", "train.samples_per_prompt=2", "data.size=256",
+                      f"run.output_dir={tmp_path / 'killed'}")
+    assert cfg.checkpoint.every == 0 and cfg.checkpoint.snapshot.enabled  # the shipped defaults
+    output, records = kill_once(cfg, tmp_path, role, at_step=4)
+    assert "recovery 1 of 3" in output and "finished steps to train again)" in output
+    [after] = [r for r in records if "recovery/steps_lost" in r]
+    assert after["recovery/steps_lost"] == 0 and after["step"] >= 5
     with Journal(cfg.run.out / "journal.sqlite") as journal:
         trained_once(cfg, journal)
-        assert journal.rewound()  # the steps after the checkpoint of step 0 were trained again
+        assert not journal.rewound()  # no finished step was trained again
+    straight = make_config("algorithm=ppo", "train.total_steps=8", "train.samples_per_prompt=2", "data.size=256",
+                           f"run.output_dir={tmp_path / 'straight'}")
+    run = rolefleet("up", str(write_config(straight, tmp_path / "straight.yaml")))
+    output, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, output
+    for part in ("actor", "critic"):  # sync mode: the same seed gives the same weights
+        assert final_weights(cfg, part) == final_weights(straight, part), part
+
+
+def final_weights(cfg, part: str) -> dict[str, list]:
+    """The last checkpoint's trainable weights of `part`, as nested lists (equal means equal)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    [(_, last)] = complete_checkpoints(cfg.run.out / "checkpoints")[-1:]
+    out = cfg.run.out / f"{part}.pt"
+    dcp_to_torch_save(last / part / "weights", out)
+    return {k: v.tolist() for k, v in torch.load(out, weights_only=True)["model"].items()}

@@ -4,6 +4,7 @@ per-client limits), checkpoints and experiment tracking.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -95,6 +96,31 @@ class SecuritySection(_Section):
                                 "batch must fit)")
 
 
+class SnapshotSection(_Section):
+    """Per-step snapshots of the trainers, what a lost trainer resumes from (docs/checkpoints.md,
+    "Snapshots")."""
+
+    enabled: bool = Field(True, description="after every step, the trainers' state (weights, optimizer, scheduler, "
+                          "RNG, ledger) and the coordinator's to snapshot.dir, so that a lost actor or critic costs "
+                          "at most the step in flight; the previous snapshot stays until the new one is complete")
+    dir: Optional[ExpandedPath] = Field(None, description="default /dev/shm/rolefleet/<run.name>-<a hash of "
+                                        "run.output_dir> (memory: it outlives a role's process, not the machine) "
+                                        "where /dev/shm exists, else <run.output_dir>/snapshots; each role writes "
+                                        "its part under this path on its own machine (compose and the chart mount "
+                                        "a memory-backed volume there)")
+
+    def root(self, run: RunSection) -> Path:
+        if self.dir:
+            return Path(self.dir)
+        shm = Path("/dev/shm")
+        if not shm.is_dir():
+            return run.out / "snapshots"
+        # Two runs of one name (other output directories) must not share, or clear, each other's; the
+        # path as the config gives it, so that every role (whatever its working directory) agrees.
+        tag = hashlib.sha256(str(run.out).encode()).hexdigest()[:8]
+        return shm / "rolefleet" / f"{run.name}-{tag}"
+
+
 class CheckpointSection(_Section):
     """Checkpoints of the run (docs/checkpoints.md)."""
 
@@ -109,6 +135,8 @@ class CheckpointSection(_Section):
     dir: Optional[ExpandedPath] = Field(None, description="default <run.output_dir>/checkpoints; the trainer roles "
                                         "write their parts there too, so it must be storage they share with the "
                                         "coordinator under the same path")
+
+    snapshot: SnapshotSection = Field(default_factory=SnapshotSection)
 
     def root(self, run: RunSection) -> Path:
         return Path(self.dir) if self.dir else run.out / "checkpoints"
