@@ -9,9 +9,10 @@ named (`nodeNames`, one pod per node); every node must then give it as many GPUs
 template serves them all. The GPU index after the node is not carried over: the device plugin picks
 which of the node's GPUs a pod gets.
 
-`values_for(cfg)` adds to it every role's `resources.requests` and, where the trainers' models are
-readable here, `persistence.size` and `persistence.checkpointSize` (deploy/sizing.py says how each
-is estimated); the chart refuses a `persistence.size` below what the checkpoints need.
+`values_for(cfg)` adds to it every role's `resources.requests`, `snapshots.enabled` as the config's
+`checkpoint.snapshot.enabled` and, where the trainers' models are readable here, `persistence.size`,
+`persistence.checkpointSize` and `snapshots.sizeLimit` (deploy/sizing.py says how each is
+estimated); the chart refuses a `persistence.size` below what the checkpoints need.
 
 `input_values(cfg)` gives each role the paths, inside its pod, of every model and file it reads
 (`rolefleet.deploy.inputs`): models live in ./models, which the chart's model volume holds and
@@ -108,14 +109,26 @@ def storage_values(cfg: RoleFleetConfig) -> dict[str, str]:
     return {"size": sizing.gib(sizing.volume_bytes(one, cfg.checkpoint.keep)), "checkpointSize": sizing.gib(one)}
 
 
+def snapshot_values(cfg: RoleFleetConfig) -> dict[str, Any]:
+    """`snapshots.enabled` as the config has it (the chart refuses a value that differs) and, when
+    on, `sizeLimit`: the fullest trainer pod's snapshot volume, in whole GiB; no sizeLimit when a
+    trainer's model is not readable here (the chart's default stands)."""
+    if not cfg.checkpoint.snapshot.enabled:
+        return {"enabled": False}
+    sizes = [sizing.snapshot_bytes(cfg, role) for role in sizing.TRAINERS if role in cfg.roles()]
+    if not sizes or None in sizes:
+        return {"enabled": True}
+    return {"enabled": True, "sizeLimit": sizing.gib(max(sizes))}
+
+
 def values_for(cfg: RoleFleetConfig) -> dict[str, Any]:
-    """The chart values of the run: its placement, every role's CPU and memory requests, and the
-    runs volume's size."""
+    """The chart values of the run: its placement, every role's CPU and memory requests, the runs
+    volume's size and the snapshot volume's."""
     values = placement_values(cfg)
     persistence = values.pop("persistence", {}) | storage_values(cfg)
     for role, requests in sizing.requests(cfg).items():
         values.setdefault(role, {})["resources"] = {"requests": requests}
-    return values | ({"persistence": persistence} if persistence else {})
+    return values | ({"persistence": persistence} if persistence else {}) | {"snapshots": snapshot_values(cfg)}
 
 
 def pod_path(item: Input) -> str:
@@ -161,14 +174,17 @@ def _unsized(cfg: RoleFleetConfig, values: dict[str, Any]) -> list[str]:
     if "checkpointSize" not in values.get("persistence", {}) and sizing.checkpoint_bytes(cfg) is None:
         lines.append("# persistence.size: not estimated (a trainer's config.json is not readable here): size it "
                      "as docs/deploy-kubernetes.md says")
+    if values["snapshots"]["enabled"] and "sizeLimit" not in values["snapshots"]:
+        lines.append("# snapshots.sizeLimit: not estimated (a trainer's config.json is not readable here): the "
+                     "chart's default stands; size it as docs/deploy-kubernetes.md says")
     return lines
 
 
 def render_values(cfg: RoleFleetConfig) -> str:
     """`chart_values(cfg)` as a values file for `helm install -f`."""
     values = chart_values(cfg)
-    header = [f"# Placement, resource requests, runs volume and input paths of run {cfg.run.name} for the rolefleet "
-              "Helm chart.",
+    header = [f"# Placement, resource requests, volumes (runs, snapshots) and input paths of run {cfg.run.name} for "
+              "the rolefleet Helm chart.",
               "# Install with the same config: --set-file config=CONFIG -f THIS_FILE, and the volumes that hold "
               f"./{HOST_MODELS_DIR} (model.existingClaim or model.hostPath, at {MODELS_DIR})",
               f"# and ./{HOST_INPUTS_DIR} (inputs.existingClaim or inputs.hostPath, at {INPUTS_DIR}); "

@@ -16,6 +16,10 @@ These are requests, what the scheduler reserves, and never limits: the estimate 
 tensors, not the allocator's slack or the page cache, and a limit under the real peak would kill a
 trainer mid-step (the memory-backed /dev/shm counts against it as well).
 
+A trainer pod's per-step snapshots (`checkpoint.snapshot`) are in memory, on the chart's
+memory-backed volume, and so count against the pod's memory: its request adds them (a trainer that
+restarts in its pod loads its model again beside them), and they size `snapshots.sizeLimit`.
+
 A checkpoint (trainer/checkpoint.py) holds, per trainer role, the trainable parameters' fp32
 weights and both AdamW moments (12 bytes a parameter; with LoRA the adapters alone), and small
 files beside them; the volume keeps `checkpoint.keep` of them plus the one being written, which is
@@ -37,6 +41,9 @@ STATE_BYTES_PER_PARAM = 4 + 8  # fp32 weights and AdamW's two fp32 moments
 TRAINER_FILES_BYTES = 64 * 2**20  # hf/ (config, tokenizer), trainer.pt and role.json of one trainer
 # The coordinator's copy of a token of a step in flight: ids, masks, logprobs, values, advantages.
 COORDINATOR_BYTES_PER_TOKEN = 64
+# Snapshot parts a trainer pod holds at its fullest: it keeps its two newest (the newest may still
+# await the coordinator's manifest) and writes the next beside them before it removes the oldest.
+SNAPSHOTS_HELD = 3
 LOG_HEADROOM_BYTES = 10 * GIB  # metrics.jsonl, the journal, TensorBoard events, traces: beside the checkpoints
 TRAINERS = ("actor", "critic")
 
@@ -160,7 +167,8 @@ def requests(cfg: RoleFleetConfig) -> dict[str, dict[str, int | str]]:
     out: dict[str, dict[str, int | str]] = {}
     for role in cfg.roles():
         if role in TRAINERS:
-            nbytes = trainer_memory(cfg, role)
+            nbytes, snapshots = trainer_memory(cfg, role), snapshot_bytes(cfg, role)
+            nbytes = None if nbytes is None or snapshots is None else nbytes + snapshots
         else:
             nbytes = reward_memory(cfg) if role == "reward" else coordinator_memory(cfg)
         out[role] = {"cpu": cpus(cfg, role)} | ({"memory": gib(nbytes)} if nbytes is not None else {})
@@ -200,6 +208,22 @@ def checkpoint_bytes(cfg: RoleFleetConfig) -> float | None:
             return None
         total += trainer_state_bytes(dims, section, role == "critic") + TRAINER_FILES_BYTES
     return total
+
+
+def snapshot_bytes(cfg: RoleFleetConfig, role: str) -> float | None:
+    """Bytes on the snapshot volume of one pod of a trainer role at its fullest: `SNAPSHOTS_HELD` of
+    its part of the trainer's state; 0 when the run takes no snapshots, None when its model is not
+    readable here. FSDP shards the state over the ranks of every pod, so each pod writes its share; a
+    replicated tensor may be written by any one rank, so a pod of a replicating role counts it whole."""
+    if not cfg.checkpoint.snapshot.enabled:
+        return 0.0
+    section = getattr(cfg, role)
+    dims = _model_dims(section.model_name_or_path)
+    if dims is None:
+        return None
+    state = trainer_state_bytes(dims, section, role == "critic")
+    share = 1 / pods(cfg, role) if section.sharding == "fsdp" else 1.0
+    return SNAPSHOTS_HELD * (share * state + TRAINER_FILES_BYTES)
 
 
 def volume_bytes(checkpoint: float, keep: int) -> float:

@@ -148,7 +148,7 @@ VARIANTS = {
     "mutual TLS and a token": ["--set", "security.tls.secret=run1-tls", "--set", "security.tls.mutual=true",
                                "--set", "security.tokenSecret=run1-token"],
     "resources, tolerations, affinity": [
-        "--set", "actor.resources.requests.cpu=8", "--set", "actor.resources.limits.memory=64Gi",
+        "--set", "actor.resources.requests.cpu=8", "--set", "actor.resources.limits.memory=128Gi",
         "--set-json", 'tolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]',
         "--set-json", 'affinity={"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":'
                       '[{"matchExpressions":[{"key":"gpu","operator":"In","values":["h200"]}]}]}}}',

@@ -88,6 +88,29 @@ whole (Helm deep-merges maps: keys of the default run would leak into a differen
 {{- dig "run" "name" "rolefleet" $cfg }}
 {{- end }}
 
+{{/* Where the pods that take snapshots mount their memory volume (rolefleet.snapshots). */}}
+{{- define "rolefleet.snapshotsDir" -}}
+/snapshots
+{{- end }}
+
+{{/*
+Whether a role's pods get the snapshot volume and checkpoint.snapshot.dir=/snapshots/<run.name>:
+"true" or "". Each trainer (actor, critic; every pod of one that spans nodes) writes its part of a
+snapshot under that path on its own machine and the coordinator its manifest under the same path
+on its own, so all three take it (a trainer refuses a path outside its own snapshot root). Not the
+config's default, /dev/shm/rolefleet/...: a pod's /dev/shm is the shm volume, sized for NCCL.
+snapshots.enabled may only repeat the run config's checkpoint.snapshot.enabled.
+*/}}
+{{- define "rolefleet.snapshots" -}}
+{{- $cfg := include "rolefleet.config" .root | fromYaml }}
+{{- $enabled := dig "checkpoint" "snapshot" "enabled" true $cfg }}
+{{- $set := (.root.Values.snapshots | default dict).enabled }}
+{{- if and (not (kindIs "invalid" $set)) (ne (toString $set) (toString $enabled)) }}
+{{- fail (printf "snapshots.enabled is %v but the run config's checkpoint.snapshot.enabled is %v: make them agree, or leave snapshots.enabled unset (null) to follow the config" $set $enabled) }}
+{{- end }}
+{{- if and (eq (toString $enabled) "true") (has .role (list "actor" "critic" "coordinator")) }}true{{ end }}
+{{- end }}
+
 {{/*
 Algorithms that train a value model: the critic runs only for these (`RoleFleetConfig.roles()`;
 tests/deploy/test_helm.py keeps this list in step with the algorithm presets).
@@ -302,6 +325,9 @@ and extraArgs are separate values so that a values file setting one keeps the ot
 {{- $args = append $args (printf "%s.port=%v" $role $v.port) }}
 {{- $args = append $args (printf "%s.metrics_port=%v" $role $v.metricsPort) }}
 {{- $args = append $args (printf "run.output_dir=%s/%s" (trimSuffix "/" $root.Values.persistence.mountPath) (include "rolefleet.runName" $root)) }}
+{{- if include "rolefleet.snapshots" . }}
+{{- $args = append $args (printf "checkpoint.snapshot.dir=%s/%s" (include "rolefleet.snapshotsDir" $root) (include "rolefleet.runName" $root)) }}
+{{- end }}
 {{- if $root.Values.model.path }}
 {{- $args = append $args (printf "model.model_name_or_path=%s" $root.Values.model.path) }}
 {{- end }}
@@ -473,7 +499,8 @@ actor model's tokenizer (chat template, data.max_prompt_tokens), offline in the 
 {{- /* And every role opens the files of the config (data.path, eval.path; the reward role its code). */}}
 {{- $mountsInputs := or $root.Values.inputs.existingClaim $root.Values.inputs.hostPath }}
 {{- $tlsSecret := include "rolefleet.tlsSecret" $root }}
-{{- $tokenSecret := include "rolefleet.tokenSecret" $root -}}
+{{- $tokenSecret := include "rolefleet.tokenSecret" $root }}
+{{- $snapshots := include "rolefleet.snapshots" . -}}
 metadata:
   labels:
     {{- include "rolefleet.selectorLabels" . | nindent 4 }}
@@ -603,6 +630,10 @@ spec:
           mountPath: /tmp
         - name: shm
           mountPath: /dev/shm
+        {{- if $snapshots }}
+        - name: snapshots
+          mountPath: {{ include "rolefleet.snapshotsDir" $root }}
+        {{- end }}
         {{- if $mountsModels }}
         - name: models
           mountPath: {{ $root.Values.model.mountPath }}
@@ -641,6 +672,15 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $root.Values.shm.sizeLimit }}
+    {{- if $snapshots }}
+    # Per-step snapshots (checkpoint.snapshot.dir): memory, as the config's default /dev/shm path is,
+    # kept across a restart of the container (a lost trainer resumes from the last step) but not of
+    # the pod. What it holds counts against the pod's memory.
+    - name: snapshots
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $root.Values.snapshots.sizeLimit }}
+    {{- end }}
     {{- if $mountsModels }}
     - name: models
       {{- if $root.Values.model.existingClaim }}
