@@ -151,8 +151,6 @@ class StepBody:
         now = time.perf_counter()
         seconds = {"generate": rollout.generate_s, "score": score_s, "update": update_s, "step": now - since}
         added = await schedule.updated(rollout, actor_result, now, seconds)
-        # A snapshot of the trainers, what a lost one resumes from (a checkpoint instead when one is due).
-        snapshot = {} if self.checkpointer.due(step) else await self.snapshot()
 
         # 5. The record, with an evaluation when due (after the step's time: no part of a training step).
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
@@ -166,18 +164,21 @@ class StepBody:
             record["critic_warmup"] = 1.0
         if step == 1:
             record.update(self.dataset.stats)  # what the load kept, filtered and truncated
-        record.update(added, **snapshot, **self.checkpointer.take_recovery())
+        record.update(added, **self.checkpointer.take_recovery())
         if self.evaluator is not None and self.evaluator.due(step):
             # Async mode: in the train stage, so the next update waits for it, while generation goes
             # on within the bound and takes the rollout engine in turns with it (evaluation.py).
             record.update(await self.evaluator.run(step, self.eval_generate(), self.roles.reward.score))
         record.update(self.clock.fractions())
-        self.logger.log(record)
-        self.status.record_step(record, actor_result.model_version)
 
-        # 6. Checkpoint, when due.
+        # 6. The step kept before its record is: a checkpoint when due, else a snapshot (what a lost
+        #    trainer resumes from). A recorded step is never trained again, nor a kept one unrecorded.
         if self.checkpointer.due(step):
             await self.save()
+        else:
+            record.update(await self.snapshot())
+        self.logger.log(record)
+        self.status.record_step(record, actor_result.model_version)
         return record
 
     async def _scored(self, rollout: Rollout, one_pass: bool) -> tuple[ScoreResult, CriticValues | None, LogProbs]:

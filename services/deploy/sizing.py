@@ -41,9 +41,9 @@ STATE_BYTES_PER_PARAM = 4 + 8  # fp32 weights and AdamW's two fp32 moments
 TRAINER_FILES_BYTES = 64 * 2**20  # hf/ (config, tokenizer), trainer.pt and role.json of one trainer
 # The coordinator's copy of a token of a step in flight: ids, masks, logprobs, values, advantages.
 COORDINATOR_BYTES_PER_TOKEN = 64
-# Snapshot parts a trainer pod holds at its fullest: it keeps its two newest (the newest may still
-# await the coordinator's manifest) and writes the next beside them before it removes the oldest.
-SNAPSHOTS_HELD = 3
+# Snapshot parts a trainer pod holds at its fullest: before writing the next, it removes all but its
+# newest (the coordinator asks for one after the previous one's manifest), so two while it writes.
+SNAPSHOTS_HELD = 2
 LOG_HEADROOM_BYTES = 10 * GIB  # metrics.jsonl, the journal, TensorBoard events, traces: beside the checkpoints
 TRAINERS = ("actor", "critic")
 

@@ -245,10 +245,10 @@ def is_snapshot(core, path: str) -> bool:
     return root is not None and Path(path).resolve().is_relative_to(Path(root).resolve())
 
 
-def prune_snapshots(root: Path, role: str, keep: int = 2) -> None:
+def prune_snapshots(root: Path, role: str, keep: int) -> None:
     """The role's own snapshots under `root` (`<instance>/step-N/<role>`), all but the newest `keep`
     removed: on a machine of its own (a pod's memory volume) the coordinator's pruning never
-    reaches them. Two stay: the newest may be one whose manifest the coordinator has yet to write."""
+    reaches them."""
     done = sorted((int(m.group(1)), d / role) for d in root.glob("*/step-*") if (m := _STEP_DIR.match(d.name))
                   and (d / role / "role.json").is_file())
     for _, path in done[:-keep]:

@@ -43,10 +43,11 @@ class TrainerRole:
         with self._lock:
             if not checkpoint.is_snapshot(self, path):
                 return checkpoint.save_role(self, step, path, self._save_state, self.write_hf_files)
+            # The coordinator asks for one snapshot at a time, after the previous one's manifest: only
+            # that one is still needed while this one is written (two at most on this machine).
+            checkpoint.prune_snapshots(Path(self.snapshot_root), self.role, keep=1)
             # A snapshot is for resuming alone (never exported): no config or tokenizer files.
-            info = checkpoint.save_role(self, step, path, self._save_state, lambda work: None)
-            checkpoint.prune_snapshots(Path(self.snapshot_root), self.role)
-            return info
+            return checkpoint.save_role(self, step, path, self._save_state, lambda work: None)
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         with self._lock:

@@ -133,18 +133,18 @@ def qwen(tmp_path) -> tuple[str, ModelDims]:
     return path, ModelDims.read(path)
 
 
-def test_a_trainer_pod_holds_three_snapshots_of_its_share_of_the_state(qwen):
-    """Two kept (the newest may await the coordinator's manifest) and the next written beside them;
+def test_a_trainer_pod_holds_two_snapshots_of_its_share_of_the_state(qwen):
+    """The newest kept and the next written beside it;
     FSDP over N pods: each pod its 1/N of 12 bytes a trainable parameter."""
     path, dims = qwen
     raw = default_config() | {"model": {"model_name_or_path": path}}
     cfg = parse_config(raw)
     actor = 12 * dims.params + 4 * 151936 * 1536  # the tied head saved under its own name too
     critic = 12 * (dims.params + 1536 + 1)
-    assert sizing.snapshot_bytes(cfg, "actor") == 3 * (actor + sizing.TRAINER_FILES_BYTES)
-    assert sizing.snapshot_bytes(cfg, "critic") == 3 * (critic + sizing.TRAINER_FILES_BYTES)
+    assert sizing.snapshot_bytes(cfg, "actor") == 2 * (actor + sizing.TRAINER_FILES_BYTES)
+    assert sizing.snapshot_bytes(cfg, "critic") == 2 * (critic + sizing.TRAINER_FILES_BYTES)
     spanning = parse_config(four_node_run() | {"model": {"model_name_or_path": path}})
-    assert sizing.snapshot_bytes(spanning, "actor") == pytest.approx(3 * (actor / 2 + sizing.TRAINER_FILES_BYTES))
+    assert sizing.snapshot_bytes(spanning, "actor") == pytest.approx(2 * (actor / 2 + sizing.TRAINER_FILES_BYTES))
     replicated = parse_config(raw | {"critic": raw["critic"] | {"sharding": "replicate"}})
     assert sizing.snapshot_bytes(replicated, "critic") == sizing.snapshot_bytes(cfg, "critic")  # any rank may write it
     assert sizing.snapshot_bytes(parse_config(without_snapshots(raw)), "actor") == 0

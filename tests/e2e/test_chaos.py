@@ -131,10 +131,11 @@ def test_under_the_defaults_a_killed_trainer_costs_at_most_the_step_in_flight(ma
     output, records = kill_once(cfg, tmp_path, role, at_step=4)
     assert "recovery 1 of 3" in output and "finished steps to train again)" in output
     [after] = [r for r in records if "recovery/steps_lost" in r]
-    assert after["recovery/steps_lost"] == 0 and after["step"] >= 5
+    assert after["recovery/steps_lost"] == 0 and after["step"] >= 5  # no recorded step trained again
     with Journal(cfg.run.out / "journal.sqlite") as journal:
         trained_once(cfg, journal)
-        assert not journal.rewound()  # no finished step was trained again
+        # At most the step in flight was trained again: its update may have been applied, its snapshot not.
+        assert [step for step, _ in journal.rewound()] in ([], [after["step"]])
     straight = make_config("algorithm=ppo", "train.total_steps=8", "train.samples_per_prompt=2", "data.size=256",
                            f"run.output_dir={tmp_path / 'straight'}")
     run = rolefleet("up", str(write_config(straight, tmp_path / "straight.yaml")))
