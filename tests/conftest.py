@@ -109,6 +109,8 @@ def make_config(tiny_model_dir, tmp_path):
             # (bf16 on CUDA is tests/actor/test_gpu.py's and the benchmarks').
             "actor": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
             "critic": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
+            # Under the test's own directory, not /dev/shm: a test that ends a run abruptly leaves no memory behind.
+            "checkpoint": {"snapshot": {"dir": str(tmp_path / "snapshots")}},
         }
         return parse_config(raw, list(overrides))
 
