@@ -321,9 +321,11 @@ def with_run_token(cfg: RoleFleetConfig) -> tuple[RoleFleetConfig, Optional[Path
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
     from rolefleet.app.placement import placed
+    from rolefleet.app.snapshot_budget import fitting_snapshots
     from rolefleet.serve import run_security
 
-    cfg, made_token = with_run_token(placed(cfg))  # `rolefleet up` has chosen already; a caller of its own not
+    # `rolefleet up` has chosen the devices already; a caller of its own not.
+    cfg, made_token = with_run_token(fitting_snapshots(placed(cfg)))
     try:
         run_security(cfg, "client")  # `up`'s own calls (the identity check) present the run's token and certificate
     except StartupError as exc:

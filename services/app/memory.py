@@ -46,6 +46,10 @@ COMPILED_ACTIVATION_SHARE = 0.65
 ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_tokens does not bound it
 OFFLOAD_CHUNK = 2**30  # the AdamW state `offload: optimizer` brings to the GPU at once (trainer/optim.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STATE_BYTES_PER_PARAM = 4 + 8  # a trainer's state: fp32 weights and AdamW's two fp32 moments
+# Snapshots of a trainer held at their fullest: before writing the next, a trainer removes all but its
+# newest (the coordinator asks for one after the previous one's manifest), so two while it writes.
+SNAPSHOTS_HELD = 2
 
 
 @dataclass(frozen=True)
@@ -405,6 +409,40 @@ def plan(cfg: RoleFleetConfig, capacity: Optional[float] = None) -> list[GpuPlan
     return [GpuPlan(gpu, capacity, estimates) for gpu, estimates in by_gpu.items()]
 
 
+def trainable_params(dims: ModelDims, section, value_model: bool) -> int:
+    """Parameters a trainer trains and so checkpoints: the model's (a value model's backbone and
+    scalar head), or with LoRA its adapters (and a value model's head)."""
+    if section.lora.enabled:
+        adapters = dims.adapter_params(section.lora.rank, section.lora.target_modules)
+        return adapters + (dims.hidden + 1 if value_model else 0)  # the value head trains whole
+    return dims.scorer_params + 1 if value_model else dims.params  # scorer_params: the head's weight, not its bias
+
+
+def trainer_state_bytes(dims: ModelDims, section, value_model: bool) -> float:
+    """Bytes of a trainer's weights/ in a checkpoint: fp32 weights and AdamW moments of what it
+    trains. A tied LM head is saved under its own name too, with the embeddings' weights again."""
+    nbytes = STATE_BYTES_PER_PARAM * trainable_params(dims, section, value_model)
+    if dims.tied and not value_model and not section.lora.enabled:
+        nbytes += 4 * dims.vocab * dims.hidden
+    return nbytes
+
+
+def snapshot_bytes(cfg: RoleFleetConfig) -> Optional[float]:
+    """Memory the run's snapshots (`checkpoint.snapshot`) take at their fullest where every role
+    runs on one machine (`rolefleet up`): each trainer's state, twice; None when a trainer's model
+    config is not readable here."""
+    total = 0.0
+    for role in ("actor", "critic"):
+        if role in cfg.roles():
+            section = getattr(cfg, role)
+            try:
+                dims = ModelDims.read(section.model_name_or_path)
+            except ConfigError:
+                return None
+            total += trainer_state_bytes(dims, section, role == "critic")
+    return SNAPSHOTS_HELD * total
+
+
 def gpu_capacity() -> Optional[float]:
     """Bytes of the smallest GPU this process sees (None without CUDA)."""
     import torch
@@ -540,6 +578,10 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
         of = f" of {host / GIB:.1f} GiB here" if host and not node else ""
         lines.append(f"host memory{f' of {node}' if node else ''}: {need / GIB:.1f} GiB{of} for offloaded state, "
                      f"{loading[node] / GIB:.1f} GiB in all while the roles load")
+    snapshots = snapshot_bytes(cfg) if cfg.checkpoint.snapshot.enabled else None
+    if snapshots:
+        lines.append(f"snapshots: {snapshots / GIB:.1f} GiB of memory at their fullest, two of each trainer's state "
+                     f"(checkpoint.snapshot.dir {cfg.checkpoint.snapshot.root(cfg.run)})")
     if not lines:
         lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
     # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.

@@ -31,19 +31,15 @@ from __future__ import annotations
 import math
 
 from rolefleet.app import memory
-from rolefleet.app.memory import GIB, ModelDims
+from rolefleet.app.memory import GIB, SNAPSHOTS_HELD, ModelDims, trainer_state_bytes
 from rolefleet.common.config import ConfigError, RoleFleetConfig
 
 PROCESS_BYTES = 3 * GIB  # one process that imports torch, before any tensor of its own
 HELPER_PROCESS_BYTES = GIB // 2  # a reward function or environment worker (no torch model)
 CPUS_PER_GPU_WORKER = 2  # one drives the GPU's kernels; one for collation, compiles and NCCL's threads
-STATE_BYTES_PER_PARAM = 4 + 8  # fp32 weights and AdamW's two fp32 moments
 TRAINER_FILES_BYTES = 64 * 2**20  # hf/ (config, tokenizer), trainer.pt and role.json of one trainer
 # The coordinator's copy of a token of a step in flight: ids, masks, logprobs, values, advantages.
 COORDINATOR_BYTES_PER_TOKEN = 64
-# Snapshot parts a trainer pod holds at its fullest: before writing the next, it removes all but its
-# newest (the coordinator asks for one after the previous one's manifest), so two while it writes.
-SNAPSHOTS_HELD = 2
 LOG_HEADROOM_BYTES = 10 * GIB  # metrics.jsonl, the journal, TensorBoard events, traces: beside the checkpoints
 TRAINERS = ("actor", "critic")
 
@@ -176,24 +172,6 @@ def requests(cfg: RoleFleetConfig) -> dict[str, dict[str, int | str]]:
 
 
 # --- checkpoints --------------------------------------------------------------------------------
-
-def trainable_params(dims: ModelDims, section, value_model: bool) -> int:
-    """Parameters a trainer trains and so checkpoints: the model's (a value model's backbone and
-    scalar head), or with LoRA its adapters (and a value model's head)."""
-    if section.lora.enabled:
-        adapters = dims.adapter_params(section.lora.rank, section.lora.target_modules)
-        return adapters + (dims.hidden + 1 if value_model else 0)  # the value head trains whole
-    return dims.scorer_params + 1 if value_model else dims.params  # scorer_params: the head's weight, not its bias
-
-
-def trainer_state_bytes(dims: ModelDims, section, value_model: bool) -> float:
-    """Bytes of a trainer's weights/ in a checkpoint: fp32 weights and AdamW moments of what it
-    trains. A tied LM head is saved under its own name too, with the embeddings' weights again."""
-    nbytes = STATE_BYTES_PER_PARAM * trainable_params(dims, section, value_model)
-    if dims.tied and not value_model and not section.lora.enabled:
-        nbytes += 4 * dims.vocab * dims.hidden
-    return nbytes
-
 
 def checkpoint_bytes(cfg: RoleFleetConfig) -> float | None:
     """Bytes of one checkpoint of the run (every trainer role's part); None when a trainer's model
