@@ -89,6 +89,7 @@ class StepBody:
         self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps)
         self.roles = self.retries.wrap(roles)
         self.kl_controller = KL_CONTROLLERS.get(cfg.train.kl_controller)
+        self._reward_replicas: dict[str, str] = {}  # label -> reward version, as last said
         # Multi-turn rollouts: conversations with the reward role's environment, in both modes.
         self.episodes = Episodes(cfg, self.roles.actor, self.roles.reward) if cfg.actor.rollout.max_turns > 1 \
             else None
@@ -165,6 +166,7 @@ class StepBody:
         if step == 1:
             record.update(self.dataset.stats)  # what the load kept, filtered and truncated
         record.update(added, **self.checkpointer.take_recovery())
+        record["reward/versions"] = await self._reward_versions(step)
         if self.evaluator is not None and self.evaluator.due(step):
             # Async mode: in the train stage, so the next update waits for it, while generation goes
             # on within the bound and takes the rollout engine in turns with it (evaluation.py).
@@ -216,6 +218,18 @@ class StepBody:
         s = self._saved_state()
         await self.checkpointer.save(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
         self.saved = s.step
+
+    async def _reward_versions(self, step: int) -> str:
+        """The reward definitions (`reward/definition.py`) of the replicas in use, comma-separated:
+        one, or two while a rolling update swaps replicas; a change is said on the console."""
+        reward = self.roles.reward
+        versions = await reward.versions() if hasattr(reward, "versions") else \
+            {"reward": (await reward.status()).weights_digest}
+        if versions != self._reward_replicas:
+            print(f"rolefleet: step {step}: reward replicas and versions: "
+                  + ", ".join(f"{label} {v}" for label, v in sorted(versions.items())), flush=True)
+            self._reward_replicas = versions
+        return ",".join(sorted(set(versions.values())))
 
     async def snapshot(self) -> dict[str, float]:
         """A snapshot of the step just trained (`checkpoint.snapshot`): its seconds, for the record."""

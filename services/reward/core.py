@@ -13,6 +13,7 @@ from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.role_types import RoleStatus
+from rolefleet.reward.definition import definition_digest
 from rolefleet.reward.environments import KEY as ENV_KEY
 from rolefleet.reward.environments import Environment
 from rolefleet.reward.sandbox_worker import FLOAT32_MAX, Outcome
@@ -32,6 +33,7 @@ class RewardCore:
 
     def __init__(self, cfg: RewardSection):
         self.cfg = cfg
+        self.version = definition_digest(cfg)
         self.sources, self.pool = build_sources(cfg)
         try:
             # Multi-turn rollouts' environment: its own worker pool, limits and metrics.
@@ -91,7 +93,9 @@ class RewardCore:
                 log.warning("reward source %s failed on %d of %d samples; first: %s", name, failed, n, first)
 
     def status(self, include_digest: bool = False) -> RoleStatus:
-        return RoleStatus(ROLE)  # stateless: nothing to version or hash
+        # No weights to hash: the digest is the reward definition's (`definition.py`), what tells
+        # the replicas of a rolling update apart.
+        return RoleStatus(ROLE, weights_digest=self.version)
 
     def close(self) -> None:
         if self._threads is not None:

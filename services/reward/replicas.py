@@ -119,6 +119,13 @@ class ReplicatedRewardClient:
                 reasons.append(f"replica {index}: {exc}")
         raise Unavailable(f"no reward replica answered GetStatus ({'; '.join(reasons)})")
 
+    async def versions(self) -> dict[str, str]:
+        """Each replica in use's reward version (its definition's digest, `reward/definition.py`),
+        by label; a replica that does not answer is left out (it gets no work meanwhile)."""
+        live = self._live()
+        answers = await asyncio.gather(*(self.clients[i].status() for i in live), return_exceptions=True)
+        return {self.labels[i]: a.weights_digest for i, a in zip(live, answers) if not isinstance(a, BaseException)}
+
     async def close(self) -> None:
         live = [self.clients[i] for i in self._live()]  # retired ones close themselves
         results = await asyncio.gather(*(c.close() for c in live), return_exceptions=True)

@@ -218,7 +218,13 @@ def test_a_role_killed_mid_run_comes_back_and_the_run_trains_every_sample_once(p
     with Journal(project.copy_run("demo", tmp_path) / "journal.sqlite") as journal:
         ids = journal.trained_sample_ids()
         assert len(ids) == len(set(ids)) == steps * 128  # none lost, none twice (demo: 128 prompts x 1)
-        assert bool(journal.rewound()) == (role != "reward")  # a trainer resumes from its checkpoint
+        rewound = [step for step, _ in journal.rewound()]
+    lost = [r for r in records if "recovery/steps_lost" in r]
+    if role == "reward":  # its lost call is repeated: no recovery, nothing trained again
+        assert lost == [] and rewound == []
+    else:  # a trainer resumes from the snapshot (the compose volume) of the last finished step
+        [after] = lost
+        assert after["recovery/steps_lost"] == 0 and rewound in ([], [after["step"]]), (after, rewound)
 
 
 # --- a worker group over two containers -------------------------------------------------------------------
