@@ -76,10 +76,11 @@ def launch_node(role: str, cfg: RoleFleetConfig, node: int, ready_file: str | No
         # SIGTERM is ours (below), not the agent's: the agent would end its ranks itself and leave
         # the other nodes' agents waiting at their exit barrier for one that is gone.
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT")
+    raw = cfg.model_dump(mode="json")  # before the handler: a SIGTERM must not land inside the serializer
     signal.signal(signal.SIGTERM, _stop_in_order)
     log.info("%s joining the rendezvous at %s", who, where)
     try:
-        elastic_launch(config, rank_main)(role, cfg.model_dump(mode="json"), node, ready_file or "")
+        elastic_launch(config, rank_main)(role, raw, node, ready_file or "")
     except ChildFailedError as exc:
         for failure in exc.failures.values():
             log.error("%s: rank %d exited with code %s; ending this node", who,

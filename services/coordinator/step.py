@@ -121,6 +121,7 @@ class StepBody:
 
         # 2. Scores, values and logprobs at once: the three roles do not wait on each other.
         start = time.perf_counter()
+        scorers = await self._reward_replicas_now()
         reward, critic_values, logprobs = await self._scored(rollout, one_pass)
         reward = with_env_rewards(reward, samples)  # multi-turn: what the environment rewarded
         score_s = rollout.score_s + time.perf_counter() - start
@@ -166,7 +167,7 @@ class StepBody:
         if step == 1:
             record.update(self.dataset.stats)  # what the load kept, filtered and truncated
         record.update(added, **self.checkpointer.take_recovery())
-        record["reward/versions"] = await self._reward_versions(step)
+        record["reward/versions"] = await self._reward_versions(step, scorers)
         if self.evaluator is not None and self.evaluator.due(step):
             # Async mode: in the train stage, so the next update waits for it, while generation goes
             # on within the bound and takes the rollout engine in turns with it (evaluation.py).
@@ -219,17 +220,22 @@ class StepBody:
         await self.checkpointer.save(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
         self.saved = s.step
 
-    async def _reward_versions(self, step: int) -> str:
-        """The reward definitions (`reward/definition.py`) of the replicas in use, comma-separated:
-        one, or two while a rolling update swaps replicas; a change is said on the console."""
+    async def _reward_replicas_now(self) -> dict[str, str]:
+        """The reward replicas in use, by label, with their versions (`reward/definition.py`)."""
         reward = self.roles.reward
-        versions = await reward.versions() if hasattr(reward, "versions") else \
+        return await reward.versions() if hasattr(reward, "versions") else \
             {"reward": (await reward.status()).weights_digest}
-        if versions != self._reward_replicas:
+
+    async def _reward_versions(self, step: int, scorers: dict[str, str]) -> str:
+        """The reward definitions of the replicas in use from the step's scoring to its record
+        (`scorers`: those at its start), comma-separated: one, or two while a rolling update swaps
+        replicas; a change is said on the console."""
+        now = await self._reward_replicas_now()
+        if now != self._reward_replicas:
             print(f"rolefleet: step {step}: reward replicas and versions: "
-                  + ", ".join(f"{label} {v}" for label, v in sorted(versions.items())), flush=True)
-            self._reward_replicas = versions
-        return ",".join(sorted(set(versions.values())))
+                  + ", ".join(f"{label} {v}" for label, v in sorted(now.items())), flush=True)
+            self._reward_replicas = now
+        return ",".join(sorted({*scorers.values(), *now.values()}))
 
     async def snapshot(self) -> dict[str, float]:
         """A snapshot of the step just trained (`checkpoint.snapshot`): its seconds, for the record."""
