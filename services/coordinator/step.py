@@ -231,7 +231,7 @@ class StepBody:
         (`scorers`: those at its start), comma-separated: one, or two while a rolling update swaps
         replicas; a change is said on the console."""
         now = await self._reward_replicas_now()
-        if now != self._reward_replicas:
+        if now and now != self._reward_replicas:  # none answering (restarting): said once back
             print(f"rolefleet: step {step}: reward replicas and versions: "
                   + ", ".join(f"{label} {v}" for label, v in sorted(now.items())), flush=True)
             self._reward_replicas = now

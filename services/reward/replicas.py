@@ -69,6 +69,7 @@ class ReplicatedRewardClient:
         self.hedges = 0  # shards re-sent because their replica lagged
         self.lost_hedges = dict.fromkeys(range(n), 0)  # calls a later hedge beat, per replica
         self._down_until = dict.fromkeys(range(n), float("-inf"))
+        self._versions: dict[int, str] = {}  # replica -> its reward version, asked once (again after a failure)
         self._in_flight = dict.fromkeys(range(n), 0)
         self._shard_times: deque[float] = deque(maxlen=64)
         self._timing: asyncio.Future | None = None  # resolved when a shard time is recorded
@@ -121,10 +122,13 @@ class ReplicatedRewardClient:
 
     async def versions(self) -> dict[str, str]:
         """Each replica in use's reward version (its definition's digest, `reward/definition.py`),
-        by label; a replica that does not answer is left out (it gets no work meanwhile)."""
-        live = self._live()
-        answers = await asyncio.gather(*(self.clients[i].status() for i in live), return_exceptions=True)
-        return {self.labels[i]: a.weights_digest for i, a in zip(live, answers) if not isinstance(a, BaseException)}
+        by label: asked once per replica, and again after it failed a call (a restarted replica may
+        serve another definition); one that does not answer now is left out."""
+        unknown = [i for i in self._live() if i not in self._versions]
+        answers = await asyncio.gather(*(self.clients[i].status() for i in unknown), return_exceptions=True)
+        self._versions.update({i: a.weights_digest for i, a in zip(unknown, answers)
+                               if not isinstance(a, BaseException)})
+        return {self.labels[i]: self._versions[i] for i in self._live() if i in self._versions}
 
     async def close(self) -> None:
         live = [self.clients[i] for i in self._live()]  # retired ones close themselves
@@ -272,6 +276,7 @@ class ReplicatedRewardClient:
 
     def _mark_down(self, index: int, exc: BaseException) -> None:
         self.failures[index] += 1
+        self._versions.pop(index, None)
         self._down_until[index] = self.clock() + self.cooldown_s
         log.warning("reward replica %d failed (%s: %s); skipped for %.0fs", index, type(exc).__name__, exc,
                     self.cooldown_s)
