@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -27,6 +28,7 @@ from rolefleet.trainer.checkpoint import MANIFEST, complete_checkpoints, prune, 
 
 log = logging.getLogger(__name__)
 STATE_FILE = "coordinator.json"
+SUGGESTED_COST = 0.03  # share of a run's time that the suggested checkpoint.every spends saving
 STATE_VERSION = 1
 
 
@@ -114,6 +116,8 @@ class Checkpointer:
         self.instance = os.urandom(4).hex()
         self.last_saved = time.monotonic()  # `checkpoint.every_minutes` counts from here (the run's start)
         self.recovery: dict[str, float] = {}  # the last recovery's metrics, for the next step's record
+        self.save_s: float | None = None  # the last checkpoint's seconds (what `suggest_every` weighs)
+        self._suggested = False
 
     def start_fresh(self) -> None:
         """A new run (not resuming) in a directory with an earlier run's checkpoints: they are moved
@@ -154,8 +158,22 @@ class Checkpointer:
         for old in prune(self.root, self.cfg.checkpoint.keep):
             log.info("checkpoint %s removed (checkpoint.keep=%d)", old, self.cfg.checkpoint.keep)
         self.last_saved = time.monotonic()
-        log.info("checkpoint of step %d written to %s in %.1f s", step, path, time.perf_counter() - start)
+        self.save_s = time.perf_counter() - start
+        log.info("checkpoint of step %d written to %s in %.1f s", step, path, self.save_s)
         return path
+
+    def suggest_every(self, step_s: float) -> None:
+        """Without snapshots a lost trainer goes back to the newest checkpoint: once, from the
+        measured save and step times, the `checkpoint.every` that bounds that loss at about
+        `SUGGESTED_COST` of the run's time (nothing when the config sets it, or nothing was saved)."""
+        c = self.cfg.checkpoint
+        if self._suggested or self.snapshots is not None or c.every or self.save_s is None or step_s <= 0:
+            return
+        self._suggested = True
+        every = max(1, math.ceil(self.save_s / (SUGGESTED_COST * step_s)))
+        print(f"rolefleet: snapshots are off, so a lost actor or critic goes back to the newest checkpoint; a "
+              f"checkpoint took {self.save_s:.1f} s and a step {step_s:.1f} s here: checkpoint.every={every} would "
+              f"bound that loss to {every} steps at about {SUGGESTED_COST:.0%} of the run's time", flush=True)
 
     async def snapshot(self, roles, state: CoordinatorState, actor_step: int) -> float:
         """A snapshot of `state.step` (`checkpoint.snapshot`): a checkpoint in memory, the trainers'

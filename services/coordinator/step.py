@@ -180,6 +180,7 @@ class StepBody:
             await self.save()
         else:
             record.update(await self.snapshot())
+        self.checkpointer.suggest_every(seconds["step"])
         self.logger.log(record)
         self.status.record_step(record, actor_result.model_version)
         return record

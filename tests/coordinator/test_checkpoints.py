@@ -313,3 +313,17 @@ def test_a_run_with_partial_rollouts_resumes_its_carried_responses(make_config, 
     ids = journal_ids(cfg)
     assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids))
     assert all(same_step(a, b) for a, b in zip(metrics(cfg), metrics(straight_cfg)))
+
+
+def test_without_snapshots_the_run_suggests_a_checkpoint_interval_from_what_a_save_took(make_config, tmp_path,
+                                                                                        capsys):
+    common = ("algorithm=grpo", "train.total_steps=3", "train.samples_per_prompt=2")
+    run(make_config(*common, "checkpoint.snapshot.enabled=false", f"run.output_dir={tmp_path / 'off'}"))
+    [said] = [line for line in capsys.readouterr().out.splitlines() if "checkpoint.every=" in line]
+    assert said.startswith("rolefleet: snapshots are off, so a lost actor or critic goes back to the newest "
+                           "checkpoint; a checkpoint took ")
+    every = int(said.split("checkpoint.every=")[1].split()[0])
+    assert every >= 1 and f"bound that loss to {every} steps at about 3% of the run's time" in said
+    for kept in (("checkpoint.snapshot.enabled=true",), ("checkpoint.snapshot.enabled=false", "checkpoint.every=2")):
+        run(make_config(*common, *kept, f"run.output_dir={tmp_path / kept[-1]}"))
+        assert "checkpoint.every=" not in capsys.readouterr().out  # snapshots on, or the interval chosen
