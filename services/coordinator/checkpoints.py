@@ -225,7 +225,12 @@ class Checkpointer:
                        + [(step, 0, path) for step, path in self._snapshots()], reverse=True)
         for step, durable, path in found:
             try:
-                return await self._load(roles, path)
+                state = await self._load(roles, path)
+                # Later snapshots under new paths: a trainer's part of a step redone now must never
+                # be taken for the one it wrote of that step before the loss (a save repeated is
+                # answered from disk).
+                self.instance = os.urandom(4).hex()
+                return state
             except InvalidArgument as exc:
                 if durable:
                     raise
