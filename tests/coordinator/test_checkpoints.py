@@ -120,6 +120,24 @@ def test_resume_without_a_checkpoint_starts_from_step_one(make_config, tmp_path)
     assert status.step == 2 and actor.policy_version == 2
 
 
+def fresh_critic(cfg) -> CriticCore:
+    """A critic as a started (or restarted) process has it: its initial weights."""
+    return CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)
+
+
+def run_with_critic(cfg, critic_client):
+    """The run in-process on fresh roles, the critic reached through `critic_client` (a client class
+    that may play the critic's death); (status, actor core, roles) once it ended."""
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+    actor = ActorCore(cfg.actor, cfg.run.seed)
+    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
+                  critic_client(fresh_critic(cfg)))
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    return status, actor, roles
+
+
 @pytest.mark.parametrize("snapshots", [True, False])
 def test_a_lost_role_is_recovered_from_the_newest_snapshot_or_checkpoint(make_config, tmp_path, snapshots):
     """The critic's process 'dies' at step 4 and comes back fresh (its initial weights): the run
@@ -133,8 +151,6 @@ def test_a_lost_role_is_recovered_from_the_newest_snapshot_or_checkpoint(make_co
     _, straight_actor, straight_critic = run(straight_cfg)
 
     cfg = make_config(*common, f"run.output_dir={tmp_path / 'lost'}")
-    status = RunStatus(cfg.run.name, cfg.train.total_steps)
-    actor = ActorCore(cfg.actor, cfg.run.seed)
 
     class DyingCritic(InProcessCriticClient):
         died = False
@@ -142,15 +158,11 @@ def test_a_lost_role_is_recovered_from_the_newest_snapshot_or_checkpoint(make_co
         async def update(self, step, *args):
             if step == 4 and not self.died:
                 DyingCritic.died = True
-                self.core = CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)  # the restarted process
+                self.core = fresh_critic(cfg)  # the restarted process
                 raise Unavailable("critic: connection refused")
             return await super().update(step, *args)
 
-    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
-                  DyingCritic(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)))
-    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
-    asyncio.run(train(cfg, roles, logger, status))
-    logger.close()
+    status, actor, roles = run_with_critic(cfg, DyingCritic)
     assert status.state == RunState.FINISHED and DyingCritic.died
     assert actor.digest() == straight_actor.digest() and roles.critic.core.digest() == straight_critic.digest()
     assert [r["step"] for r in metrics(cfg)] == list(range(1, 7))
@@ -175,8 +187,6 @@ def test_a_trainer_lost_while_writing_a_snapshot_resumes_from_the_complete_one_b
     straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
     _, straight_actor, straight_critic = run(straight_cfg)
     cfg = make_config(*common, f"run.output_dir={tmp_path / 'lost'}")
-    status = RunStatus(cfg.run.name, cfg.train.total_steps)
-    actor = ActorCore(cfg.actor, cfg.run.seed)
 
     class CriticDyingInASnapshot(InProcessCriticClient):
         died_in = None
@@ -185,15 +195,11 @@ def test_a_trainer_lost_while_writing_a_snapshot_resumes_from_the_complete_one_b
             if step == 3 and CriticDyingInASnapshot.died_in is None:
                 CriticDyingInASnapshot.died_in = path
                 (tmp_path / path).with_name("critic.partial").mkdir(parents=True)  # what it had written
-                self.core = CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)  # restarted
+                self.core = fresh_critic(cfg)  # restarted
                 raise Unavailable("critic: connection refused")
             return await super().save_checkpoint(step, path)
 
-    roles = Roles(InProcessActorClient(actor), InProcessRewardClient(RewardCore(cfg.reward)),
-                  CriticDyingInASnapshot(CriticCore(cfg.critic, cfg.run.seed, cfg.pipeline.staleness_bound)))
-    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
-    asyncio.run(train(cfg, roles, logger, status))
-    logger.close()
+    status, actor, roles = run_with_critic(cfg, CriticDyingInASnapshot)
     assert status.state == RunState.FINISHED
     assert CriticDyingInASnapshot.died_in.startswith(str(tmp_path / "shm"))  # a snapshot's write, not a checkpoint's
     assert actor.digest() == straight_actor.digest() and roles.critic.core.digest() == straight_critic.digest()
