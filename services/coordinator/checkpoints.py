@@ -11,18 +11,21 @@ the pipeline's counts. Both modes save and resume it the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
 import logging
 import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from rolefleet.common.config import RoleFleetConfig
-from rolefleet.common.errors import FailedPrecondition, InvalidArgument
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolefleet.coordinator.journal import Journal
 from rolefleet.trainer.checkpoint import MANIFEST, complete_checkpoints, prune, step_dir, write_json
 
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 STATE_FILE = "coordinator.json"
 SUGGESTED_COST = 0.03  # share of a run's time that the suggested checkpoint.every spends saving
 STATE_VERSION = 1
+# Why a snapshot may fail where a checkpoint would not be tried again: a full or missing memory
+# volume, a trainer that cannot write in it. Snapshots are then off; the run goes on.
+SNAPSHOT_FAILURES = (FailedPrecondition, InvalidArgument, OSError)
 
 
 async def _nothing() -> None:
@@ -117,6 +123,7 @@ class Checkpointer:
         self.last_saved = time.monotonic()  # `checkpoint.every_minutes` counts from here (the run's start)
         self.recovery: dict[str, float] = {}  # the last recovery's metrics, for the next step's record
         self.save_s: float | None = None  # the last checkpoint's seconds (what `suggest_every` weighs)
+        self._pending: asyncio.Task | None = None  # the snapshot whose files are being written
         self._suggested = False
 
     def start_fresh(self) -> None:
@@ -150,6 +157,7 @@ class Checkpointer:
     async def save(self, roles, state: CoordinatorState, actor_step: int) -> Path:
         """Checkpoint `state.step` (`actor_step`: the actor's own step id, behind during critic
         warm-up); `state`: the coordinator's part."""
+        await self.settle()  # a snapshot being written: complete first, its step recorded
         start, step = time.perf_counter(), state.step
         path = step_dir(self.root, step)
         manifest = await self._write(roles, state, actor_step, path)
@@ -175,24 +183,58 @@ class Checkpointer:
               f"checkpoint took {self.save_s:.1f} s and a step {step_s:.1f} s here: checkpoint.every={every} would "
               f"bound that loss to {every} steps at about {SUGGESTED_COST:.0%} of the run's time", flush=True)
 
-    async def snapshot(self, roles, state: CoordinatorState, actor_step: int) -> float:
+    async def snapshot(self, roles, state: CoordinatorState, actor_step: int,
+                       then: Callable[[dict[str, float]], None]) -> None:
         """A snapshot of `state.step` (`checkpoint.snapshot`): a checkpoint in memory, the trainers'
-        parts on their own machines; once it is complete the previous one goes. Its seconds."""
+        parts on their own machines. Returns once the trainers hold their state off the device
+        (SaveCheckpoint in the background); the files, the manifest and the removal of the previous
+        snapshot follow behind the next step, and then `then(metrics)` (the step's record). A
+        snapshot that fails turns them off and calls `then` at once; one that a lost role leaves
+        incomplete never calls it (its step is trained again)."""
+        await self.settle()  # the previous one complete: one at a time
         start = time.perf_counter()
+        path = step_dir(self.snapshots / self.instance, state.step)
+        # As of now (a copy: the next step changes the state, carried groups in place among it).
+        coordinator = copy.deepcopy({"version": STATE_VERSION, **state.to_dict()})
         try:
-            await self._write(roles, state, actor_step, step_dir(self.snapshots / self.instance, state.step))
-        except (FailedPrecondition, InvalidArgument, OSError) as exc:  # a full or missing memory volume, say
-            log.warning("snapshots are off for the rest of the run: the snapshot of step %d failed (%s); a lost "
-                        "trainer is recovered from the checkpoints (checkpoint.every_minutes, checkpoint.every)",
-                        state.step, exc)
-            self.snapshots = None
-            return 0.0
-        for _, old in self._snapshots()[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
-        for other in self.snapshots.iterdir():  # an earlier coordinator start's, superseded now
-            if other.name != self.instance:
-                shutil.rmtree(other, ignore_errors=True)
-        return time.perf_counter() - start
+            path.mkdir(parents=True, exist_ok=True)
+            await self._save_trainers(roles, state.step, actor_step, path, background=True)
+        except SNAPSHOT_FAILURES as exc:
+            self._snapshots_off(state.step, exc)
+            then({})
+            return
+        staged = time.perf_counter() - start
+
+        async def complete() -> None:
+            try:
+                # The same requests again: answered once each trainer's files are complete.
+                actor, critic = await self._save_trainers(roles, state.step, actor_step, path)
+                self._finish(path, state.step, coordinator, actor, critic)
+            except SNAPSHOT_FAILURES as exc:
+                self._snapshots_off(state.step, exc)
+                then({})
+                return
+            for _, old in self._snapshots()[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
+            for other in self.snapshots.iterdir():  # an earlier coordinator start's, superseded now
+                if other.name != self.instance:
+                    shutil.rmtree(other, ignore_errors=True)
+            then({"checkpoint/snapshot_s": staged, "checkpoint/snapshot_write_s": time.perf_counter() - start})
+
+        self._pending = asyncio.create_task(complete())
+
+    async def settle(self) -> None:
+        """Until the snapshot being written is complete (its step recorded); a role lost meanwhile
+        is raised (Unavailable), as the call that met it would."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+
+    def _snapshots_off(self, step: int, exc: Exception) -> None:
+        log.warning("snapshots are off for the rest of the run: the snapshot of step %d failed (%s); a lost "
+                    "trainer is recovered from the checkpoints (checkpoint.every_minutes, checkpoint.every)",
+                    step, exc)
+        self.snapshots = None
 
     def _snapshots(self) -> list[tuple[int, Path]]:
         """(step, directory) of every complete snapshot, by step."""
@@ -204,14 +246,23 @@ class Checkpointer:
     async def _write(self, roles, state: CoordinatorState, actor_step: int, path: Path) -> dict:
         """The trainers' parts (at once), the coordinator's state, then the manifest; the manifest."""
         path.mkdir(parents=True, exist_ok=True)
-        actor, critic = await asyncio.gather(
-            roles.actor.save_checkpoint(actor_step, str(path / "actor")),
-            roles.critic.save_checkpoint(state.step, str(path / "critic")) if roles.critic else _nothing())
-        write_json(path / STATE_FILE, {"version": STATE_VERSION, **state.to_dict()})
+        actor, critic = await self._save_trainers(roles, state.step, actor_step, path)
+        return self._finish(path, state.step, {"version": STATE_VERSION, **state.to_dict()}, actor, critic)
+
+    @staticmethod
+    async def _save_trainers(roles, step: int, actor_step: int, path: Path, background: bool = False):
+        return await asyncio.gather(
+            roles.actor.save_checkpoint(actor_step, str(path / "actor"), background=background),
+            roles.critic.save_checkpoint(step, str(path / "critic"), background=background) if roles.critic
+            else _nothing())
+
+    def _finish(self, path: Path, step: int, coordinator: dict, actor, critic) -> dict:
+        """After the trainers' parts: the coordinator's state, then the manifest; the manifest."""
+        write_json(path / STATE_FILE, coordinator)
         roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
         if critic is not None:
             roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
-        manifest = {"step": state.step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm,
+        manifest = {"step": step, "run": self.cfg.run.name, "algorithm": self.cfg.algorithm,
                     "created": time.time(), "roles": roles_done, "coordinator": STATE_FILE}
         write_json(path / MANIFEST, manifest)
         return manifest
@@ -220,6 +271,8 @@ class Checkpointer:
         """Load the newest complete checkpoint or snapshot into the roles; its coordinator state
         (None: there is none yet, the run starts at step 1). A snapshot that a trainer does not
         hold (its machine's memory went with it: a pod moved) gives way to the next newest."""
+        with contextlib.suppress(Unavailable):  # a snapshot being written: complete, or left incomplete
+            await self.settle()
         # Newest first; a checkpoint before a snapshot of the same step (it is on lasting storage).
         found = sorted([(step, 1, path) for step, path in complete_checkpoints(self.root)]
                        + [(step, 0, path) for step, path in self._snapshots()], reverse=True)

@@ -151,7 +151,7 @@ async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, stat
         rollout = await rollouts.rollout(step, body.state)
         # 2-6. Score, advantages, update, record, checkpoint.
         await body.run(step, rollout, since=start, schedule=_PHASES)
-    await body.save_if_stopped()
+    await body.finish()
 
 
 class _Phases(Schedule):

@@ -137,7 +137,7 @@ class Pipeline(Schedule):
                 continue
             self.train_start = time.perf_counter()
             await self.body.run(step, rollout, since=self.last, schedule=self)
-        await self.body.save_if_stopped()
+        await self.body.finish()
 
     async def _next_batch(self) -> Rollout | None:
         """The next scored batch within the bound (None: it was dropped)."""

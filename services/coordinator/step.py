@@ -5,7 +5,8 @@
 3. advantages and returns (the algorithm's estimator), KL-coefficient update
 4. actor.Update | critic.Update, concurrently
 5. the step's record, with an evaluation on held-out prompts when due (`evaluation.py`)
-6. a checkpoint, when due
+6. a checkpoint when due, else a snapshot (written behind the next step; the record is logged
+   once it is complete)
 
 Generation is the only phase the modes do differently. Sync mode (`loop.py`) generates a batch and
 runs this on it, one step after another. Async mode (`pipeline.py`) generates ahead, streaming each
@@ -140,7 +141,10 @@ class StepBody:
         self.state.kl_coef = self.kl_controller(kl_coef, targets.kl[own].mean().item(), t.kl_target, t.kl_horizon,
                                                 len(samples))
 
-        # 4. Policy and value updates at once.
+        # 4. Policy and value updates at once, after the previous step's snapshot is complete (it
+        #    was written during this step's generation): the newest one is never more than a step
+        #    behind, and a trainer lost while writing it is met here, before its state moves on.
+        await self.checkpointer.settle()
         await schedule.before_update(step)
         start = time.perf_counter()
         actor_result, critic_result = await self._updates(step, rollout, batch.with_rows_trained(trained),
@@ -174,15 +178,25 @@ class StepBody:
             record.update(await self.evaluator.run(step, self.eval_generate(), self.roles.reward.score))
         record.update(self.clock.fractions())
 
-        # 6. The step kept before its record is: a checkpoint when due, else a snapshot (what a lost
-        #    trainer resumes from). A recorded step is never trained again, nor a kept one unrecorded.
+        # 6. The step kept, then its record: a checkpoint when due, else a snapshot (what a lost
+        #    trainer resumes from), which holds the run up only while the trainers copy their state
+        #    off the device: its files are written behind the next step, and the record is logged
+        #    once they are complete. A recorded step is never trained again, nor a kept one unrecorded.
+        self.checkpointer.suggest_every(seconds["step"])
+
+        def log(kept: dict[str, float]) -> None:
+            record.update(kept)
+            self.logger.log(record)
+            self.status.record_step(record, actor_result.model_version)
+
         if self.checkpointer.due(step):
             await self.save()
+            log({})
+        elif self.checkpointer.snapshots is None:
+            log({})
         else:
-            record.update(await self.snapshot())
-        self.checkpointer.suggest_every(seconds["step"])
-        self.logger.log(record)
-        self.status.record_step(record, actor_result.model_version)
+            s = self._saved_state()
+            await self.checkpointer.snapshot(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps), log)
         return record
 
     async def _scored(self, rollout: Rollout, one_pass: bool) -> tuple[ScoreResult, CriticValues | None, LogProbs]:
@@ -238,22 +252,16 @@ class StepBody:
             self._reward_replicas = now
         return ",".join(sorted({*scorers.values(), *now.values()}))
 
-    async def snapshot(self) -> dict[str, float]:
-        """A snapshot of the step just trained (`checkpoint.snapshot`): its seconds, for the record."""
-        if self.checkpointer.snapshots is None:
-            return {}
-        s = self._saved_state()
-        seconds = await self.checkpointer.snapshot(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
-        return {"checkpoint/snapshot_s": seconds}
-
     def _saved_state(self) -> CoordinatorState:
         s = self.state
         self.dataset.position = s.batches_used * self.cfg.train.prompts_per_step
         s.data = self.dataset.state_dict()
         return s
 
-    async def save_if_stopped(self) -> None:
-        """After the last step of a stopped run, a checkpoint of it (`checkpoint.at_end`): it can resume."""
+    async def finish(self) -> None:
+        """After the last step: its snapshot complete (its record logged); if the run was stopped, a
+        checkpoint of it (`checkpoint.at_end`): it can resume."""
+        await self.checkpointer.settle()
         if self.status.stop_requested and self.state.step > self.saved and self.cfg.checkpoint.at_end:
             await self.save()
 

@@ -59,8 +59,8 @@ class GrpcRoleClient:
 class GrpcTrainerClient(GrpcRoleClient):
     """The calls of the roles that train (actor, critic): checkpoints."""
 
-    async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
-        request = common_pb2.SaveCheckpointRequest(step=step, path=path)
+    async def save_checkpoint(self, step: int, path: str, background: bool = False) -> CheckpointInfo:
+        request = common_pb2.SaveCheckpointRequest(step=step, path=path, background=background)
         return CheckpointInfo.from_proto(await call(self.stub.SaveCheckpoint(request, timeout=self.timeout_s)))
 
     async def load_checkpoint(self, path: str) -> CheckpointInfo:
@@ -78,8 +78,8 @@ class InProcessTrainerClient:
     async def status(self, include_digest: bool = False) -> RoleStatus:
         return await asyncio.to_thread(self.core.status, include_digest)
 
-    async def save_checkpoint(self, step: int, path: str) -> CheckpointInfo:
-        return await asyncio.to_thread(self.core.save_checkpoint, step, path)
+    async def save_checkpoint(self, step: int, path: str, background: bool = False) -> CheckpointInfo:
+        return await asyncio.to_thread(self.core.save_checkpoint, step, path, background)
 
     async def load_checkpoint(self, path: str) -> CheckpointInfo:
         return await asyncio.to_thread(self.core.load_checkpoint, path)

@@ -140,7 +140,8 @@ class TrainerServicer(RoleServicer):
 
     @rpc
     async def SaveCheckpoint(self, request, context):
-        info = await asyncio.to_thread(self.core.save_checkpoint, request.step, request.path)
+        info = await asyncio.to_thread(self.core.save_checkpoint, request.step, request.path,
+                                        request.background)
         return info.to_proto()
 
     @rpc

@@ -35,6 +35,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.trainer import checkpoint
+from rolefleet.trainer.background import TrainerWrite, make_stager
 from rolefleet.trainer.optim import HostOptimizerState, StepFn, apply_gradients, make_optimizer, run_epochs
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
@@ -69,6 +70,8 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(root, cfg)  # over the shards, if sharded
         self.state_offload = HostOptimizerState(self.optimizer) if cfg.offload == "optimizer" else None
         self.generator = torch.Generator().manual_seed(seed)
+        self.writing: TrainerWrite | None = None  # a background save's write in flight (`save_state`)
+        self._stager = None  # its host buffers, kept from one background save to the next
 
     # --- passes over a batch ------------------------------------------------------------------
 
@@ -89,6 +92,7 @@ class Trainer:
     def run_epochs(self, batch: SequenceBatch, step: StepFn) -> dict[str, float]:
         """`step` once per mini-batch per epoch, the model in training mode; each statistic averaged
         over the optimizer steps (`optim.run_epochs`: a failure after the first is a PartialUpdate)."""
+        self._staged()
         self.model.train()
         try:
             return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, step)
@@ -123,13 +127,27 @@ class Trainer:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def save_state(self, work: Path) -> None:
-        """Collective over the part: each rank its shards; the first the scheduler and RNG states."""
-        checkpoint.save_trainer(work, self.model, self.optimizer, self.scheduler, self.generator, self.ranks.group,
-                                self.ranks.first)
+    def save_state(self, work: Path, background: bool = False) -> None:
+        """Collective over the part: each rank its shards; the first the scheduler and RNG states.
+        `background`: the state staged into host buffers, its files written behind the next steps
+        (`self.writing`, `trainer/background.py`)."""
+        if self.writing is not None:  # one write at a time: the staging buffers are reused
+            self.writing.settle()
+            self.writing = None
+        if background and self._stager is None:
+            self._stager = make_stager()
+        self.writing = checkpoint.save_trainer(work, self.model, self.optimizer, self.scheduler, self.generator,
+                                               self.ranks.group, self.ranks.first,
+                                               self._stager if background else None)
+
+    def _staged(self) -> None:
+        """Before the weights or moments change: a background save's copy of them is complete."""
+        if self.writing is not None:
+            self.writing.wait_staged()
 
     def load_state(self, path: Path) -> None:
         """The inverse of `save_state`, resharded to this part."""
+        self._staged()
         checkpoint.load_trainer(path, self.model, self.optimizer, self.scheduler, self.generator, self.ranks.group)
         if self.state_offload is not None:
             self.state_offload.to_host()  # loading put the state beside the parameters

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from rolefleet.common.role_types import CheckpointInfo
+from rolefleet.trainer.background import BackgroundSave
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -94,25 +95,31 @@ def commit(path: Path) -> None:
 # --- a trainer's state --------------------------------------------------------------------------
 
 def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 generator: torch.Generator, group, first: bool) -> None:
+                 generator: torch.Generator, group, first: bool, stager=None):
     """SPMD over the training ranks (`group`: their process group, None for all or no group):
     weights and optimizer state, each rank its shards; the first rank writes trainer.pt. A failure
-    (a full disk) is a role error alike on every rank: the save is refused, nothing changed."""
+    (a full disk) is a role error alike on every rank: the save is refused, nothing changed. With
+    `stager` (`background.make_stager`) the weights are staged into its buffers and written in the
+    background: the write in flight is returned (`background.TrainerWrite`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from rolefleet.common.errors import FailedPrecondition
+    from rolefleet.trainer import background
 
     try:
         model_state, optim_state = _trainable_state(model, optimizer)
-        with _one_process_is_fine():
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(work / "weights"),
-                     process_group=group)
-        if first:
+        if first:  # small, and what the state dicts do not hold: written now
             torch.save({"scheduler": scheduler.state_dict(), "generator": generator.get_state(),
                         "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                        work / "trainer.pt")
+        state = {"model": model_state, "optim": optim_state}
+        if stager is not None:
+            return background.start_write(state, work / "weights", stager, group)
+        with _one_process_is_fine():
+            dcp.save(state, checkpoint_id=str(work / "weights"), process_group=group)
+        return None
     except (Exception, CheckpointException) as exc:  # dcp's errors derive from BaseException
         raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
 
@@ -277,9 +284,11 @@ def _missing_parts(path: Path) -> list[str]:
     return [part for part in ("weights/.metadata", "trainer.pt") if not (path / part).is_file()]
 
 
-def save_role(core, step: int, path: str, save_state: Callable[[str], None],
-              write_hf_files: Callable[[Path], None]) -> CheckpointInfo:
-    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks)."""
+def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
+              write_hf_files: Callable[[Path], None]) -> CheckpointInfo | BackgroundSave:
+    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks).
+    When `save_state` returns a write still in flight (rank 0's Future: a background save), the
+    directory is committed once it is over, by the BackgroundSave returned."""
     from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 
     target = _role_dir(core, path)
@@ -303,9 +312,11 @@ def save_role(core, step: int, path: str, save_state: Callable[[str], None],
         work = begin(target)
     except OSError as exc:
         raise InvalidArgument("path", f"cannot write {target}: {exc}") from exc
-    save_state(str(work))
+    written = save_state(str(work))
     write_hf_files(work)
     write_json(work / "role.json", core.state.to_json())
+    if written is not None:
+        return BackgroundSave(target, step, CheckpointInfo(step, core.state.version), written)
     shutil.rmtree(target, ignore_errors=True)  # a save of another step at the same path
     commit(target)
     return CheckpointInfo(step, core.state.version)

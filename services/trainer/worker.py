@@ -50,8 +50,8 @@ class TrainingWorker:
         return stats, extra
 
     @collective("trainers")
-    def save_state(self, work: str) -> None:
-        self.trainer.save_state(Path(work))
+    def save_state(self, work: str, background: bool = False) -> None:
+        self.trainer.save_state(Path(work), background)
 
     @collective("trainers")
     def load_state(self, path: str) -> None:

@@ -5,6 +5,7 @@ checkpoint is never loaded; async runs resume too."""
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -191,13 +192,17 @@ def test_a_trainer_lost_while_writing_a_snapshot_resumes_from_the_complete_one_b
     class CriticDyingInASnapshot(InProcessCriticClient):
         died_in = None
 
-        async def save_checkpoint(self, step, path):
-            if step == 3 and CriticDyingInASnapshot.died_in is None:
+        async def save_checkpoint(self, step, path, background=False):
+            # The snapshot's state was staged (the step went on), its files are being written:
+            # the coordinator's wait for them meets a critic that died meanwhile.
+            if step == 3 and not background and CriticDyingInASnapshot.died_in is None:
                 CriticDyingInASnapshot.died_in = path
-                (tmp_path / path).with_name("critic.partial").mkdir(parents=True)  # what it had written
+                await super().save_checkpoint(step, path)  # (its write over, undone below: a deterministic test)
+                shutil.rmtree(path)
+                Path(path).with_name("critic.partial").mkdir(parents=True)  # what it had written
                 self.core = fresh_critic(cfg)  # restarted
                 raise Unavailable("critic: connection refused")
-            return await super().save_checkpoint(step, path)
+            return await super().save_checkpoint(step, path, background)
 
     status, actor, roles = run_with_critic(cfg, CriticDyingInASnapshot)
     assert status.state == RunState.FINISHED

@@ -80,12 +80,14 @@ class TrainStats(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ("step", "path")
+    __slots__ = ("step", "path", "background")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    background: bool
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., background: _Optional[bool] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("path",)

@@ -1,0 +1,96 @@
+"""SaveCheckpoint in the background (`trainer/background.py`): the state of the step asked for, staged
+before the next update changes it, written behind it, and committed only once complete."""
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.config import parse_config
+from rolefleet.common.errors import FailedPrecondition
+from rolefleet.critic.core import CriticCore
+from rolefleet.trainer import background, base
+from rolefleet.trainer.checkpoint import partial, read_role_json
+
+BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])],
+                                 [torch.tensor([9, 2]), torch.tensor([10, 4, 2])])
+RETURNS, OLD = torch.tensor([1.0, 0.5, -1.0, 2.0, 0.0]), torch.zeros(5)
+
+
+def critic(model_dir: str) -> CriticCore:
+    cfg = parse_config({"model": {"model_name_or_path": model_dir}}, ["critic.compute_dtype=float32", "critic.lr=0.05"])
+    return CriticCore(cfg.critic)
+
+
+def slow_stager(monkeypatch, seconds: float) -> None:
+    """Staging that starts late: an update that did not wait for it would change what it copies."""
+    made = base.make_stager  # where the trainer takes it from
+
+    def make():
+        stager = made()
+        stage = stager._stage
+
+        def late(state_dict, **kwargs):
+            time.sleep(seconds)
+            return stage(state_dict, **kwargs)
+
+        stager._stage = late
+        return stager
+
+    monkeypatch.setattr(base, "make_stager", make)
+
+
+def test_the_saved_state_is_the_steps_though_the_next_update_runs_while_it_is_written(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    slow_stager(monkeypatch, 0.5)
+    core = critic(tiny_model_dir)
+    core.update(1, BATCH, RETURNS, OLD)
+    after_one = core.digest()
+    path = str(tmp_path / "step-1" / "critic")
+    answered = core.save_checkpoint(1, path, background=True)
+    assert answered.step == 1
+    core.update(2, BATCH, RETURNS, OLD)  # at once: it waits only for the copy off the device
+    assert core.digest() != after_one
+    assert core.save_checkpoint(1, path).step == 1  # the repeat: once the files are complete
+    assert read_role_json(Path(path))["last_step"] == 1 and not partial(Path(path)).exists()
+
+    fresh = critic(tiny_model_dir)
+    assert fresh.load_checkpoint(path).step == 1
+    assert fresh.digest() == after_one  # the state of step 1, not the update that ran meanwhile
+    fresh.update(2, BATCH, RETURNS, OLD)
+    assert fresh.digest() == core.digest()  # optimizer moments and RNG too: step 2 comes out the same
+
+
+def test_a_second_background_save_reuses_the_buffers_and_keeps_each_steps_state(tiny_model_dir, tmp_path):
+    core = critic(tiny_model_dir)
+    digests = {}
+    for step in (1, 2, 3):
+        core.update(step, BATCH, RETURNS, OLD)
+        digests[step] = core.digest()
+        core.save_checkpoint(step, str(tmp_path / f"s{step}"), background=True)
+    core.save_checkpoint(3, str(tmp_path / "s3"))
+    for step in (1, 2, 3):
+        fresh = critic(tiny_model_dir)
+        fresh.load_checkpoint(str(tmp_path / f"s{step}"))
+        assert fresh.digest() == digests[step], step
+
+
+def test_a_failed_background_write_commits_nothing_and_its_repeat_says_why(tiny_model_dir, tmp_path, monkeypatch):
+    def failing(state, weights, stager, group):
+        staged, written = Future(), Future()
+        staged.set_result(None)
+        written.set_exception(OSError(28, "No space left on device"))
+        return background.TrainerWrite(staged, written)
+
+    monkeypatch.setattr(background, "start_write", failing)
+    core = critic(tiny_model_dir)
+    core.update(1, BATCH, RETURNS, OLD)
+    path = tmp_path / "step-1" / "critic"
+    core.save_checkpoint(1, str(path), background=True)
+    with pytest.raises(FailedPrecondition, match="No space left on device"):
+        core.save_checkpoint(1, str(path))
+    assert not path.exists() and not partial(path).exists()
+    core.update(2, BATCH, RETURNS, OLD)  # the role goes on: a failed save changed nothing
