@@ -50,6 +50,9 @@ STATE_BYTES_PER_PARAM = 4 + 8  # a trainer's state: fp32 weights and AdamW's two
 # Snapshots of a trainer held at their fullest: before writing the next, a trainer removes all but its
 # newest (the coordinator asks for one after the previous one's manifest), so two while it writes.
 SNAPSHOTS_HELD = 2
+# ... and in each trainer's own memory, the host buffers it stages a snapshot into before writing it
+# (pinned on a GPU: `trainer/background.py`), kept from one snapshot to the next.
+STAGED_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -427,9 +430,10 @@ def trainer_state_bytes(dims: ModelDims, section, value_model: bool) -> float:
     return nbytes
 
 
-def snapshot_bytes(cfg: RoleFleetConfig) -> Optional[float]:
+def snapshot_bytes(cfg: RoleFleetConfig, staged: bool = False) -> Optional[float]:
     """Memory the run's snapshots (`checkpoint.snapshot`) take at their fullest where every role
-    runs on one machine (`rolefleet up`): each trainer's state, twice; None when a trainer's model
+    runs on one machine (`rolefleet up`): each trainer's state, twice in the snapshot directory, and
+    with `staged` once more in the buffers the trainers stage it in; None when a trainer's model
     config is not readable here."""
     total = 0.0
     for role in ("actor", "critic"):
@@ -440,7 +444,7 @@ def snapshot_bytes(cfg: RoleFleetConfig) -> Optional[float]:
             except ConfigError:
                 return None
             total += trainer_state_bytes(dims, section, role == "critic")
-    return SNAPSHOTS_HELD * total
+    return (SNAPSHOTS_HELD + (STAGED_COPIES if staged else 0)) * total
 
 
 def gpu_capacity() -> Optional[float]:
@@ -580,8 +584,10 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
                      f"{loading[node] / GIB:.1f} GiB in all while the roles load")
     snapshots = snapshot_bytes(cfg) if cfg.checkpoint.snapshot.enabled else None
     if snapshots:
+        staging = snapshot_bytes(cfg, staged=True) - snapshots
         lines.append(f"snapshots: {snapshots / GIB:.1f} GiB of memory at their fullest, two of each trainer's state "
-                     f"(checkpoint.snapshot.dir {cfg.checkpoint.snapshot.root(cfg.run)})")
+                     f"(checkpoint.snapshot.dir {cfg.checkpoint.snapshot.root(cfg.run)}), and {staging / GIB:.1f} GiB "
+                     "of host buffers the trainers stage them in")
     if not lines:
         lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
     # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.
