@@ -39,10 +39,11 @@ async def expect_invalid(call, field: str) -> str:
     return await expect_code(call, grpc.StatusCode.INVALID_ARGUMENT, field)
 
 
-def save_after_one_update_over_two_workers(cfg, path: str):
+def save_after_one_update_over_two_workers(cfg, path: str, background: bool = False):
     """An actor over two worker processes (as `cfg.actor` shards them) generates, takes one update
-    and saves it at `path`. Returns the save's answer, the weights digest, and the batch and targets
-    of that update (for a next one)."""
+    and saves it at `path` (`background`: a second update runs while it is written). Returns the
+    save's answer, the weights digest after the first update, and the batch and targets of that
+    update (for a next one)."""
     import torch
 
     from rolefleet.actor.core import ActorCore
@@ -59,7 +60,10 @@ def save_after_one_update_over_two_workers(cfg, path: str):
         lp = double.compute_logprobs(batch, 1.0, include_reference=True)
         targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
         double.update(1, 0, batch, targets, 1.0)
-        saved = double.save_checkpoint(1, path)
-        return saved, double.digest(), batch, targets
+        saved, digest = double.save_checkpoint(1, path, background), double.digest()
+        if background:
+            double.update(2, 1, batch, targets, 1.0)
+            saved = double.save_checkpoint(1, path)  # the repeat: once the files are complete
+        return saved, digest, batch, targets
     finally:
         group.stop()

@@ -2,11 +2,16 @@
 the same in both modes.
 
 Every call is safe to repeat: generation is seeded, scoring pure, and the trainers' updates are
-idempotent per step. A repeat is only worth sending to the process that failed, though: a trainer
-that came back as a new process (its weights and optimizer at their start) would answer it, or
-take an update it cannot follow, without the run's updates. So before it repeats a trainer's call
-the coordinator asks the trainer for its last step; one behind the run (or that does not answer)
-makes the call fail with its error, and the run recovers from its newest checkpoint (`loop.train`).
+idempotent per step. A repeat is only worth sending to a process that holds the run's updates,
+though: a trainer that came back as a new process (its weights and optimizer at their start) would
+answer it, or take an update it cannot follow, without them. So before it repeats a trainer's call
+the coordinator asks the trainer for its last step. One that does not answer is waited for (its
+restart, up to `train.connect_timeout_s`) while the other roles' work goes on (in async mode: the
+actor generates within the bound, the reward scores); one that answers behind the run is loaded
+alone from the run's snapshot (or checkpoint) of the run's step, and the call repeated: the step
+goes on where it was, nothing is trained twice and nothing the others did is lost. Where there is
+no such snapshot (the one of the run's step was being written when the trainer died), the call
+fails with its error and the run recovers from its newest one (`loop.train`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional, TypeVar
@@ -41,9 +47,19 @@ class Retries:
     counted in `state.counts.retries`. `warmup`: `train.critic_warmup_steps`, the steps the actor
     applies none of (its own step ids lag the run's by it)."""
 
-    def __init__(self, retries: int, state: CoordinatorState, warmup: int = 0):
+    def __init__(self, retries: int, state: CoordinatorState, warmup: int = 0,
+                 restore: Callable[[str, int, float], Awaitable[bool]] | None = None, wait_s: float = 0.0):
+        """`restore(role, step, since)`: load trainer `role` alone from the run's snapshot or
+        checkpoint of run step `step` (False: there is none), the loss having begun at `since`
+        (time.monotonic); `wait_s`: how long a trainer that does not answer is waited for."""
         self.retries, self.state, self.warmup = retries, state, warmup
+        self.restore, self.wait_s = restore, wait_s
         self._clients: dict[str, Any] = {}  # the clients `wrap` was given, asked for status unrepeated
+        self._restoring: dict[str, asyncio.Lock] = {}  # one restore of a trainer at a time
+        # Per trainer, set while its calls may go out: cleared from its first failure until it is
+        # back, so that no other call (async mode's concurrent ones) reaches a restarted process
+        # before it is loaded and takes its initial weights for the run's.
+        self._open: dict[str, asyncio.Event] = {}
 
     def wrap(self, roles: Roles) -> Roles:
         """The same Roles, each client's coroutine methods repeated on a transient failure (a
@@ -54,6 +70,8 @@ class Retries:
     async def call(self, role: str, method: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
         attempt = 0
         while True:
+            if role in self._open:
+                await self._open[role].wait()
             try:
                 return await method(*args, **kwargs)
             except Unavailable as exc:
@@ -66,26 +84,52 @@ class Retries:
         if attempt >= self.retries:
             raise exc
         log.warning("transient failure, retrying (%d of %d): %s", attempt + 1, self.retries, exc)
+        since = time.monotonic()
+        gate = self._open.setdefault(role, asyncio.Event()) if role in TRAINERS else None
+        if gate is not None:
+            gate.clear()
         await asyncio.sleep(min(2.0 ** attempt * 0.1, 5.0))
-        if role in TRAINERS and not await self._holds_the_run(role):
-            raise exc
+        if gate is not None:
+            try:
+                await self._trainer_back(role, exc, since)
+            finally:
+                gate.set()  # back, or the run recovers: either way the waiting calls go on
         self.state.counts.retries += 1
 
-    async def _holds_the_run(self, role: str) -> bool:
-        """Whether trainer `role` still holds every update the run has counted (it is the process
-        the call failed on, or one that lost nothing)."""
-        expected = max(0, self.state.step - self.warmup) if role == "actor" else self.state.step
+    def _expected(self, role: str) -> int:
+        """The trainer's own step id of the run's last counted update."""
+        return max(0, self.state.step - self.warmup) if role == "actor" else self.state.step
+
+    async def _last_step(self, role: str) -> int | None:
+        """The trainer's last applied step; None while it does not answer."""
         try:
-            last = (await self._clients[role].status()).last_step
+            return (await self._clients[role].status()).last_step
         except Unavailable:
-            last = None  # still away: the run's recovery waits for it
-        if last is not None and last >= expected:
-            return True
-        log.warning("the %s %s (the run has applied its steps up to %d): not repeating the call", role,
-                    "does not answer" if last is None else f"is at step {last}", expected)
-        return False
+            return None
 
-
+    async def _trainer_back(self, role: str, exc: Unavailable, since: float) -> None:
+        """Once trainer `role` holds every update the run has counted: it is the process the call
+        failed on, or one that lost nothing, or a restarted one loaded alone (`restore`). Raises
+        `exc` when it does not come back in time or cannot be loaded so."""
+        last = await self._last_step(role)
+        if last is not None and last >= self._expected(role):
+            return
+        if self.restore is None:
+            log.warning("the %s %s (the run has applied its steps up to %d): not repeating the call", role,
+                        "does not answer" if last is None else f"is at step {last}", self._expected(role))
+            raise exc
+        deadline = since + self.wait_s
+        while last is None:  # restarting: only this call waits for it
+            if time.monotonic() > deadline:
+                raise exc
+            await asyncio.sleep(0.5)
+            last = await self._last_step(role)
+        async with self._restoring.setdefault(role, asyncio.Lock()):
+            last = await self._last_step(role)  # another call may have loaded it meanwhile
+            if last is not None and last >= self._expected(role):
+                return
+            if last is None or not await self.restore(role, self.state.step, since):
+                raise exc
 class _Repeated:
     def __init__(self, inner: Any, role: str, retries: Retries):
         self._inner, self._role, self._retries = inner, role, retries

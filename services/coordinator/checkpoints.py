@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import copy
 import json
 import logging
@@ -36,6 +37,7 @@ STATE_VERSION = 1
 # Why a snapshot may fail where a checkpoint would not be tried again: a full or missing memory
 # volume, a trainer that cannot write in it. Snapshots are then off; the run goes on.
 SNAPSHOT_FAILURES = (FailedPrecondition, InvalidArgument, OSError)
+_COMPLETING = contextvars.ContextVar("completing_a_snapshot", default=False)
 
 
 async def _nothing() -> None:
@@ -206,6 +208,7 @@ class Checkpointer:
         staged = time.perf_counter() - start
 
         async def complete() -> None:
+            _COMPLETING.set(True)  # in this task's context, and the calls' tasks it starts
             try:
                 # The same requests again: answered once each trainer's files are complete.
                 actor, critic = await self._save_trainers(roles, state.step, actor_step, path)
@@ -225,10 +228,9 @@ class Checkpointer:
 
     async def settle(self) -> None:
         """Until the snapshot being written is complete (its step recorded); a role lost meanwhile
-        is raised (Unavailable), as the call that met it would."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            await pending
+        is raised (Unavailable), as the call that met it would, to every caller until the recovery."""
+        if self._pending is not None:
+            await self._pending
 
     def _snapshots_off(self, step: int, exc: Exception) -> None:
         log.warning("snapshots are off for the rest of the run: the snapshot of step %d failed (%s); a lost "
@@ -273,6 +275,7 @@ class Checkpointer:
         hold (its machine's memory went with it: a pod moved) gives way to the next newest."""
         with contextlib.suppress(Unavailable):  # a snapshot being written: complete, or left incomplete
             await self.settle()
+        self._pending = None
         # Newest first; a checkpoint before a snapshot of the same step (it is on lasting storage).
         found = sorted([(step, 1, path) for step, path in complete_checkpoints(self.root)]
                        + [(step, 0, path) for step, path in self._snapshots()], reverse=True)
@@ -290,6 +293,32 @@ class Checkpointer:
                 log.warning("snapshot of step %d not loaded (%s); trying the next newest", step, exc)
         log.warning("run.resume: no complete checkpoint under %s; starting from step 1", self.root)
         return None
+
+    async def restore_role(self, client, name: str, step: int, since: float) -> bool:
+        """Trainer `name` (its `client`), back as a new process mid-run, loaded alone from the run's
+        checkpoint or snapshot of run step `step`, the one the other roles hold: the run goes on
+        where it was. False when there is none of that step (nor one it can load); `since`: when the
+        loss began (time.monotonic), for the next record's `recovery/*`."""
+        if self._pending is not None and not _COMPLETING.get():  # (not from within it: it would wait on itself)
+            await asyncio.wait({self._pending})  # the snapshot of `step` may be the one being written
+        for found, path in [*complete_checkpoints(self.root), *self._snapshots()]:  # lasting storage first
+            expected = json.loads((path / MANIFEST).read_text())["roles"].get(name) if found == step else None
+            if expected is None:
+                continue
+            try:
+                loaded = await client.load_checkpoint(str(path / name))
+            except InvalidArgument as exc:  # its machine does not hold this snapshot's part (a moved pod)
+                log.warning("the %s cannot load %s (%s)", name, path, exc)
+                continue
+            if (loaded.step, loaded.model_version) != (expected["step"], expected["model_version"]):
+                raise FailedPrecondition(f"the {name} loaded step {loaded.step} version {loaded.model_version} from "
+                                         f"{path}, whose manifest says step {expected['step']} version "
+                                         f"{expected['model_version']}")
+            self.recovery = {"recovery/steps_lost": 0.0, "recovery/seconds": time.monotonic() - since}
+            print(f"rolefleet: the {name} came back as a new process; loaded alone from {path}, the run goes on "
+                  f"with step {step + 1} where it was", flush=True)
+            return True
+        return False
 
     async def _load(self, roles, path: Path) -> CoordinatorState:
         manifest = json.loads((path / MANIFEST).read_text())

@@ -87,7 +87,11 @@ class StepBody:
                   "(pipeline.partial_rollouts); without it they are dropped", flush=True)
             self.state.carried = []
         self.evaluator = Evaluator.for_run(cfg, self.dataset)
-        self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps)
+        # A trainer back as a new process is loaded alone from the snapshot of the run's step (calls.py).
+        self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps,
+                               lambda name, step, since: checkpointer.restore_role(getattr(roles, name), name, step,
+                                                                                   since),
+                               wait_s=cfg.train.connect_timeout_s)
         self.roles = self.retries.wrap(roles)
         self.kl_controller = KL_CONTROLLERS.get(cfg.train.kl_controller)
         self._reward_replicas: dict[str, str] = {}  # label -> reward version, as last said

@@ -2,27 +2,33 @@
 per-step snapshots, DESIGN "Checkpoints").
 
 A trainer rank stages its state, the tensors that `checkpoint.save_trainer` writes, into host
-buffers kept from one save to the next (pinned on a GPU, so the copy runs on a stream of its own at
-the link's speed), and torch.distributed.checkpoint's `async_save` writes the staged copy from a
-thread while the next step runs. What must be ordered:
+buffers kept from one save to the next (`HostCopy`: page-locked on a GPU, so the copy runs on a
+stream of its own at the link's speed), and a thread of its own writes the staged copy with
+torch.distributed.checkpoint while the next step runs. What must be ordered:
 
 - the copy reads the weights and optimizer moments: nothing changes them before it is done (the
-  trainer waits for it before an update or a load: `TrainerWrite.staged`);
+  trainer waits for it before an update or a load: `TrainerWrite.wait_staged`);
 - the buffers are reused: a save waits for the previous write before staging again;
 - the ranks' writes meet in collectives (the plan, the metadata) from their writing threads: over a
   gloo group of the trainers' own, never the group the training's collectives use.
 
 The role (rank 0) answers once every rank staged; the directory appears (`checkpoint.commit`) when
 rank 0's write is done, which DCP finishes only after every rank's (`BackgroundSave`).
+
+Why not DCP's own `async_save` with its stagers: their staging is private API that changes between
+releases, and in torch 2.11 its stager drops its buffers after every save and cannot stage a second
+time (a state holding a class object fails with KeyError), which is the case this module exists for.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import shutil
 import threading
 import warnings
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,20 +58,64 @@ class TrainerWrite:
 
     def settle(self) -> None:
         """Until the write is over, however it ended (its failure is the role's to report)."""
-        try:
-            self.written.result()
-        except BaseException:  # noqa: BLE001 - reported through BackgroundSave, not here
-            pass
+        wait([self.written])
 
 
-def make_stager():
-    """Host buffers for a trainer's state, kept from one save to the next."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class HostCopy:
+    """A trainer's state dict copied into host buffers that are kept from one copy to the next (one
+    per tensor, page-locked when it comes from a GPU), by a thread of its own that then writes it."""
 
-    cuda = torch.cuda.is_available()
-    # Staged from a thread (on its own stream on a GPU); pinned buffers copy at the link's speed.
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=cuda))
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="rolefleet-checkpoint-writer")
+
+    def start(self, state: dict, write) -> TrainerWrite:
+        """`state` staged, then `write(staged)`, in the writing thread."""
+        if self.stream is not None:
+            # The copy's stream does not wait for the step's last kernels (the optimizer's): they must be done.
+            torch.cuda.current_stream().synchronize()
+        staged: Future = Future()
+
+        def stage_and_write():
+            try:
+                with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                    copied = self._copy("", state)
+                if self.stream is not None:
+                    self.stream.synchronize()
+            except BaseException as exc:
+                staged.set_exception(exc)
+                raise
+            staged.set_result(None)
+            return write(copied)
+
+        return TrainerWrite(staged, self.thread.submit(stage_and_write))
+
+    def _copy(self, key: str, value):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):  # its shard, with what DCP needs to place it in the whole
+            local = self._host(key, value.to_local())
+            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                      stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._host(key, value)
+        if isinstance(value, dict):
+            return {k: self._copy(f"{key}/{k}", v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(f"{key}/{i}", v) for i, v in enumerate(value))
+        return copy.deepcopy(value)  # settings (an optimizer's parameter groups)
+
+    def _host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+            if tensor.is_cuda and buffer.nbytes:
+                # Registered as it is, not from the pinned allocator, which rounds sizes up to a power of two.
+                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+            self.buffers[key] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        return buffer
 
 
 _write_groups: dict = {}
@@ -82,17 +132,13 @@ def write_group(group):
     return _write_groups[group]
 
 
-def start_write(state: dict, weights: Path, stager, group) -> TrainerWrite:
-    """`state` (the trainer's model and optimizer state dicts) staged and written to `weights` in
-    the background; collective over `group`'s ranks."""
+def start_write(state: dict, weights: Path, host: HostCopy, group) -> TrainerWrite:
+    """`state` (the trainer's model and optimizer state dicts) staged into `host` and written to
+    `weights` in the background; collective over `group`'s ranks."""
     import torch.distributed.checkpoint as dcp
 
-    if torch.cuda.is_available():
-        # The staging stream does not wait for the step's last kernels (the optimizer's): they must be done.
-        torch.cuda.current_stream().synchronize()
-    response = dcp.async_save(state, checkpoint_id=str(weights), process_group=write_group(group),
-                              async_stager=stager)
-    return TrainerWrite(response.staging_completion, response.upload_completion)
+    pg = write_group(group)  # made here, in the main thread, by every rank of the save at once
+    return host.start(state, lambda staged: dcp.save(staged, checkpoint_id=str(weights), process_group=pg))
 
 
 class BackgroundSave:
@@ -115,7 +161,7 @@ class BackgroundSave:
             except BaseException as exc:  # noqa: BLE001 - the write's failure is the repeat's answer
                 self.error = exc
                 shutil.rmtree(partial(target), ignore_errors=True)
-                log.warning("writing the checkpoint %s failed: %s", target, exc)
+                log.warning("writing the checkpoint %s failed: %s: %s", target, type(exc).__name__, exc)
             finally:
                 self._done.set()
 
@@ -131,7 +177,8 @@ class BackgroundSave:
 
         self._done.wait()
         if self.error is not None:
-            raise FailedPrecondition(f"saving the checkpoint to {self.target} failed: {self.error}")
+            raise FailedPrecondition(f"saving the checkpoint to {self.target} failed: "
+                                     f"{type(self.error).__name__}: {self.error}")
         return self.info
 
     def settle(self) -> None:

@@ -35,7 +35,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.trainer import checkpoint
-from rolefleet.trainer.background import TrainerWrite, make_stager
+from rolefleet.trainer.background import HostCopy, TrainerWrite
 from rolefleet.trainer.optim import HostOptimizerState, StepFn, apply_gradients, make_optimizer, run_epochs
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
@@ -71,7 +71,7 @@ class Trainer:
         self.state_offload = HostOptimizerState(self.optimizer) if cfg.offload == "optimizer" else None
         self.generator = torch.Generator().manual_seed(seed)
         self.writing: TrainerWrite | None = None  # a background save's write in flight (`save_state`)
-        self._stager = None  # its host buffers, kept from one background save to the next
+        self._host: HostCopy | None = None  # its host buffers, kept from one background save to the next
 
     # --- passes over a batch ------------------------------------------------------------------
 
@@ -134,11 +134,11 @@ class Trainer:
         if self.writing is not None:  # one write at a time: the staging buffers are reused
             self.writing.settle()
             self.writing = None
-        if background and self._stager is None:
-            self._stager = make_stager()
+        if background and self._host is None:
+            self._host = HostCopy()
         self.writing = checkpoint.save_trainer(work, self.model, self.optimizer, self.scheduler, self.generator,
                                                self.ranks.group, self.ranks.first,
-                                               self._stager if background else None)
+                                               self._host if background else None)
 
     def _staged(self) -> None:
         """Before the weights or moments change: a background save's copy of them is complete."""

@@ -95,11 +95,11 @@ def commit(path: Path) -> None:
 # --- a trainer's state --------------------------------------------------------------------------
 
 def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 generator: torch.Generator, group, first: bool, stager=None):
+                 generator: torch.Generator, group, first: bool, host=None):
     """SPMD over the training ranks (`group`: their process group, None for all or no group):
     weights and optimizer state, each rank its shards; the first rank writes trainer.pt. A failure
     (a full disk) is a role error alike on every rank: the save is refused, nothing changed. With
-    `stager` (`background.make_stager`) the weights are staged into its buffers and written in the
+    `host` (`background.HostCopy`) the weights are staged into its buffers and written in the
     background: the write in flight is returned (`background.TrainerWrite`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -115,8 +115,8 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                        work / "trainer.pt")
         state = {"model": model_state, "optim": optim_state}
-        if stager is not None:
-            return background.start_write(state, work / "weights", stager, group)
+        if host is not None:
+            return background.start_write(state, work / "weights", host, group)
         with _one_process_is_fine():
             dcp.save(state, checkpoint_id=str(work / "weights"), process_group=group)
         return None

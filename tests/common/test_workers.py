@@ -218,11 +218,13 @@ def test_split_actor_trains_on_some_workers_and_generates_with_the_new_weights_o
         group.stop()
 
 
-def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path):
-    """Two FSDP2 workers save their shards (torch.distributed.checkpoint); one process loads them
+@pytest.mark.parametrize("background", [False, True])
+def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path, background):
+    """Two FSDP2 workers save their shards (torch.distributed.checkpoint; in the background: staged,
+    then written by each rank's writing thread while the next update runs); one process loads them
     back resharded: the same weights, version and ledger, and the same next update."""
     cfg = config(tiny_model_dir, "fsdp")
-    saved, digest, batch, targets = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"))
+    saved, digest, batch, targets = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"), background)
     assert sorted(p.name for p in (tmp_path / "actor" / "weights").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     single = ActorCore(cfg.actor)
     assert single.load_checkpoint(str(tmp_path / "actor")) == saved

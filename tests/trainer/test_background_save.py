@@ -12,7 +12,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.critic.core import CriticCore
-from rolefleet.trainer import background, base
+from rolefleet.trainer import background
 from rolefleet.trainer.checkpoint import partial, read_role_json
 
 BATCH = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])],
@@ -25,27 +25,21 @@ def critic(model_dir: str) -> CriticCore:
     return CriticCore(cfg.critic)
 
 
-def slow_stager(monkeypatch, seconds: float) -> None:
+def slow_staging(monkeypatch, seconds: float) -> None:
     """Staging that starts late: an update that did not wait for it would change what it copies."""
-    made = base.make_stager  # where the trainer takes it from
+    copy = background.HostCopy._copy
 
-    def make():
-        stager = made()
-        stage = stager._stage
-
-        def late(state_dict, **kwargs):
+    def late(self, key, value):
+        if key == "":
             time.sleep(seconds)
-            return stage(state_dict, **kwargs)
+        return copy(self, key, value)
 
-        stager._stage = late
-        return stager
-
-    monkeypatch.setattr(base, "make_stager", make)
+    monkeypatch.setattr(background.HostCopy, "_copy", late)
 
 
 def test_the_saved_state_is_the_steps_though_the_next_update_runs_while_it_is_written(tiny_model_dir, tmp_path,
                                                                                        monkeypatch):
-    slow_stager(monkeypatch, 0.5)
+    slow_staging(monkeypatch, 0.5)
     core = critic(tiny_model_dir)
     core.update(1, BATCH, RETURNS, OLD)
     after_one = core.digest()
@@ -79,7 +73,7 @@ def test_a_second_background_save_reuses_the_buffers_and_keeps_each_steps_state(
 
 
 def test_a_failed_background_write_commits_nothing_and_its_repeat_says_why(tiny_model_dir, tmp_path, monkeypatch):
-    def failing(state, weights, stager, group):
+    def failing(state, weights, host, group):
         staged, written = Future(), Future()
         staged.set_result(None)
         written.set_exception(OSError(28, "No space left on device"))
@@ -94,3 +88,17 @@ def test_a_failed_background_write_commits_nothing_and_its_repeat_says_why(tiny_
         core.save_checkpoint(1, str(path))
     assert not path.exists() and not partial(path).exists()
     core.update(2, BATCH, RETURNS, OLD)  # the role goes on: a failed save changed nothing
+
+
+def test_host_copies_reuse_their_buffers_and_copy_any_state_again():
+    """The buffers are the same from one copy to the next (no allocation, no re-pinning), with the
+    new values; settings come along, class objects among them (which some torch releases' own
+    stager cannot copy a second time)."""
+    host = background.HostCopy()
+    weights = torch.arange(6.0)
+    state = {"model": {"w": weights}, "optim": {"param_groups": [{"lr": 0.1, "kind": torch.optim.AdamW}]}}
+    first = host.start(state, lambda staged: staged).written.result()
+    weights += 1
+    second = host.start(state, lambda staged: staged).written.result()
+    assert second["model"]["w"] is first["model"]["w"] and second["model"]["w"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert second["model"]["w"] is not weights and second["optim"]["param_groups"][0]["kind"] is torch.optim.AdamW
