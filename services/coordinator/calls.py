@@ -55,7 +55,6 @@ class Retries:
         self.retries, self.state, self.warmup = retries, state, warmup
         self.restore, self.wait_s = restore, wait_s
         self._clients: dict[str, Any] = {}  # the clients `wrap` was given, asked for status unrepeated
-        self._restoring: dict[str, asyncio.Lock] = {}  # one restore of a trainer at a time
         # Per trainer, set while its calls may go out: cleared from its first failure until it is
         # back, so that no other call (async mode's concurrent ones) reaches a restarted process
         # before it is loaded and takes its initial weights for the run's.
@@ -124,12 +123,10 @@ class Retries:
                 raise exc
             await asyncio.sleep(0.5)
             last = await self._last_step(role)
-        async with self._restoring.setdefault(role, asyncio.Lock()):
-            last = await self._last_step(role)  # another call may have loaded it meanwhile
-            if last is not None and last >= self._expected(role):
-                return
-            if last is None or not await self.restore(role, self.state.step, since):
-                raise exc
+        if last >= self._expected(role):
+            return
+        if not await self.restore(role, self.state.step, since):
+            raise exc
 class _Repeated:
     def __init__(self, inner: Any, role: str, retries: Retries):
         self._inner, self._role, self._retries = inner, role, retries

@@ -126,6 +126,7 @@ class Checkpointer:
         self.recovery: dict[str, float] = {}  # the last recovery's metrics, for the next step's record
         self.save_s: float | None = None  # the last checkpoint's seconds (what `suggest_every` weighs)
         self._pending: asyncio.Task | None = None  # the snapshot whose files are being written
+        self._restoring: dict[str, asyncio.Lock] = {}  # a trainer loaded alone (`restore_role`), once at a time
         self._suggested = False
 
     def start_fresh(self) -> None:
@@ -301,10 +302,16 @@ class Checkpointer:
         loss began (time.monotonic), for the next record's `recovery/*`."""
         if self._pending is not None and not _COMPLETING.get():  # (not from within it: it would wait on itself)
             await asyncio.wait({self._pending})  # the snapshot of `step` may be the one being written
+        async with self._restoring.setdefault(name, asyncio.Lock()):  # calls that failed at once: one load
+            return await self._restore_role(client, name, step, since)
+
+    async def _restore_role(self, client, name: str, step: int, since: float) -> bool:
         for found, path in [*complete_checkpoints(self.root), *self._snapshots()]:  # lasting storage first
             expected = json.loads((path / MANIFEST).read_text())["roles"].get(name) if found == step else None
             if expected is None:
                 continue
+            if (await client.status()).last_step == expected["step"]:
+                return True  # loaded by another call that failed with this one
             try:
                 loaded = await client.load_checkpoint(str(path / name))
             except InvalidArgument as exc:  # its machine does not hold this snapshot's part (a moved pod)

@@ -16,6 +16,7 @@ Algorithms without a critic (GRPO, RLOO, REINFORCE++) skip the critic calls; not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from rolefleet.common import metrics
@@ -96,6 +97,10 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
                     print(f"rolefleet: recovered: continuing after step {resumed.step} "
                           f"({lost_at - resumed.step} finished steps to train again)", flush=True)
             checkpointer.drop_snapshots()  # the run ended as it meant to: nothing left to recover
+        except Exception:
+            with contextlib.suppress(Exception):  # the record of a step kept before the failure
+                await checkpointer.settle()
+            raise
         finally:
             if watch is not None:
                 watch.cancel()

@@ -109,6 +109,7 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
     try:
         model_state, optim_state = _trainable_state(model, optimizer)
+        work.mkdir(parents=True, exist_ok=True)
         if first:  # small, and what the state dicts do not hold: written now
             torch.save({"scheduler": scheduler.state_dict(), "generator": generator.get_state(),
                         "torch_rng": torch.get_rng_state(),

@@ -1,6 +1,6 @@
-"""`kill -9` of each role in turn under `rolefleet up`: every role is restarted, the run recovers
-from its newest checkpoint after a trainer's loss (a lost reward's call is repeated instead) and
-finishes all its steps; the journal shows every sample
+"""`kill -9` of each role in turn under `rolefleet up`: every role is restarted, a lost trainer is
+loaded alone from the snapshot of the run's step or the run recovers from its newest snapshot or
+checkpoint (a lost reward's call is repeated instead), and the run finishes all its steps; the journal shows every sample
 trained exactly once in the final record, and what each recovery redid."""
 
 import os
@@ -63,7 +63,8 @@ def test_a_run_survives_kill_9_of_each_role_in_turn(make_config, tmp_path):
     assert f"run {cfg.run.name} ended FINISHED after step {total}/{total}" in output
     for role in ("actor", "critic", "reward", "coordinator"):
         assert f"rolefleet: {role} exited with code -9 during the run; restarting it" in output
-    assert output.count("recovery 1 of 2") >= 2  # actor and critic were recovered from in the run
+    # Actor and critic were recovered from in the run (loaded alone, or the run recovered).
+    assert output.count("recovery 1 of 2") + output.count("came back as a new process; loaded alone") >= 2
     assert "the reward holds no training state" in output  # its lost call was repeated instead
     assert [r["step"] for r in read_metrics(metrics)] == list(range(1, total + 1))
     with Journal(cfg.run.out / "journal.sqlite") as journal:
@@ -129,7 +130,11 @@ def test_under_the_defaults_a_killed_trainer_costs_at_most_the_step_in_flight(ma
                       f"run.output_dir={tmp_path / 'killed'}")
     assert cfg.checkpoint.every == 0 and cfg.checkpoint.snapshot.enabled  # the shipped defaults
     output, records = kill_once(cfg, tmp_path, role, at_step=4)
-    assert "recovery 1 of 3" in output and "finished steps to train again)" in output
+    # Loaded alone from the snapshot of the run's step, the step going on where it was; or (the
+    # actor's generation broke, or the snapshot of that step was still being written) the run
+    # recovered from the newest snapshot.
+    assert f"the {role} came back as a new process; loaded alone from" in output \
+        or ("recovery 1 of 3" in output and "finished steps to train again)" in output)
     [after] = [r for r in records if "recovery/steps_lost" in r]
     assert after["recovery/steps_lost"] == 0 and after["step"] >= 5  # no recorded step trained again
     with Journal(cfg.run.out / "journal.sqlite") as journal:

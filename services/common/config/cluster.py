@@ -61,8 +61,9 @@ class PipelineSection(_Section):
     partial_rollouts: PartialRolloutsSection = Field(default_factory=PartialRolloutsSection)
     retries: int = Field(2, ge=0, description="repeats of a role call that failed transiently (UNAVAILABLE, "
                          "a deadline), with backoff, in both modes; every call is safe to repeat. A trainer's "
-                         "call is repeated only while it still holds the run's updates (a restarted one: the "
-                         "run recovers from its checkpoint instead)")
+                         "call is repeated only once it holds the run's updates: a restarted one is waited for "
+                         "(train.connect_timeout_s) and loaded alone from the snapshot of the run's step, else "
+                         "the run recovers from its newest snapshot or checkpoint")
 
     @property
     def lagged(self) -> bool:
