@@ -59,6 +59,7 @@ class Retries:
         # back, so that no other call (async mode's concurrent ones) reaches a restarted process
         # before it is loaded and takes its initial weights for the run's.
         self._open: dict[str, asyncio.Event] = {}
+        self._gone: dict[str, Unavailable] = {}  # a trainer that did not come back: what its held calls raise
 
     def wrap(self, roles: Roles) -> Roles:
         """The same Roles, each client's coroutine methods repeated on a transient failure (a
@@ -71,6 +72,8 @@ class Retries:
         while True:
             if role in self._open:
                 await self._open[role].wait()
+                if role in self._gone:  # the run recovers: no call goes to a process not loaded
+                    raise self._gone[role]
             try:
                 return await method(*args, **kwargs)
             except Unavailable as exc:
@@ -91,8 +94,11 @@ class Retries:
         if gate is not None:
             try:
                 await self._trainer_back(role, exc, since)
+            except Unavailable:
+                self._gone[role] = exc
+                raise
             finally:
-                gate.set()  # back, or the run recovers: either way the waiting calls go on
+                gate.set()  # back (the held calls go out), or not (they fail as this one)
         self.state.counts.retries += 1
 
     def _expected(self, role: str) -> int:
@@ -127,6 +133,8 @@ class Retries:
             return
         if not await self.restore(role, self.state.step, since):
             raise exc
+
+
 class _Repeated:
     def __init__(self, inner: Any, role: str, retries: Retries):
         self._inner, self._role, self._retries = inner, role, retries

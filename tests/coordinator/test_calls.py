@@ -94,3 +94,58 @@ def test_the_coordinator_state_round_trips_and_reads_earlier_checkpoints():
                      ({"step": 1, "kl_coef": 0.0, "counts": {"lost": 1}}, "counts")):
         with pytest.raises(ValueError, match=f"^{key}:"):
             CoordinatorState.from_dict(bad)
+
+
+class Restarting(Flaky):
+    """A trainer that dies under its first call, answers nothing for `away` status calls, then comes
+    back as a new process (last step 0); `sent` records each call that reached a process and the
+    last step it held then."""
+
+    def __init__(self, away: int):
+        super().__init__(down=1, last_step=None)
+        self.away, self.sent = away, []
+
+    async def update(self, step):
+        self.sent.append(self.last_step)
+        return await super().update(step)
+
+    async def status(self, include_digest=False):
+        if self.last_step is None:
+            self.away -= 1
+            if self.away < 0:
+                self.last_step = 0
+        return await super().status(include_digest)
+
+
+@pytest.mark.parametrize("snapshot_there", [True, False])
+def test_a_restarted_trainer_is_loaded_alone_and_its_other_calls_wait_for_it(snapshot_there):
+    """The call that met the loss waits for the process to come back, has it loaded from the run's
+    snapshot of the run's step and is repeated; a call made meanwhile (async mode's concurrent ones)
+    is held, never reaching the new process before it is loaded. Without that snapshot both fail,
+    and the run recovers from its newest one."""
+    state = CoordinatorState(step=3, kl_coef=0.0)
+    critic = Restarting(away=3)
+    loaded = []
+
+    async def restore(role, step, since):
+        loaded.append((role, step))
+        if snapshot_there:
+            critic.last_step = step
+        return snapshot_there
+
+    retries = Retries(2, state, restore=restore, wait_s=30)
+    roles = retries.wrap(Roles(Flaky(0), Flaky(0), critic))
+
+    async def both():
+        first = asyncio.create_task(roles.critic.update(4))
+        await asyncio.sleep(0.05)  # the first call failed: the trainer is being waited for
+        return await asyncio.gather(first, roles.critic.update(5), return_exceptions=True)
+
+    results = asyncio.run(both())
+    assert loaded == [("critic", 3)]
+    if snapshot_there:
+        assert results == ["update 4", "update 5"] and state.counts.retries == 1
+        assert critic.sent == [None, 3, 3]  # after the failure, only to the loaded process
+    else:
+        assert all(isinstance(r, Unavailable) for r in results)
+        assert critic.sent == [None]  # nothing reached the process that was not loaded
