@@ -163,6 +163,7 @@ def cmd_status(args) -> int:
         gpus = "no GPU" if r["devices"] == "" else f"CUDA_VISIBLE_DEVICES={r['devices']}"
         print(f"  {r['role']:<7} {r['address']:<21} {gpus}, {r['workers']} worker{'s' if r['workers'] != 1 else ''}"
               + (f", version {r['model_version']}, last step {r['last_step']}" if r["role"] in ("actor", "critic") else "")
+              + (f", rollout engine {r['engine']}" if r.get("engine") else "")
               + (f", broken: {r['broken']}" if r["broken"] else "")
               + (f", health {r['health']}" if r.get("health", "SERVING") != "SERVING" else ""))
     return 0
@@ -180,7 +181,8 @@ async def _grpc_status(address: str) -> tuple[dict, list[dict]]:
         if view.HasField("status"):
             r = view.status
             roles.append({"role": r.role, "address": view.address, "devices": r.devices, "workers": r.workers,
-                          "model_version": r.model_version, "last_step": r.last_step, "broken": r.broken})
+                          "model_version": r.model_version, "last_step": r.last_step, "broken": r.broken,
+                          "engine": r.engine})
         else:
             roles.append({"role": view.error.split(":", 1)[0], "address": view.address, "error": view.error})
     return status, roles

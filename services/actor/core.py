@@ -66,6 +66,8 @@ class ActorCore(TrainerRole):
         self._sync_lock = self._rollout_lock if apart else contextlib.nullcontext()  # colocated: held already
         self._one_pass_logprobs: tuple[int, LogProbs | None] = (0, None)  # (step, its update's logprobs)
         metrics.MODEL_VERSION.labels(ROLE).set(0)
+        self._engine_said = ""
+        self.rollout_engine()
 
     # --- rollouts ---------------------------------------------------------------------------------
 
@@ -143,10 +145,23 @@ class ActorCore(TrainerRole):
                     held = False
                     self._rollout_lock.release()
                     metrics.ROLLOUT_SECONDS.labels(ROLE).observe(time.perf_counter() - start)
+                    self.rollout_engine()  # (a decode loop that gave way to transformers' generate shows)
                 yield chunk
         finally:
             if held:
                 self._rollout_lock.release()
+
+    def rollout_engine(self) -> str:
+        """The engine generating now: this process's own, or with the engines on other ranks the
+        backend they were built with; a change (a fallback) is said in the metric's label."""
+        engine = self.worker.engine
+        name = engine.name if engine is not None else self.worker.backend
+        if name != self._engine_said:
+            if self._engine_said:
+                metrics.ROLLOUT_ENGINE.labels(ROLE, self._engine_said).set(0)
+            metrics.ROLLOUT_ENGINE.labels(ROLE, name).set(1)
+            self._engine_said = name
+        return name
 
     def _validate_continuations(self, continuations: list[Continuation],
                                 sampling: SamplingParams) -> tuple[list[torch.Tensor], list[bool]]:

@@ -22,6 +22,11 @@ from rolefleet.actor.types import Sample, SamplingParams
 
 
 class RolloutEngine(ABC):
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Which engine generates, as status, metrics and logs say it (a fallback shows here)."""
+
     @abstractmethod
     def generate(self, prompt_ids: list[torch.Tensor], sampling: SamplingParams,
                  policy_version: int) -> Iterator[list[Sample]]:

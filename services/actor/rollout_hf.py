@@ -69,6 +69,10 @@ class HFRolloutEngine(RolloutEngine):
             self.model, device, tokenizer.pad_token_id, cfg.max_tokens_per_micro_batch, compile=cfg.compile_layers,
             keep_bytes=cfg.rollout.keep_decode_state_mb * 2**20, compact=cfg.rollout.compact)
 
+    @property
+    def name(self) -> str:
+        return "hf" if self._loop is not None else "hf (transformers generate)"
+
     # --- weights and memory -------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -54,6 +54,8 @@ def truncation_refused(sampling: SamplingParams) -> None:
 
 
 class VllmRolloutEngine(RolloutEngine):
+    name = "vllm"
+
     def __init__(self, policy: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, cfg: ActorSection,
                  model_path: str, stop_ids: tuple[int, ...], seed: int = 0, gpus: list[str] | None = None):
         """`stop_ids`: the checkpoint's own (`stop_tokens.checkpoint_stop_ids`): vLLM's tokenizer is

@@ -18,6 +18,8 @@ RPC_RECEIVED_BYTES = Counter("rolefleet_rpc_received_bytes", "Request bytes rece
 RPC_SENT_BYTES = Counter("rolefleet_rpc_sent_bytes", "Response bytes sent", ["role", "method"])
 HEALTH = Gauge("rolefleet_health", "1 while the role is SERVING, 0 otherwise", ["role"])
 MODEL_VERSION = Gauge("rolefleet_model_version", "Policy (actor) or value-model (critic) version", ["role"])
+ROLLOUT_ENGINE = Gauge("rolefleet_rollout_engine", "1 for the rollout engine the actor generates with (label "
+                       "engine: vllm, hf, hf (transformers generate)), 0 for one it no longer does", ["role", "engine"])
 TOKENS_GENERATED = Counter("rolefleet_tokens_generated", "Response tokens generated", ["role"])
 ROLLOUT_SECONDS = Histogram(
     "rolefleet_rollout_latency_seconds",

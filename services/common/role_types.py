@@ -26,18 +26,19 @@ class RoleStatus:
     workers: int = 1
     # The GPUs the answering process was given (`up`, compose and Helm set them per role).
     devices: str = field(default_factory=lambda: os.environ.get("CUDA_VISIBLE_DEVICES", UNSET_DEVICES))
+    engine: str = ""  # the actor's rollout engine as it generates now (`RolloutEngine.name`)
 
     def to_proto(self) -> common_pb2.RoleStatus:
         return common_pb2.RoleStatus(
             role=self.role, model_version=self.model_version, last_step=self.last_step,
             weights_digest=self.weights_digest, requests_served=self.requests_served, broken=self.broken,
-            instance_id=self.instance_id, workers=self.workers, devices=self.devices,
+            instance_id=self.instance_id, workers=self.workers, devices=self.devices, engine=self.engine,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.RoleStatus) -> RoleStatus:
         return cls(msg.role, msg.model_version, msg.last_step, msg.weights_digest, msg.requests_served,
-                   msg.broken, msg.instance_id, msg.workers, msg.devices)
+                   msg.broken, msg.instance_id, msg.workers, msg.devices, msg.engine)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class RoleView(BaseModel):
     model_version: int | None = None
     last_step: int | None = None
     broken: str | None = Field(None, description="why the role refuses updates, if it does")
+    engine: str | None = Field(None, description="the actor's rollout engine as it generates now (vllm, hf, "
+                               "hf (transformers generate)); '' for other roles")
     error: str | None = Field(None, description="why the role's status could not be read")
 
 
@@ -205,7 +207,7 @@ async def _status(role: str, address: str) -> dict[str, Any]:
     except RoleFleetError as exc:
         return {"error": str(exc)}
     return {"devices": s.devices, "workers": s.workers, "model_version": s.model_version,
-            "last_step": s.last_step, "broken": s.broken}
+            "last_step": s.last_step, "broken": s.broken, "engine": s.engine}
 
 
 class _Server(uvicorn.Server):

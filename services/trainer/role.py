@@ -94,7 +94,11 @@ class TrainerRole:
         waits for the lock and is done only when asked."""
         return RoleStatus(self.role, self.state.version, self.ledger.last_step,
                           self.digest() if include_digest else "", broken=self.ledger.broken or "",
-                          workers=self.workers.size)
+                          workers=self.workers.size, engine=self.rollout_engine())
+
+    def rollout_engine(self) -> str:
+        """The rollout engine generating now (the actor's); "" for a role without one."""
+        return ""
 
     def digest(self) -> str:
         with self._lock:

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from rolefleet.actor import decode
 from rolefleet.actor.decode import UnsupportedModel, sample_next
@@ -118,10 +119,16 @@ def test_auto_falls_back_to_generate_for_a_model_the_loop_cannot_serve(tiny_mode
         raise UnsupportedModel("LlamaAttention uses attention options the cache attention lacks: ['softcap']")
 
     monkeypatch.setattr(core.worker.engine._loop, "run", unsupported)
+    engine_metric = REGISTRY.get_sample_value
+    assert core.status().engine == "hf" and engine_metric("rolefleet_rollout_engine", {"role": "actor", "engine": "hf"}) == 1
     with caplog.at_level(logging.WARNING):
         samples = core.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=1))
     assert len(samples) == 2 and core.worker.engine._loop is None
     assert "falling back to transformers' generate" in caplog.text and "softcap" in caplog.text
+    # The engine that generates now is said: in the role's status (rolefleet status, /v1/roles) and the metric.
+    assert core.status().engine == "hf (transformers generate)"
+    assert engine_metric("rolefleet_rollout_engine", {"role": "actor", "engine": "hf (transformers generate)"}) == 1
+    assert engine_metric("rolefleet_rollout_engine", {"role": "actor", "engine": "hf"}) == 0
     strict = make_core(tiny_model_dir, "actor.compute_dtype=float32", "actor.rollout.decode=loop")
     monkeypatch.setattr(strict.worker.engine._loop, "run", unsupported)
     with pytest.raises(UnsupportedModel):

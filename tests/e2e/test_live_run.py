@@ -130,6 +130,7 @@ def check_status(out: Path, address: str) -> None:
     for role in ("actor", "reward", "critic"):
         [row] = [line for line in shown.splitlines() if line.split()[:1] == [role]]
         assert "127.0.0.1:" in row and "no GPU, 1 worker" in row, shown
+        assert ("rollout engine hf" in row) == (role == "actor"), shown  # what backend auto chose
     assert len(processes_mentioning(str(out / "config.yaml"))) == 4
     code, denied = cli("status", "--address", address)
     assert code == 1 and "UNAUTHENTICATED" in denied and "--run DIR" in denied, denied
@@ -149,7 +150,7 @@ def check_the_http_control_plane(out: Path, url: str, metrics: Path) -> None:
     assert set(roles) == {"actor", "reward", "critic"}
     for r in roles.values():
         assert r["health"] == "SERVING" and r["devices"] == "" and r["workers"] == 1, r
-        assert r["address"].startswith("127.0.0.1:")
+        assert r["address"].startswith("127.0.0.1:") and r["engine"] == ("hf" if r["role"] == "actor" else ""), r
     page = call(f"{url}/v1/steps?since=0&limit=1", headers=auth)
     assert [r["step"] for r in page["steps"]] == [1] and page["next_since"] == 1
     assert page["steps"][0] == read_metrics(metrics)[0]

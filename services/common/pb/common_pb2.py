@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/common.proto\x12\x0crolefleet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xec\x01\n\rSequenceBatch\x12(\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12,\n\x0eprompt_lengths\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x10response_lengths\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\'\n\tloss_mask\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbc\x01\n\nRoleStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x11\n\tlast_step\x18\x03 \x01(\x03\x12\x16\n\x0eweights_digest\x18\x04 \x01(\t\x12\x17\n\x0frequests_served\x18\x05 \x01(\x03\x12\x0e\n\x06\x62roken\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x01(\t\x12\x0f\n\x07workers\x18\t \x01(\x05\"2\n\x10GetStatusRequest\x12\x1e\n\x16include_weights_digest\x18\x01 \x01(\x08\"q\n\nTrainStats\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.rolefleet.v1.TrainStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x15SaveCheckpointRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nbackground\x18\x03 \x01(\x08\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"9\n\x12\x43heckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/common.proto\x12\x0crolefleet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xec\x01\n\rSequenceBatch\x12(\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12,\n\x0eprompt_lengths\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x10response_lengths\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\'\n\tloss_mask\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcc\x01\n\nRoleStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x11\n\tlast_step\x18\x03 \x01(\x03\x12\x16\n\x0eweights_digest\x18\x04 \x01(\t\x12\x17\n\x0frequests_served\x18\x05 \x01(\x03\x12\x0e\n\x06\x62roken\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x01(\t\x12\x0f\n\x07workers\x18\t \x01(\x05\x12\x0e\n\x06\x65ngine\x18\n \x01(\t\"2\n\x10GetStatusRequest\x12\x1e\n\x16include_weights_digest\x18\x01 \x01(\x08\"q\n\nTrainStats\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.rolefleet.v1.TrainStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x15SaveCheckpointRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nbackground\x18\x03 \x01(\x08\"%\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"9\n\x12\x43heckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=336
   _globals['_CHATMESSAGE']._serialized_end=380
   _globals['_ROLESTATUS']._serialized_start=383
-  _globals['_ROLESTATUS']._serialized_end=571
-  _globals['_GETSTATUSREQUEST']._serialized_start=573
-  _globals['_GETSTATUSREQUEST']._serialized_end=623
-  _globals['_TRAINSTATS']._serialized_start=625
-  _globals['_TRAINSTATS']._serialized_end=738
-  _globals['_TRAINSTATS_VALUESENTRY']._serialized_start=693
-  _globals['_TRAINSTATS_VALUESENTRY']._serialized_end=738
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=740
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=811
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=813
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=850
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=852
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=909
+  _globals['_ROLESTATUS']._serialized_end=587
+  _globals['_GETSTATUSREQUEST']._serialized_start=589
+  _globals['_GETSTATUSREQUEST']._serialized_end=639
+  _globals['_TRAINSTATS']._serialized_start=641
+  _globals['_TRAINSTATS']._serialized_end=754
+  _globals['_TRAINSTATS_VALUESENTRY']._serialized_start=709
+  _globals['_TRAINSTATS_VALUESENTRY']._serialized_end=754
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=756
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=827
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=829
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=866
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=868
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=925
 # @@protoc_insertion_point(module_scope)

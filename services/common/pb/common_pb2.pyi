@@ -39,7 +39,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RoleStatus(_message.Message):
-    __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken", "instance_id", "devices", "workers")
+    __slots__ = ("role", "model_version", "last_step", "weights_digest", "requests_served", "broken", "instance_id", "devices", "workers", "engine")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RoleStatus(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_version: int
     last_step: int
@@ -58,7 +59,8 @@ class RoleStatus(_message.Message):
     instance_id: str
     devices: str
     workers: int
-    def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ..., instance_id: _Optional[str] = ..., devices: _Optional[str] = ..., workers: _Optional[int] = ...) -> None: ...
+    engine: str
+    def __init__(self, role: _Optional[str] = ..., model_version: _Optional[int] = ..., last_step: _Optional[int] = ..., weights_digest: _Optional[str] = ..., requests_served: _Optional[int] = ..., broken: _Optional[str] = ..., instance_id: _Optional[str] = ..., devices: _Optional[str] = ..., workers: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ("include_weights_digest",)
