@@ -26,7 +26,7 @@ from typing import Any, Optional, TypeVar
 
 from rolefleet.actor.client import ActorClient
 from rolefleet.common.errors import Unavailable
-from rolefleet.coordinator.checkpoints import CoordinatorState
+from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
 

@@ -4,8 +4,13 @@ Saving step k: the actor and the critic write their parts at once (SaveCheckpoin
 coordinator writes its own state, then the manifest, the mark of a complete checkpoint; older ones
 beyond `checkpoint.keep` go after it. Resuming: the newest complete checkpoint is loaded into the
 roles (LoadCheckpoint), which report the version and step they hold, and its coordinator state
-(`CoordinatorState`) comes back to the run: the next step, the data position, the KL coefficient,
-the pipeline's counts. Both modes save and resume it the same way.
+(`saved_state.CoordinatorState`) comes back to the run: the next step, the data position, the KL
+coefficient, the pipeline's counts. Both modes save and resume it the same way.
+
+Snapshots (`checkpoint.snapshot`) are checkpoints in memory after every step, written behind the
+next one (`snapshot`: the trainers stage their state and answer, the files and the manifest follow);
+a trainer that comes back as a new process is loaded alone from the one of the run's step
+(`restore_role`, through `calls.Retries`), the whole run from the newest otherwise (`restore`).
 """
 
 from __future__ import annotations
@@ -21,19 +26,16 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolefleet.coordinator.journal import Journal
-from rolefleet.trainer.checkpoint import MANIFEST, complete_checkpoints, prune, step_dir, write_json
+from rolefleet.coordinator.saved_state import STATE_FILE, CoordinatorState, read_state, write_state
+from rolefleet.trainer.checkpoint import MANIFEST, complete_checkpoints, prune, step_dir, write_atomic, write_json
 
 log = logging.getLogger(__name__)
-STATE_FILE = "coordinator.json"
 SUGGESTED_COST = 0.03  # share of a run's time that the suggested checkpoint.every spends saving
-STATE_VERSION = 1
 # Why a snapshot may fail where a checkpoint would not be tried again: a full or missing memory
 # volume, a trainer that cannot write in it. Snapshots are then off; the run goes on.
 SNAPSHOT_FAILURES = (FailedPrecondition, InvalidArgument, OSError)
@@ -42,74 +44,6 @@ _COMPLETING = contextvars.ContextVar("completing_a_snapshot", default=False)
 
 async def _nothing() -> None:
     return None
-
-
-@dataclass
-class PipelineCounts:
-    """Run totals, the `pipeline/*` counts of the step records (docs/metrics.md). A sync run keeps
-    them too (retries; the others stay 0), so its checkpoints resume in either mode."""
-
-    stale_samples: int = 0
-    dropped_batches: int = 0  # also what moves the data position past the steps (`batches_used`)
-    regenerated_batches: int = 0
-    retries: int = 0
-    refill_batches: int = 0  # batches beyond one per step (dynamic sampling); they move the data position too
-    dropped_groups: int = 0  # groups dynamic sampling left out (all their samples scored the same)
-
-
-@dataclass
-class CoordinatorState:
-    """The coordinator's part of a checkpoint (`coordinator.json`), the same in both modes: after
-    step `step`, the KL coefficient the next step uses, the data position, the pipeline's counts."""
-
-    step: int
-    kl_coef: float
-    data: dict[str, Any] | None = None  # PromptDataset.state_dict(); None in the checkpoint of step 0
-    counts: PipelineCounts = field(default_factory=PipelineCounts)
-    # Partial rollouts: the groups carried into the next step, their responses so far (`partial.py`).
-    carried: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def batches_used(self) -> int:
-        """Rollout batches of the data the run has consumed: its steps', the dropped ones and the refills."""
-        return self.step + self.extra_batches
-
-    @property
-    def extra_batches(self) -> int:
-        """Batches consumed beyond one per step: batch k + extra_batches is the next step's (one each)."""
-        return self.counts.dropped_batches + self.counts.refill_batches
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"step": self.step, "kl_coef": self.kl_coef}
-        if self.data is not None:
-            out["data"] = self.data
-        out["counts"] = asdict(self.counts)
-        if self.carried:
-            out["carried"] = self.carried
-        return out
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> CoordinatorState:
-        """Also what earlier versions wrote: the sync loop's {step, kl_coef, data} (no counts), the
-        async pipeline's with its counts, the checkpoint of step 0 without data. ValueError naming
-        the key for anything else."""
-        step, kl_coef, data, counts, carried = (state.get(k) for k in ("step", "kl_coef", "data", "counts", "carried"))
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step: {step!r} is not a step number")
-        if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool):
-            raise ValueError(f"kl_coef: {kl_coef!r} is not a number")
-        if data is not None and not isinstance(data, dict):
-            raise ValueError(f"data: {data!r} is not a data position")
-        counts = counts or {}
-        known = {f.name for f in fields(PipelineCounts)}
-        if not isinstance(counts, dict) or set(counts) - known or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
-            raise ValueError(f"counts: {counts!r} are not the counts {sorted(known)}")
-        carried = carried or []
-        if not isinstance(carried, list) or not all(isinstance(g, dict) and {"batch", "prompt", "responses"} <= set(g)
-                                                    for g in carried):
-            raise ValueError("carried: not a list of carried groups ({batch, prompt, responses})")
-        return cls(step, float(kl_coef), data, PipelineCounts(**counts), carried)
 
 
 class Checkpointer:
@@ -197,8 +131,7 @@ class Checkpointer:
         await self.settle()  # the previous one complete: one at a time
         start = time.perf_counter()
         path = step_dir(self.snapshots / self.instance, state.step)
-        # As of now (a copy: the next step changes the state, carried groups in place among it).
-        coordinator = copy.deepcopy({"version": STATE_VERSION, **state.to_dict()})
+        coordinator = copy.deepcopy(state)  # as of now: the next step changes the state
         try:
             path.mkdir(parents=True, exist_ok=True)
             await self._save_trainers(roles, state.step, actor_step, path, background=True)
@@ -250,7 +183,7 @@ class Checkpointer:
         """The trainers' parts (at once), the coordinator's state, then the manifest; the manifest."""
         path.mkdir(parents=True, exist_ok=True)
         actor, critic = await self._save_trainers(roles, state.step, actor_step, path)
-        return self._finish(path, state.step, {"version": STATE_VERSION, **state.to_dict()}, actor, critic)
+        return self._finish(path, state.step, state, actor, critic)
 
     @staticmethod
     async def _save_trainers(roles, step: int, actor_step: int, path: Path, background: bool = False):
@@ -259,9 +192,9 @@ class Checkpointer:
             roles.critic.save_checkpoint(step, str(path / "critic"), background=background) if roles.critic
             else _nothing())
 
-    def _finish(self, path: Path, step: int, coordinator: dict, actor, critic) -> dict:
+    def _finish(self, path: Path, step: int, coordinator: CoordinatorState, actor, critic) -> dict:
         """After the trainers' parts: the coordinator's state, then the manifest; the manifest."""
-        write_json(path / STATE_FILE, coordinator)
+        write_state(path, coordinator, write_atomic)
         roles_done = {"actor": {"step": actor.step, "model_version": actor.model_version}}
         if critic is not None:
             roles_done["critic"] = {"step": critic.step, "model_version": critic.model_version}
@@ -333,14 +266,10 @@ class Checkpointer:
             raise FailedPrecondition(f"run.resume: the checkpoint {path} was taken "
                                      f"{'with' if 'critic' in manifest['roles'] else 'without'} a critic; "
                                      f"algorithm {self.cfg.algorithm} runs {'with' if roles.critic else 'without'} one")
-        saved = json.loads((path / STATE_FILE).read_text())
-        if saved.get("version") != STATE_VERSION:
-            raise FailedPrecondition(f"run.resume: {path / STATE_FILE} is of state version {saved.get('version')}, "
-                                     f"this coordinator reads {STATE_VERSION}")
         try:
-            state = CoordinatorState.from_dict(saved)
+            state = read_state(path)
         except ValueError as exc:  # before any role loads anything
-            raise FailedPrecondition(f"run.resume: {path / STATE_FILE}: {exc}") from None
+            raise FailedPrecondition(f"run.resume: {exc}") from None
         # Both answered before anything is concluded: a load still running must not land after the next one.
         actor, critic = await asyncio.gather(
             roles.actor.load_checkpoint(str(path / "actor")),

@@ -10,9 +10,9 @@ import torch
 
 from rolefleet.algos import informative_groups
 from rolefleet.common.config import RoleFleetConfig
-from rolefleet.coordinator.checkpoints import PipelineCounts
 from rolefleet.coordinator.episodes import with_env_rewards
 from rolefleet.coordinator.rollout import Rollout, to_batch
+from rolefleet.coordinator.saved_state import PipelineCounts
 from rolefleet.coordinator.targets import shaped_scores, truncated
 from rolefleet.reward.types import ScoreResult
 

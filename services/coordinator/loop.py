@@ -25,12 +25,13 @@ from rolefleet.common.errors import FailedPrecondition, Unavailable
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
 from rolefleet.coordinator.calls import Roles
-from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
+from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.pipeline import Pipeline
 from rolefleet.coordinator.sampling import sampler
+from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 

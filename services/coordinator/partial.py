@@ -41,10 +41,10 @@ from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, Continuation, FinishReason, Sample, SamplingParams
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
-from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, score_items, spent, to_batch
+from rolefleet.coordinator.saved_state import CarriedGroup, CarriedResponse, CoordinatorState
 from rolefleet.reward.client import RewardClient
 from rolefleet.tasks import PromptRecord
 
@@ -101,7 +101,7 @@ class PartialRollouts:
 
     async def rollout(self, step: int, state: CoordinatorState) -> Rollout:
         if self.carried is None:
-            self.carried = [self._group_from_dict(g) for g in state.carried]
+            self.carried = [self._group_from_saved(g) for g in state.carried]
         start, index = time.perf_counter(), state.batches_used + 1
         sampling = sampling_for(self.cfg, index)
         kept = KeptGroups(self.cfg, trim=False) if self.reward is not None else None
@@ -126,7 +126,7 @@ class PartialRollouts:
         self.carried = [g for g in groups if not g.finished(self.cap)]
         for g in self.carried:
             g.responses = [replace(r, carries=r.carries + (not r.finished(self.cap))) for r in g.responses]
-        state.carried = [self._group_to_dict(g) for g in self.carried]
+        state.carried = [self._group_to_saved(g) for g in self.carried]
         generate_s = spent("generate", start + (kept.score_s if kept else 0.0))  # scoring is its own phase
         open_responses = sum(not r.finished(self.cap) for g in self.carried for r in g.responses)
         if kept is None:
@@ -229,46 +229,40 @@ class PartialRollouts:
             used += size
         return parts
 
-    def _group_to_dict(self, g: _Group) -> dict[str, Any]:
-        return {"batch": g.batch, "prompt": g.prompt, "group_id": g.responses[0].sample.group_id,
-                "prompt_sha": _digest(g.record.prompt), "responses": [{
-            "sample_index": r.sample.sample_index, "prompt_ids": r.sample.prompt_ids.tolist(),
-            "response_ids": r.sample.response_ids.tolist(), "logprobs": r.sample.logprobs.tolist(),
-            "versions": r.versions.tolist(), "finish_reason": int(r.sample.finish_reason),
-            "text": r.sample.response_text, "carries": r.carries, "full": r.full} for r in g.responses]}
+    def _group_to_saved(self, g: _Group) -> CarriedGroup:
+        return CarriedGroup(batch=g.batch, prompt=g.prompt, group_id=g.responses[0].sample.group_id,
+                            prompt_sha=_digest(g.record.prompt), responses=[CarriedResponse(
+            sample_index=r.sample.sample_index, finish_reason=int(r.sample.finish_reason), text=r.sample.response_text,
+            carries=r.carries, full=r.full, prompt_ids=r.sample.prompt_ids, response_ids=r.sample.response_ids,
+            logprobs=r.sample.logprobs, versions=r.versions) for r in g.responses])
 
-    def _group_from_dict(self, d: dict[str, Any]) -> _Group:
+    def _group_from_saved(self, d: CarriedGroup) -> _Group:
         """A carried group of a checkpoint: its record is the data's, as the saved run drew it.
         FailedPrecondition where the run's settings no longer draw it so (`train.prompts_per_step`
         or the data changed), or where it would exceed a lowered `pipeline.max_staleness`."""
         try:
-            return self._restored(d)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise FailedPrecondition(f"the checkpoint's carried responses (coordinator.json `carried`) cannot be "
-                                     f"read: {exc!r}") from None
-
-    def _restored(self, d: dict[str, Any]) -> _Group:
-        record = self.dataset.batch(d["batch"], self.cfg.train.prompts_per_step)[d["prompt"]]
-        group = first_group_id(self.cfg, d["batch"]) + d["prompt"]
-        if group != d["group_id"] or _digest(record.prompt) != d["prompt_sha"]:
-            raise FailedPrecondition(f"carried group {d['group_id']} of the checkpoint is not the run's group {group}: "
+            record = self.dataset.batch(d.batch, self.cfg.train.prompts_per_step)[d.prompt]
+        except IndexError as exc:
+            raise FailedPrecondition(f"carried group {d.group_id} of the checkpoint is not in the run's data ({exc}): "
+                                     "train.prompts_per_step or the data changed since it was saved") from None
+        group = first_group_id(self.cfg, d.batch) + d.prompt
+        if group != d.group_id or _digest(record.prompt) != d.prompt_sha:
+            raise FailedPrecondition(f"carried group {d.group_id} of the checkpoint is not the run's group {group}: "
                                      "train.prompts_per_step or the data changed since it was saved; resume with "
                                      "the settings it was saved with")
-        if any(r["carries"] > self.max_carries for r in d["responses"]):
+        if any(r.carries > self.max_carries for r in d.responses):
             raise FailedPrecondition(f"carried group {group} has been carried more often than pipeline.max_staleness="
                                      f"{self.max_carries} allows; resume with the bound it was saved with")
-        responses = []
-        for r in d["responses"]:
-            versions = torch.tensor(r["versions"], dtype=torch.int64)
-            sample = Sample(prompt_index=d["prompt"], sample_index=r["sample_index"],
-                            prompt_ids=torch.tensor(r["prompt_ids"], dtype=torch.int64),
-                            response_ids=torch.tensor(r["response_ids"], dtype=torch.int64),
-                            logprobs=torch.tensor(r["logprobs"], dtype=torch.float32),
-                            finish_reason=FinishReason(r["finish_reason"]), policy_version=int(versions.min()),
-                            response_text=r["text"], group_id=group,
-                            sample_id=group * SAMPLES_PER_GROUP_LIMIT + r["sample_index"])
-            responses.append(_Response(sample, versions, r["carries"], r.get("full", False)))
-        return _Group(d["batch"], d["prompt"], record, responses)
+        try:
+            responses = [_Response(Sample(prompt_index=d.prompt, sample_index=r.sample_index, prompt_ids=r.prompt_ids,
+                                          response_ids=r.response_ids, logprobs=r.logprobs,
+                                          finish_reason=FinishReason(r.finish_reason),
+                                          policy_version=int(r.versions.min()), response_text=r.text, group_id=group,
+                                          sample_id=group * SAMPLES_PER_GROUP_LIMIT + r.sample_index),
+                                   r.versions, r.carries, r.full) for r in d.responses]
+        except (ValueError, RuntimeError) as exc:  # an unknown finish reason, a response without tokens
+            raise FailedPrecondition(f"carried group {group} of the checkpoint cannot be read: {exc}") from None
+        return _Group(d.batch, d.prompt, record, responses)
 
 
 def _digest(prompt: Any) -> str:

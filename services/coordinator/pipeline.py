@@ -49,10 +49,11 @@ from rolefleet.common.errors import Unavailable
 from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.calls import Roles
-from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
+from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, score_items, spent, to_batch
+from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 from rolefleet.critic.types import CriticValues

@@ -14,7 +14,6 @@ import time
 
 from rolefleet.actor.client import ActorClient
 from rolefleet.common.config import RoleFleetConfig
-from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.episodes import Episodes
@@ -28,6 +27,7 @@ from rolefleet.coordinator.rollout import (
     spent,
     to_batch,
 )
+from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.reward.client import RewardClient
 
 

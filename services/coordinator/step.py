@@ -37,13 +37,14 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.calls import Retries, Roles
-from rolefleet.coordinator.checkpoints import Checkpointer, CoordinatorState
+from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.episodes import Episodes, episode_metrics, with_env_rewards
 from rolefleet.coordinator.evaluation import Evaluator
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, score_items
+from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
 from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets, truncated

@@ -4,7 +4,8 @@ One checkpoint is a directory `<run>/checkpoints/step-00000012/`:
 
     actor/            the actor's trainer (below)
     critic/           the critic's, the same way
-    coordinator.json  the coordinator's: step, data position, KL coefficient, counts
+    coordinator.json  the coordinator's: step, data position, KL coefficient, counts, carried groups
+    carried.safetensors  their responses' tensors (partial rollouts only; coordinator/saved_state.py)
     MANIFEST.json     written last, after every role confirmed: a directory without it is incomplete
                       and never loaded
 

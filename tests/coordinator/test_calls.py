@@ -3,13 +3,15 @@ coordinator's state, never sent to a trainer that came back without the run's up
 state as checkpoints hold it, from this version and from the earlier sync and async ones."""
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
 from rolefleet.common.errors import InvalidArgument, Unavailable
 from rolefleet.common.role_types import RoleStatus
 from rolefleet.coordinator.calls import Retries, Roles
-from rolefleet.coordinator.checkpoints import CoordinatorState, PipelineCounts
+from rolefleet.coordinator.saved_state import CoordinatorState, PipelineCounts, from_document, read_state, write_state
 
 
 class Flaky:
@@ -79,21 +81,31 @@ def test_other_errors_and_streams_are_not_repeated():
     assert reward.calls == 1 and roles.actor.generate_stream.__func__ is Flaky.generate_stream
 
 
-def test_the_coordinator_state_round_trips_and_reads_earlier_checkpoints():
+def test_the_coordinator_state_round_trips_and_reads_earlier_checkpoints(tmp_path):
     state = CoordinatorState(step=4, kl_coef=0.05, data={"position": 32}, counts=PipelineCounts(retries=2))
-    assert CoordinatorState.from_dict(state.to_dict()) == state
+    write_state(tmp_path, state, Path.write_bytes)
+    assert read_state(tmp_path) == state and json.loads((tmp_path / "coordinator.json").read_text())["version"] == 2
     sync = {"version": 1, "step": 3, "kl_coef": 0.04, "data": {"position": 24}}  # the sync loop's
-    assert CoordinatorState.from_dict(sync) == CoordinatorState(3, 0.04, {"position": 24})
+    assert from_document(sync) == CoordinatorState(3, 0.04, {"position": 24})
     counts = {"stale_samples": 1, "dropped_batches": 2, "regenerated_batches": 0, "retries": 3}
     asynchronous = {**sync, "counts": counts}  # the async pipeline's
-    assert CoordinatorState.from_dict(asynchronous).counts == PipelineCounts(**counts)
-    assert CoordinatorState.from_dict(asynchronous).batches_used == 5  # its steps' and the dropped batches
-    assert CoordinatorState.from_dict({"version": 1, "step": 0, "kl_coef": 0}) == CoordinatorState(0, 0.0)  # step 0
+    assert from_document(asynchronous).counts == PipelineCounts(**counts)
+    assert from_document(asynchronous).batches_used == 5  # its steps' and the dropped batches
+    assert from_document({"version": 1, "step": 0, "kl_coef": 0}) == CoordinatorState(0, 0.0)  # step 0
     for bad, key in (({"kl_coef": 0.0}, "step"), ({"step": -1, "kl_coef": 0.0}, "step"),
-                     ({"step": 1, "kl_coef": "high"}, "kl_coef"), ({"step": 1, "kl_coef": 0.0, "data": [1]}, "data"),
-                     ({"step": 1, "kl_coef": 0.0, "counts": {"lost": 1}}, "counts")):
-        with pytest.raises(ValueError, match=f"^{key}:"):
-            CoordinatorState.from_dict(bad)
+                     ({"step": 1, "kl_coef": "high"}, "kl_coef"), ({"step": 1, "kl_coef": float("nan")}, "kl_coef"),
+                     ({"step": 1, "kl_coef": 0.0, "data": [1]}, "data"),
+                     ({"step": 1, "kl_coef": 0.0, "counts": {"lost": 1}}, "counts"),
+                     ({"step": 1, "kl_coef": 0.0, "carried": [{"batch": 0}]}, "carried")):
+        with pytest.raises(ValueError, match=f"^{key}"):
+            from_document(bad)
+
+
+@pytest.mark.parametrize("version", [None, 0, 3, "2"])
+def test_a_state_of_another_version_is_refused_naming_the_file_and_the_version(tmp_path, version):
+    (tmp_path / "coordinator.json").write_text(json.dumps({"version": version, "step": 3, "kl_coef": 0.0}))
+    with pytest.raises(ValueError, match=rf"coordinator.json is of state version {version!r}; this coordinator reads "):
+        read_state(tmp_path)
 
 
 class Restarting(Flaky):

@@ -6,7 +6,9 @@ and logprobs that made them, a group trains once and only whole, and a response 
 
 import asyncio
 import re
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +17,10 @@ from rolefleet.actor.types import FinishReason, Sample, with_ids
 from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
-from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.partial import PartialRollouts
 from rolefleet.coordinator.sampling import sampler
+from rolefleet.coordinator.saved_state import CoordinatorState, read_state, write_state
 from rolefleet.reward.types import ScoreResult
 
 STOP, PROMPT = 2, [1, 1, 1]
@@ -80,6 +82,14 @@ def setup(lengths, *overrides, reward=None):
     return cfg, actor, sampler(cfg, actor, reward, PromptDataset.for_run(cfg))
 
 
+def through_a_checkpoint(state: CoordinatorState) -> CoordinatorState:
+    """`state` as a resumed run reads it back: coordinator.json and the carried tensors beside it."""
+    with tempfile.TemporaryDirectory() as directory:
+        write_state(Path(directory), state, Path.write_bytes)
+        assert (Path(directory) / "carried.safetensors").exists() == bool(state.carried)
+        return read_state(Path(directory))
+
+
 def steps(rollouts: PartialRollouts, actor: ScriptedActor, n: int, state: CoordinatorState | None = None):
     """n steps, the policy moving on by one version after each (as the actor's update does)."""
     state = state or CoordinatorState(step=0, kl_coef=0.0)
@@ -126,7 +136,7 @@ def test_every_group_trains_once_and_whole():
                    for s in r.samples)
     # Every group the steps started is trained or carried, never both.
     trained_groups = {s.group_id for r in done for s in r.samples}
-    carried = {(g["batch"] - 1) * 3 + g["prompt"] for g in state.carried}
+    carried = {(g.batch - 1) * 3 + g.prompt for g in state.carried}
     assert trained_groups | carried == set(range(6 * 3)) and not trained_groups & carried
 
 
@@ -153,7 +163,7 @@ def test_the_carried_responses_resume_from_a_checkpoint():
     lengths = lambda g, k: 10 if (g, k) == (1, 1) else 3  # noqa: E731
     cfg, actor, rollouts = setup(lengths)
     (_, state) = steps(rollouts, actor, 1)
-    saved = CoordinatorState.from_dict(state.to_dict())
+    saved = through_a_checkpoint(state)
     assert len(saved.carried) == 1
     # A new coordinator (a resumed run) goes on from the saved responses.
     resumed = sampler(cfg, actor, None, PromptDataset.for_run(cfg))
@@ -191,7 +201,7 @@ def test_a_response_the_model_has_no_room_for_ends_where_it_is():
 def test_carried_responses_are_not_resumed_into_settings_that_would_misread_them(changed, message):
     cfg, actor, rollouts = setup(lambda g, k: 16 if (g, k) == (4, 1) else 3)
     _, state = steps(rollouts, actor, 3)  # group 4 (batch 2's second prompt) has been carried twice
-    saved = CoordinatorState.from_dict(state.to_dict())
+    saved = through_a_checkpoint(state)
     other, actor2, resumed = setup(lambda g, k: 3, *changed)
     with pytest.raises(FailedPrecondition, match=message):
         steps(resumed, actor2, 1, saved)
@@ -241,7 +251,7 @@ def test_with_dynamic_sampling_groups_are_scored_as_they_finish_and_dropped_ones
     cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=GroupReward(varied))
     _, saved = steps(rollouts, actor, 1)
     resumed = sampler(cfg, actor, GroupReward(varied), PromptDataset.for_run(cfg))
-    (again,), _ = steps(resumed, actor, 1, CoordinatorState.from_dict(saved.to_dict()))
+    (again,), _ = steps(resumed, actor, 1, through_a_checkpoint(saved))
     assert [(s.sample_id, s.response_ids.tolist()) for s in again.samples] == \
         [(s.sample_id, s.response_ids.tolist()) for s in second.samples]
 

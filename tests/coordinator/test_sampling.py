@@ -11,9 +11,9 @@ import torch
 from rolefleet.actor.types import FinishReason, Sample, with_ids
 from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
-from rolefleet.coordinator.checkpoints import CoordinatorState
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.sampling import DynamicSampling, OneBatch, sampler
+from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.reward.types import ScoreResult
 
 
