@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
@@ -33,6 +34,7 @@ from rolefleet.reward.client import RewardClient
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRAINERS = ("actor", "critic")
+SAME_PROCESS_EVERY_S = 1.0  # below the time any trainer takes to restart (`Retries._same_process`)
 
 
 @dataclass
@@ -60,6 +62,11 @@ class Retries:
         # before it is loaded and takes its initial weights for the run's.
         self._open: dict[str, asyncio.Event] = {}
         self._gone: dict[str, Unavailable] = {}  # a trainer that did not come back: what its held calls raise
+        # The process each trainer's calls go to (RoleStatus.instance_id) and when that was last
+        # checked: one restarted between two calls, which no call saw away, is caught before a call
+        # reaches it (its answers would be its initial weights').
+        self._instance: dict[str, str] = {}
+        self._checked: dict[str, float] = {}
 
     def wrap(self, roles: Roles) -> Roles:
         """The same Roles, each client's coroutine methods repeated on a transient failure (a
@@ -75,10 +82,25 @@ class Retries:
                 if role in self._gone:  # the run recovers: no call goes to a process not loaded
                     raise self._gone[role]
             try:
+                if role in TRAINERS and self.restore is not None:
+                    await self._same_process(role)
                 return await method(*args, **kwargs)
             except Unavailable as exc:
                 await self.again(role, attempt, exc)
                 attempt += 1
+
+    async def _same_process(self, role: str) -> None:
+        """Unavailable when trainer `role` answers as another process than its calls went to. Asked
+        at most every `SAME_PROCESS_EVERY_S`: a restart takes longer (a process starts and loads its
+        model), so the first call after one always asks."""
+        now = time.monotonic()
+        if now - self._checked.get(role, -math.inf) < SAME_PROCESS_EVERY_S:
+            return
+        instance = (await self._clients[role].status()).instance_id
+        known = self._instance.setdefault(role, instance)
+        if instance != known:
+            raise Unavailable(f"the {role} answers as a new process ({instance}, its calls went to {known})")
+        self._checked[role] = now
 
     async def again(self, role: str, attempt: int, exc: Unavailable) -> None:
         """After failed attempt `attempt` (0-based) of a call to `role`: return once it may be sent
@@ -114,8 +136,17 @@ class Retries:
 
     async def _trainer_back(self, role: str, exc: Unavailable, since: float) -> None:
         """Once trainer `role` holds every update the run has counted: it is the process the call
-        failed on, or one that lost nothing, or a restarted one loaded alone (`restore`). Raises
-        `exc` when it does not come back in time or cannot be loaded so."""
+        failed on, or one that lost nothing, or a restarted one loaded alone (`restore`); its calls
+        go to that process from now on. Raises `exc` when it does not come back in time or cannot
+        be loaded so."""
+        await self._back_holding_the_run(role, exc, since)
+        try:
+            self._instance[role] = (await self._clients[role].status()).instance_id
+            self._checked[role] = time.monotonic()
+        except Unavailable:
+            self._instance.pop(role, None)  # gone again: the next call asks anew
+
+    async def _back_holding_the_run(self, role: str, exc: Unavailable, since: float) -> None:
         last = await self._last_step(role)
         if last is not None and last >= self._expected(role):
             return

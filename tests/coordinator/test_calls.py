@@ -10,6 +10,7 @@ import pytest
 
 from rolefleet.common.errors import InvalidArgument, Unavailable
 from rolefleet.common.role_types import RoleStatus
+from rolefleet.coordinator import calls
 from rolefleet.coordinator.calls import Retries, Roles
 from rolefleet.coordinator.saved_state import CoordinatorState, PipelineCounts, from_document, read_state, write_state
 
@@ -108,25 +109,48 @@ def test_a_state_of_another_version_is_refused_naming_the_file_and_the_version(t
         read_state(tmp_path)
 
 
-class Restarting(Flaky):
-    """A trainer that dies under its first call, answers nothing for `away` status calls, then comes
-    back as a new process (last step 0); `sent` records each call that reached a process and the
-    last step it held then."""
+class Restarting:
+    """A trainer holding step 3 as process "first"; `restart()` makes it come back as process
+    "second" with its initial state, after `away` status calls that find nothing (a death under a
+    call: `dies` makes its next call fail). `sent`: (process, last step) of each call that reached one."""
 
-    def __init__(self, away: int):
-        super().__init__(down=1, last_step=None)
-        self.away, self.sent = away, []
+    def __init__(self, away: int = 0, dies: bool = False):
+        self.instance, self.last_step, self.away, self.dies, self.sent = "first", 3, away, dies, []
+
+    def restart(self) -> None:
+        self.instance, self.last_step = "second", 0
 
     async def update(self, step):
-        self.sent.append(self.last_step)
-        return await super().update(step)
+        if self.last_step is None:
+            raise Unavailable("refused")
+        self.sent.append((self.instance, self.last_step))
+        if self.dies:
+            self.dies, self.last_step = False, None
+            raise Unavailable("refused: the process died under the call")
+        return f"update {step}"
 
     async def status(self, include_digest=False):
         if self.last_step is None:
             self.away -= 1
-            if self.away < 0:
-                self.last_step = 0
-        return await super().status(include_digest)
+            if self.away >= 0:
+                raise Unavailable("status refused")
+            self.restart()
+        return RoleStatus(role="critic", model_version=self.last_step, last_step=self.last_step,
+                          instance_id=self.instance)
+
+
+def loading_alone(state, critic: Restarting, snapshot_there: bool):
+    """Roles whose restarted trainers are loaded from the run's snapshot (when `snapshot_there`); the
+    loads, as (role, step)."""
+    loaded = []
+
+    async def restore(role, step, since):
+        loaded.append((role, step))
+        if snapshot_there:
+            critic.last_step = step
+        return snapshot_there
+
+    return Retries(2, state, restore=restore, wait_s=30).wrap(Roles(Flaky(0), Flaky(0), critic)), loaded
 
 
 @pytest.mark.parametrize("snapshot_there", [True, False])
@@ -136,17 +160,8 @@ def test_a_restarted_trainer_is_loaded_alone_and_its_other_calls_wait_for_it(sna
     is held, never reaching the new process before it is loaded. Without that snapshot both fail,
     and the run recovers from its newest one."""
     state = CoordinatorState(step=3, kl_coef=0.0)
-    critic = Restarting(away=3)
-    loaded = []
-
-    async def restore(role, step, since):
-        loaded.append((role, step))
-        if snapshot_there:
-            critic.last_step = step
-        return snapshot_there
-
-    retries = Retries(2, state, restore=restore, wait_s=30)
-    roles = retries.wrap(Roles(Flaky(0), Flaky(0), critic))
+    critic = Restarting(away=3, dies=True)
+    roles, loaded = loading_alone(state, critic, snapshot_there)
 
     async def both():
         first = asyncio.create_task(roles.critic.update(4))
@@ -157,7 +172,20 @@ def test_a_restarted_trainer_is_loaded_alone_and_its_other_calls_wait_for_it(sna
     assert loaded == [("critic", 3)]
     if snapshot_there:
         assert results == ["update 4", "update 5"] and state.counts.retries == 1
-        assert critic.sent == [None, 3, 3]  # after the failure, only to the loaded process
+        assert critic.sent == [("first", 3), ("second", 3), ("second", 3)]  # only to the loaded process
     else:
         assert all(isinstance(r, Unavailable) for r in results)
-        assert critic.sent == [None]  # nothing reached the process that was not loaded
+        assert critic.sent == [("first", 3)]  # nothing reached the process that was not loaded
+
+
+def test_a_trainer_restarted_between_calls_is_caught_before_a_call_reaches_it(monkeypatch):
+    """No call saw it away (it died and came back between two): the next call finds another process
+    answering and has it loaded first."""
+    monkeypatch.setattr(calls, "SAME_PROCESS_EVERY_S", 0.0)
+    state = CoordinatorState(step=3, kl_coef=0.0)
+    critic = Restarting()
+    roles, loaded = loading_alone(state, critic, snapshot_there=True)
+    assert asyncio.run(roles.critic.update(4)) == "update 4"
+    critic.restart()
+    assert asyncio.run(roles.critic.update(5)) == "update 5"
+    assert loaded == [("critic", 3)] and critic.sent == [("first", 3), ("second", 3)]
