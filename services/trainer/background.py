@@ -112,7 +112,10 @@ class HostCopy:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
             if tensor.is_cuda and buffer.nbytes:
                 # Registered as it is, not from the pinned allocator, which rounds sizes up to a power of two.
-                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+                error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0))
+                if error:  # (a locked-memory limit, say) the copy works all the same, at pageable speed
+                    log.warning("page-locking the %d-byte staging buffer of %s failed (cudaError %d): the "
+                                "snapshot's copy off the GPU goes through pageable memory", buffer.nbytes, key, error)
             self.buffers[key] = buffer
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         return buffer
