@@ -27,6 +27,7 @@ from typing import Any, Optional, TypeVar
 
 from rolefleet.actor.client import ActorClient
 from rolefleet.common.errors import Unavailable
+from rolefleet.common.role_types import RoleStatus
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
@@ -127,10 +128,10 @@ class Retries:
         """The trainer's own step id of the run's last counted update."""
         return max(0, self.state.step - self.warmup) if role == "actor" else self.state.step
 
-    async def _last_step(self, role: str) -> int | None:
-        """The trainer's last applied step; None while it does not answer."""
+    async def _status(self, role: str) -> RoleStatus | None:
+        """The trainer's status; None while it does not answer."""
         try:
-            return (await self._clients[role].status()).last_step
+            return await self._clients[role].status()
         except Unavailable:
             return None
 
@@ -139,31 +140,22 @@ class Retries:
         failed on, or one that lost nothing, or a restarted one loaded alone (`restore`); its calls
         go to that process from now on. Raises `exc` when it does not come back in time or cannot
         be loaded so."""
-        await self._back_holding_the_run(role, exc, since)
-        try:
-            self._instance[role] = (await self._clients[role].status()).instance_id
-            self._checked[role] = time.monotonic()
-        except Unavailable:
-            self._instance.pop(role, None)  # gone again: the next call asks anew
-
-    async def _back_holding_the_run(self, role: str, exc: Unavailable, since: float) -> None:
-        last = await self._last_step(role)
-        if last is not None and last >= self._expected(role):
-            return
-        if self.restore is None:
-            log.warning("the %s %s (the run has applied its steps up to %d): not repeating the call", role,
-                        "does not answer" if last is None else f"is at step {last}", self._expected(role))
-            raise exc
-        deadline = since + self.wait_s
-        while last is None:  # restarting: only this call waits for it
-            if time.monotonic() > deadline:
+        status = await self._status(role)
+        if status is None or status.last_step < self._expected(role):
+            if self.restore is None:
+                log.warning("the %s %s (the run has applied its steps up to %d): not repeating the call", role,
+                            "does not answer" if status is None else f"is at step {status.last_step}",
+                            self._expected(role))
                 raise exc
-            await asyncio.sleep(0.5)
-            last = await self._last_step(role)
-        if last >= self._expected(role):
-            return
-        if not await self.restore(role, self.state.step, since):
-            raise exc
+            deadline = since + self.wait_s
+            while status is None:  # restarting: only this call waits for it
+                if time.monotonic() > deadline:
+                    raise exc
+                await asyncio.sleep(0.5)
+                status = await self._status(role)
+            if status.last_step < self._expected(role) and not await self.restore(role, self.state.step, since):
+                raise exc
+        self._instance[role], self._checked[role] = status.instance_id, time.monotonic()
 
 
 class _Repeated:

@@ -46,6 +46,14 @@ async def _nothing() -> None:
     return None
 
 
+def _loaded_as_saved(name: str, loaded, expected: dict, path: Path) -> None:
+    """FailedPrecondition unless trainer `name` loaded from `path` the step and version its manifest says."""
+    if (loaded.step, loaded.model_version) != (expected["step"], expected["model_version"]):
+        raise FailedPrecondition(f"run.resume: the {name} loaded step {loaded.step} version {loaded.model_version}, "
+                                 f"the manifest of {path} says step {expected['step']} version "
+                                 f"{expected['model_version']}")
+
+
 class Checkpointer:
     """Checkpoints, and the journal's record of each step's samples (None: not journaled)."""
 
@@ -250,10 +258,7 @@ class Checkpointer:
             except InvalidArgument as exc:  # its machine does not hold this snapshot's part (a moved pod)
                 log.warning("the %s cannot load %s (%s)", name, path, exc)
                 continue
-            if (loaded.step, loaded.model_version) != (expected["step"], expected["model_version"]):
-                raise FailedPrecondition(f"the {name} loaded step {loaded.step} version {loaded.model_version} from "
-                                         f"{path}, whose manifest says step {expected['step']} version "
-                                         f"{expected['model_version']}")
+            _loaded_as_saved(name, loaded, expected, path)
             self.recovery = {"recovery/steps_lost": 0.0, "recovery/seconds": time.monotonic() - since}
             print(f"rolefleet: the {name} came back as a new process; loaded alone from {path}, the run goes on "
                   f"with step {step + 1} where it was", flush=True)
@@ -278,11 +283,8 @@ class Checkpointer:
             if isinstance(failed, BaseException):
                 raise failed
         for name, loaded in (("actor", actor), ("critic", critic)):
-            expected = manifest["roles"].get(name)
-            if loaded is not None and (loaded.step, loaded.model_version) != (expected["step"], expected["model_version"]):
-                raise FailedPrecondition(f"run.resume: the {name} loaded step {loaded.step} version "
-                                         f"{loaded.model_version}, the manifest of {path} says step "
-                                         f"{expected['step']} version {expected['model_version']}")
+            if loaded is not None:
+                _loaded_as_saved(name, loaded, manifest["roles"].get(name), path)
         log.warning("run.resume: continuing after step %d from %s (policy version %d)", state.step, path,
                     actor.model_version)
         return state

@@ -201,7 +201,7 @@ class StepBody:
             log({})
         else:
             s = self._saved_state()
-            await self.checkpointer.snapshot(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps), log)
+            await self.checkpointer.snapshot(self.roles, s, self._actor_step(s), log)
         return record
 
     async def _scored(self, rollout: Rollout, one_pass: bool) -> tuple[ScoreResult, CriticValues | None, LogProbs]:
@@ -237,7 +237,7 @@ class StepBody:
     async def save(self) -> None:
         """A checkpoint after the last step: the data of its batches (and of dropped ones) is used."""
         s = self._saved_state()
-        await self.checkpointer.save(self.roles, s, max(0, s.step - self.cfg.train.critic_warmup_steps))
+        await self.checkpointer.save(self.roles, s, self._actor_step(s))
         self.saved = s.step
 
     async def _reward_replicas_now(self) -> dict[str, str]:
@@ -256,6 +256,10 @@ class StepBody:
                   + ", ".join(f"{label} {v}" for label, v in sorted(now.items())), flush=True)
             self._reward_replicas = now
         return ",".join(sorted({*scorers.values(), *now.values()}))
+
+    def _actor_step(self, s: CoordinatorState) -> int:
+        """The actor's own step id at the run's step (behind it during the critic's warm-up)."""
+        return max(0, s.step - self.cfg.train.critic_warmup_steps)
 
     def _saved_state(self) -> CoordinatorState:
         s = self.state
