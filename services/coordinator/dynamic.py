@@ -44,7 +44,7 @@ class KeptGroups:
         self.batches += drawn
         self.generate_s, self.score_s = self.generate_s + batch.generate_s, self.score_s + score_s
         total = with_env_rewards(scores, batch.samples).total
-        shaped, _, _ = shaped_scores(self.cfg.train, self.cfg.sampling.max_new_tokens, batch.batch, total,
+        shaped, _, _ = shaped_scores(self.cfg.train, self.cfg.episode_cap, batch.batch, total,
                                      truncated(batch.samples))
         signal = informative_groups(shaped, torch.tensor([s.group_id for s in batch.samples]),
                                     self.cfg.train.dynamic_sampling.tolerance)

@@ -3,8 +3,9 @@ journal, the checkpoint they resume from, and the recovery from a lost role.
 
 Sync mode, each step one numbered call per role per phase (DESIGN "One step"):
 
-1. actor.Generate                                    -> n samples per prompt (`sampling.py`; with
-   train.dynamic_sampling also reward.Score, and more batches until the step has its groups)
+1. actor.Generate                                    -> n samples per prompt (the rollout source,
+   `source.py`: episodes, carried ones, and with train.dynamic_sampling also reward.Score and more
+   batches until the step has its groups)
 2-6. the step body on them (`step.py`): reward.Score | critic.ComputeValues | actor.ComputeLogProbs;
    advantages and the KL coefficient; actor.Update | critic.Update; the step's record (with an
    evaluation when due); a checkpoint when due
@@ -30,7 +31,6 @@ from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.pipeline import Pipeline
-from rolefleet.coordinator.sampling import sampler
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
@@ -146,15 +146,14 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
 async def train_sync(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus,
                      clock: BusyClock, checkpointer: Checkpointer, resumed: CoordinatorState | None = None) -> None:
     body = StepBody(cfg, roles, logger, status, clock, checkpointer, resumed)
-    rollouts = sampler(cfg, body.roles.actor, body.roles.reward, body.dataset, body.episodes)
     await body.evaluate_start()
     for step in range(body.state.step + 1, cfg.train.total_steps + 1):
         await status.wait_resumed()
         if status.stop_requested:
             break
         start = time.perf_counter()
-        # 1. Rollouts from the current policy (with dynamic sampling, scored as they come).
-        rollout = await rollouts.rollout(step, body.state)
+        # 1. Rollouts from the current policy (`source.py`: with dynamic sampling, scored as they come).
+        rollout = await body.source.step(step, body.state)
         # 2-6. Score, advantages, update, record, checkpoint.
         await body.run(step, rollout, since=start, schedule=_PHASES)
     await body.finish()

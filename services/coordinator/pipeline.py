@@ -52,8 +52,9 @@ from rolefleet.coordinator.calls import Roles
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.logger import RunLogger
-from rolefleet.coordinator.rollout import Rollout, first_group_id, sampling_for, score_items, spent, to_batch
+from rolefleet.coordinator.rollout import Rollout, score_items, spent, to_batch
 from rolefleet.coordinator.saved_state import CoordinatorState
+from rolefleet.coordinator.source import trains_at
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 from rolefleet.critic.types import CriticValues
@@ -191,29 +192,26 @@ class Pipeline(Schedule):
     # --- stage work --------------------------------------------------------------------------------
 
     async def _rollout(self, index: int) -> Rollout:
-        """Generate batch `index`, sending each chunk of samples to the reward as it arrives (the
-        reward scores while the actor still generates); a transient failure restarts the batch
-        (generation is seeded: the same samples)."""
-        records = self.dataset.batch(index, self.cfg.train.prompts_per_step)
-        sampling = sampling_for(self.cfg, index)
-        chunk = min(self.cfg.actor.rollout.batch_size, len(records) * sampling.n)
-        attempt, episodes = 0, self.body.episodes
-        env_start = episodes.env_s if episodes else 0.0
+        """Batch `index` from the rollout source, each chunk of finished samples sent to the reward
+        (and the critic) as it ends, while the actor generates on; a transient failure restarts the
+        batch (generation is seeded, and the source changes nothing on a failed attempt: the same
+        samples)."""
+        chunk = min(self.cfg.actor.rollout.batch_size, self.cfg.train.prompts_per_step * self.cfg.train.samples_per_prompt)
+        attempt = 0
         while True:
-            start, samples, pending, scoring = time.perf_counter(), [], [], []
-            # Multi-turn: finished conversations stream while longer ones go on.
-            stream = (episodes.stream(records, sampling, first_group_id(self.cfg, index)) if episodes else
-                      self.roles.actor.generate_stream([r.prompt for r in records], sampling,
-                                                       first_group_id(self.cfg, index)))
+            pending: list[Sample] = []
+            scoring: list[asyncio.Future] = []
+
+            def ended(records: list[PromptRecord], samples: list[Sample]) -> None:
+                pending.extend(samples)
+                if len(pending) >= chunk:
+                    scoring.append(self._score_soon(records, list(pending)))
+                    pending.clear()
+
             try:
-                async for part in stream:
-                    pending += part
-                    if len(pending) >= chunk:
-                        scoring.append(self._score_soon(records, pending))
-                        samples, pending = samples + pending, []
+                rollout = await self.body.source.batch(index, index - self.state.extra_batches, self.state, ended)
                 if pending:
-                    scoring.append(self._score_soon(records, pending))
-                    samples += pending
+                    scoring.append(self._score_soon(rollout.records, list(pending)))
                 break
             except Unavailable as exc:
                 for task in scoring:
@@ -221,10 +219,9 @@ class Pipeline(Schedule):
                 await asyncio.gather(*scoring, return_exceptions=True)  # their ends taken: no "never retrieved"
                 await self.body.retries.again("actor", attempt, exc)
                 attempt += 1
-        seconds = spent("generate", start)
-        self.busy["generate"] += seconds
-        env_s = episodes.env_s - env_start if episodes else 0.0
-        return Rollout(index, records, samples, to_batch(samples), seconds, scoring=scoring, env_s=env_s)
+        rollout.scoring = scoring
+        self.busy["generate"] += rollout.generate_s
+        return rollout
 
     def _score_soon(self, records: list[PromptRecord], samples: list[Sample]) -> asyncio.Future:
         """Reward scores (and critic values) of a streamed chunk, started now."""
@@ -260,7 +257,8 @@ class Pipeline(Schedule):
                         "(pipeline.max_staleness=%d); %s", rollout.index, stale, rollout.oldest_version,
                         self.version - rollout.oldest_version, self.version, self.p.max_staleness,
                         "dropping it" if self.p.on_stale == "drop" else "generating it again")
-            if self.p.on_stale == "drop":
+            # A batch with carried episodes cannot be generated again (they moved on): dropped.
+            if self.p.on_stale == "drop" or self.body.source.carrying:
                 counts.dropped_batches += 1
                 await self._notify()  # its replacement may be generated
                 return None
@@ -283,7 +281,7 @@ class Pipeline(Schedule):
         step = index - self.state.extra_batches
         if step > self.cfg.train.total_steps:
             return "no batch left"
-        if step - 1 - self.version > self.p.max_staleness:
+        if trains_at(self.cfg, step) - self.version > self.p.max_staleness:
             return "staleness bound"
         return "backpressure" if self._backed_up() else None
 

@@ -6,7 +6,9 @@ step (`partial.py`) without their tensors. Those (each unfinished response's pro
 ids, rollout logprobs and the policy version of each token) go to `carried.safetensors` beside it,
 as tensors: at 4k-token responses, JSON lists of floats were megabytes of text a step.
 
-Versions: 2 is this layout. 1 (every earlier release: carried tensors as JSON lists, and before that
+Versions: 3 is this layout: a carried response is an episode (`episodes.py`), with its loss mask,
+turns, conversation and whether it has ended. 2 (the same without those: single-turn responses) and 1
+(every earlier release: carried tensors as JSON lists, and before that
 the sync loop's {step, kl_coef, data} and the async pipeline's with counts) is read as it was
 written. Anything else is refused with a message naming the file and the version, never misread.
 """
@@ -25,9 +27,10 @@ from pydantic.dataclasses import dataclass
 
 STATE_FILE = "coordinator.json"
 TENSORS_FILE = "carried.safetensors"
-STATE_VERSION = 2
-READS = (1, 2)
+STATE_VERSION = 3
+READS = (1, 2, 3)
 _TENSORS = {"prompt_ids": torch.int64, "response_ids": torch.int64, "logprobs": torch.float32, "versions": torch.int64}
+_OPTIONAL = {"own": torch.bool}  # version 3: an episode's loss mask, where it has observations
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
@@ -55,7 +58,20 @@ class CarriedResponse:
     response_ids: torch.Tensor  # int64 [R]
     logprobs: torch.Tensor  # float32 [R]: the rollout's, of each token
     versions: torch.Tensor  # int64 [R]: the policy version that made each token
-    full: bool = False  # the model's positions are full: the actor answered no tokens
+    full: bool = False  # the model's positions are full: the actor answered no tokens (versions 1-2)
+    # Version 3: the episode's own record of where it is (before, derived from the finish reason).
+    done: bool | None = None  # it has ended (its group waits for the others)
+    own: torch.Tensor | None = None  # bool [R]: the model's tokens (None: all of them, a single turn)
+    turn_from: NonNegativeInt = 0  # where its last turn began in the response
+    turns: NonNegativeInt = 1
+    messages: list[dict[str, str]] = field(default_factory=list)  # multi-turn: the conversation as text
+    pending: list[dict[str, str]] = field(default_factory=list)  # the observation its next turn follows
+    answered: bool = False
+    tool_calls: NonNegativeInt = 0
+    tool_errors: NonNegativeInt = 0
+    tool_timeouts: NonNegativeInt = 0
+    env_error: str = ""
+    env_reward: float | None = None
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
@@ -98,7 +114,8 @@ def write_state(directory: Path, state: CoordinatorState, write_bytes) -> None:
 
     # Each its own copy: a group's responses share their prompt's ids, which safetensors refuses.
     tensors = {f"{g}.{r}.{name}": getattr(resp, name).clone()
-               for g, group in enumerate(state.carried) for r, resp in enumerate(group.responses) for name in _TENSORS}
+               for g, group in enumerate(state.carried) for r, resp in enumerate(group.responses)
+               for name in [*_TENSORS, *_OPTIONAL] if getattr(resp, name) is not None}
     doc: dict[str, Any] = {"version": STATE_VERSION, "step": state.step, "kl_coef": state.kl_coef,
                            "counts": asdict(state.counts)}
     if state.data is not None:
@@ -106,7 +123,8 @@ def write_state(directory: Path, state: CoordinatorState, write_bytes) -> None:
     if state.carried:
         write_bytes(directory / TENSORS_FILE, save(tensors))
         doc["carried"] = [{**{k: getattr(g, k) for k in _fields(CarriedGroup) if k != "responses"},
-                           "responses": [{k: getattr(r, k) for k in _fields(CarriedResponse) if k not in _TENSORS}
+                           "responses": [{k: getattr(r, k) for k in _fields(CarriedResponse)
+                                          if k not in _TENSORS and k not in _OPTIONAL}
                                          for r in g.responses]} for g in state.carried]
     write_bytes(directory / STATE_FILE, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
 
@@ -158,6 +176,7 @@ def _group(g: dict[str, Any], index: int, tensors: dict[str, torch.Tensor] | Non
     for r, resp in enumerate(g["responses"]):
         arrays = {name: (tensors[f"{index}.{r}.{name}"] if tensors else torch.tensor(resp[name], dtype=dtype))
                   for name, dtype in _TENSORS.items()}
+        arrays.update({name: tensors[key] for name in _OPTIONAL if tensors and (key := f"{index}.{r}.{name}") in tensors})
         responses.append(CarriedResponse(**{k: v for k, v in resp.items() if k not in _TENSORS}, **arrays))
     return CarriedGroup(**{**g, "responses": responses})
 

@@ -40,11 +40,12 @@ from rolefleet.coordinator.calls import Retries, Roles
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.checks import require_finite
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.episodes import Episodes, episode_metrics, with_env_rewards
+from rolefleet.coordinator.episodes import episode_metrics, with_env_rewards
 from rolefleet.coordinator.evaluation import Evaluator
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, score_items
 from rolefleet.coordinator.saved_state import CoordinatorState
+from rolefleet.coordinator.source import RolloutSource, trains_at
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step_metrics import step_record
 from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets, truncated
@@ -96,21 +97,20 @@ class StepBody:
         self.roles = self.retries.wrap(roles)
         self.kl_controller = KL_CONTROLLERS.get(cfg.train.kl_controller)
         self._reward_replicas: dict[str, str] = {}  # label -> reward version, as last said
-        # Multi-turn rollouts: conversations with the reward role's environment, in both modes.
-        self.episodes = Episodes(cfg, self.roles.actor, self.roles.reward) if cfg.actor.rollout.max_turns > 1 \
-            else None
+        # What every step trains on, in both modes (`source.py`); the actor holds the policy the
+        # last step trained (its version a step behind the run's next step).
+        self.source = RolloutSource(cfg, self.roles.actor, self.roles.reward, self.dataset,
+                                    lambda: trains_at(cfg, self.state.step + 1))
 
     def eval_generate(self):
-        """What evaluation generates with: the actor's Generate, or (multi-turn) whole conversations
-        of the held-out records (the evaluator's prompts are its records' prompts, in order)."""
-        if self.episodes is None or self.evaluator is None:
-            return self.roles.actor.generate
-        records = self.evaluator.records
+        """What evaluation generates with: whole episodes of the held-out records through the
+        source's episode stage (the evaluator's prompts are its records' prompts, in order)."""
+        records = self.evaluator.records if self.evaluator is not None else []
 
-        async def conversations(prompts, sampling, first_group_id=0):
-            return await self.episodes.generate(records, sampling, first_group_id)
+        async def episodes(prompts, sampling, first_group_id=0):
+            return await self.source.stage.generate(records, sampling, first_group_id)
 
-        return conversations
+        return episodes
 
     async def evaluate_start(self) -> None:
         """0. The starting policy on the held-out prompts, as the record of step 0 (not resumed)."""
@@ -136,7 +136,7 @@ class StepBody:
         # 3. Advantages and returns; the KL controller sees this step's KL.
         with self.clock.span("train computes targets"):
             require_finite(samples, reward.total, values, logprobs, self.cfg.reward.function)
-            scores, trained, shaping = shaped_scores(t, self.cfg.sampling.max_new_tokens, batch, reward.total,
+            scores, trained, shaping = shaped_scores(t, self.cfg.episode_cap, batch, reward.total,
                                                      truncated(samples))
             targets = step_targets(self.cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
                                    logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t)
@@ -167,7 +167,7 @@ class StepBody:
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
                              seconds)
         record["kl_coef"] = kl_coef
-        if self.episodes is not None:
+        if self.source.stage.multi_turn:
             record.update(episode_metrics(samples))
             record["timing/env_s"] = rollout.env_s
         record.update(shaping, **rollout.stats)
@@ -265,6 +265,7 @@ class StepBody:
         s = self.state
         self.dataset.position = s.batches_used * self.cfg.train.prompts_per_step
         s.data = self.dataset.state_dict()
+        s.carried = self.source.saved(s.batches_used)
         return s
 
     async def finish(self) -> None:

@@ -215,5 +215,10 @@ def test_multi_turn_keys_are_checked_together(make_config):
         make_config("reward.env.name=tools", "reward.env.options={tools: [browser]}")
     with _pytest.raises(ConfigError, match="data.tools"):
         make_config("data.tools=[calculator]", "data.chat_template=false")
-    with _pytest.raises(ConfigError, match="train.overlong.mode=penalty measures single responses"):
-        make_config("actor.rollout.max_turns=2", "reward.env.name=tools", "train.overlong.mode=penalty")
+    # Overlong shaping of a conversation measures it against the conversation's cap.
+    cfg = make_config("actor.rollout.max_turns=2", "reward.env.name=tools", "train.overlong.mode=penalty",
+                      "sampling.max_new_tokens=10", "actor.rollout.max_total_tokens=40")
+    assert cfg.episode_cap == 40 and cfg.train.overlong.buffer_tokens == 10
+    with _pytest.raises(ConfigError, match="episode's cap of 40 tokens"):
+        make_config("actor.rollout.max_turns=2", "reward.env.name=tools", "train.overlong.mode=penalty",
+                    "sampling.max_new_tokens=10", "actor.rollout.max_total_tokens=40", "train.overlong.buffer_tokens=41")

@@ -17,7 +17,7 @@ from rolefleet.actor.rollout import derived_seed
 from rolefleet.actor.turns import TurnRenderer
 from rolefleet.actor.types import Continuation, FinishReason, Sample, SamplingParams
 from rolefleet.common.config import parse_config
-from rolefleet.coordinator.episodes import Episodes, episode_metrics, with_env_rewards
+from rolefleet.coordinator.episodes import EpisodeStage, episode_metrics, with_env_rewards
 from rolefleet.coordinator.rollout import to_batch
 from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreResult
 from rolefleet.tasks import PromptRecord
@@ -65,7 +65,7 @@ def sampled_stop(actor, at: int) -> int:
     pytest.fail(f"the model repeats itself: {tokens}")
 
 
-def run(episodes: Episodes, records, sampling):
+def run(episodes: EpisodeStage, records, sampling):
     return asyncio.run(episodes.generate(records, sampling, 0))
 
 
@@ -73,7 +73,7 @@ def test_a_scripted_two_turn_episode_is_the_turns_and_the_observation_exactly(ac
     stop = sampled_stop(actor, at=3)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(stop,), seed=SEED)
     env = ScriptedEnv(EnvOutcome(OBSERVATION, done=False, tool_calls=1), EnvOutcome([], done=True, reward=0.5))
-    episodes = Episodes(config(chat_model_dir), InProcessActorClient(actor), env)
+    episodes = EpisodeStage(config(chat_model_dir), InProcessActorClient(actor), env)
     (sample,) = run(episodes, [PromptRecord(PROMPT, "42")], sampling)
 
     # What the turns are when asked for one at a time (each turn seeded as the episode seeds it),
@@ -134,7 +134,7 @@ class ScriptedActor:
 
 
 def scripted(cfg, env):
-    return Episodes(cfg, ScriptedActor(), env)
+    return EpisodeStage(cfg, ScriptedActor(), env)
 
 
 def test_a_conversation_that_never_ends_stops_at_max_turns(chat_model_dir):
@@ -201,7 +201,7 @@ def test_an_observation_too_long_for_the_actor_ends_only_its_conversation(actor,
             return [EnvOutcome(o, done=False) for o in (OBSERVATION, too_many_tokens, too_many_bytes)]
 
     cfg = config(chat_model_dir, "actor.max_prompt_bytes=4096", f"actor.rollout.max_total_tokens={4 * actor.max_positions}")
-    episodes = Episodes(cfg, InProcessActorClient(actor), Oversized())
+    episodes = EpisodeStage(cfg, InProcessActorClient(actor), Oversized())
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=tuple(range(actor.vocab_size)), seed=SEED)
     samples = run(episodes, [PromptRecord(PROMPT, "42")] * 3, sampling)
     ok, tokens, size = samples

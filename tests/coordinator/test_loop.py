@@ -253,7 +253,6 @@ def test_critic_warmup_updates_only_the_critic_first(make_config):
 
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm=grpo", "train.samples_per_prompt=2"], "has no critic"),
-    (["pipeline.mode=async"], "needs pipeline.mode sync"),
     (["train.total_steps=2"], "leaves no actor step"),
 ])
 def test_critic_warmup_config_errors(make_config, overrides, message):

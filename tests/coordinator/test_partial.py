@@ -1,4 +1,4 @@
-"""Partial rollouts (`pipeline.partial_rollouts`, `coordinator/partial.py`), against a scripted actor
+"""Partial rollouts (`pipeline.partial_rollouts`, the rollout source's carried episodes, `coordinator/source.py`), against a scripted actor
 whose responses have known lengths: a step generates each response up to the token budget, those
 cut there are carried and generated on by the next step's policy, their tokens keep the versions
 and logprobs that made them, a group trains once and only whole, and a response carried
@@ -18,8 +18,7 @@ from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.partial import PartialRollouts
-from rolefleet.coordinator.sampling import sampler
+from rolefleet.coordinator.source import RolloutSource
 from rolefleet.coordinator.saved_state import CoordinatorState, read_state, write_state
 from rolefleet.reward.types import ScoreResult
 
@@ -79,7 +78,11 @@ def setup(lengths, *overrides, reward=None):
                         "pipeline": {"max_staleness": 2, "partial_rollouts": {"enabled": True, "token_budget": 4}}},
                        list(overrides))
     actor = ScriptedActor(lengths)
-    return cfg, actor, sampler(cfg, actor, reward, PromptDataset.for_run(cfg))
+    return cfg, actor, sampler(cfg, actor, reward)
+
+
+def sampler(cfg, actor, reward=None) -> RolloutSource:
+    return RolloutSource(cfg, actor, reward, PromptDataset.for_run(cfg), lambda: actor.version)
 
 
 def through_a_checkpoint(state: CoordinatorState) -> CoordinatorState:
@@ -90,20 +93,21 @@ def through_a_checkpoint(state: CoordinatorState) -> CoordinatorState:
         return read_state(Path(directory))
 
 
-def steps(rollouts: PartialRollouts, actor: ScriptedActor, n: int, state: CoordinatorState | None = None):
-    """n steps, the policy moving on by one version after each (as the actor's update does)."""
+def steps(rollouts: RolloutSource, actor: ScriptedActor, n: int, state: CoordinatorState | None = None):
+    """n steps, the policy moving on by one version after each (as the actor's update does); the
+    state as a checkpoint after the last holds it."""
     state = state or CoordinatorState(step=0, kl_coef=0.0)
     out = []
     for step in range(state.step + 1, state.step + n + 1):
-        out.append(asyncio.run(rollouts.rollout(step, state)))
+        out.append(asyncio.run(rollouts.step(step, state)))
         state.step, actor.version = step, actor.version + 1
+    state.carried = rollouts.saved(state.batches_used)
     return out, state
 
 
 def test_long_responses_are_carried_and_finish_with_the_next_policy():
     # Group 1 (the second prompt) has one 10-token response; every other response is 3 tokens.
     cfg, actor, rollouts = setup(lambda g, k: 10 if (g, k) == (1, 1) else 3)
-    assert isinstance(rollouts, PartialRollouts)
     (first, second, third), _ = steps(rollouts, actor, 3)
     # Step 1 trains the two short groups; group 1 waits whole for its long response.
     assert sorted({s.group_id for s in first.samples}) == [0, 2] and len(first.samples) == 4
@@ -166,7 +170,7 @@ def test_the_carried_responses_resume_from_a_checkpoint():
     saved = through_a_checkpoint(state)
     assert len(saved.carried) == 1
     # A new coordinator (a resumed run) goes on from the saved responses.
-    resumed = sampler(cfg, actor, None, PromptDataset.for_run(cfg))
+    resumed = sampler(cfg, actor)
     (second, third), _ = steps(resumed, actor, 2, saved)
     (long,) = [s for s in third.samples if (s.group_id, s.sample_index) == (1, 1)]
     assert long.token_versions.tolist() == [0] * 4 + [1] * 4 + [2] * 2 and long.sample_id == (1 << 20) + 1
@@ -208,8 +212,6 @@ def test_carried_responses_are_not_resumed_into_settings_that_would_misread_them
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["pipeline.mode=async"], "pipeline.mode async"),
-    (["pipeline.max_staleness=0"], "max_staleness=0"),
     (["pipeline.partial_rollouts.token_budget=16"], "cuts nothing"),
 ])
 def test_settings_that_cannot_work_are_refused(overrides, message):
@@ -250,7 +252,7 @@ def test_with_dynamic_sampling_groups_are_scored_as_they_finish_and_dropped_ones
     # Stopped after step 1 and resumed: the same step 2.
     cfg, actor, rollouts = setup(lengths, "train.dynamic_sampling.enabled=true", reward=GroupReward(varied))
     _, saved = steps(rollouts, actor, 1)
-    resumed = sampler(cfg, actor, GroupReward(varied), PromptDataset.for_run(cfg))
+    resumed = sampler(cfg, actor, GroupReward(varied))
     (again,), _ = steps(resumed, actor, 1, through_a_checkpoint(saved))
     assert [(s.sample_id, s.response_ids.tolist()) for s in again.samples] == \
         [(s.sample_id, s.response_ids.tolist()) for s in second.samples]

@@ -1,4 +1,4 @@
-"""Sync mode's step 1 with `train.dynamic_sampling`: groups whose samples all score the same never
+"""Sync mode's step 1 (the rollout source, `coordinator/source.py`) with `train.dynamic_sampling`: groups whose samples all score the same never
 reach the update, the batch is refilled from the next prompts of the data, the data position moves
 past every batch drawn, and the drops are counted."""
 
@@ -12,7 +12,7 @@ from rolefleet.actor.types import FinishReason, Sample, with_ids
 from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.sampling import DynamicSampling, OneBatch, sampler
+from rolefleet.coordinator.source import RolloutSource
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.reward.types import ScoreResult
 
@@ -23,7 +23,7 @@ class ScriptedActor:
     def __init__(self):
         self.calls: list[list[str]] = []
 
-    async def generate(self, prompts, sampling, first_group_id=0):
+    async def generate(self, prompts, sampling, first_group_id=0, continuations=None):
         self.calls.append(list(prompts))
         samples = [Sample(i, k, torch.tensor([1, 2]), torch.tensor([3 + k, 4]), torch.zeros(2), FinishReason.STOP, 0,
                           f"{p}|{k}") for i, p in enumerate(prompts) for k in range(sampling.n)]
@@ -52,10 +52,14 @@ def setup(*overrides, varied="13579"):
     return cfg, dataset, ScriptedActor(), ScriptedReward(varied)
 
 
+def sampler(cfg, actor, reward, dataset) -> RolloutSource:
+    return RolloutSource(cfg, actor, reward, dataset, lambda: 0)
+
+
 def test_all_equal_groups_are_dropped_and_the_batch_refilled():
     cfg, dataset, actor, reward = setup()
     state = CoordinatorState(step=0, kl_coef=0.0)
-    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).rollout(1, state))
+    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).step(1, state))
     groups = torch.tensor([s.group_id for s in rollout.samples])
     assert informative_groups(rollout.reward.total, groups).all()  # no all-equal group reaches the update
     assert len(rollout.records) == 6 and len(rollout.samples) == 24
@@ -73,13 +77,13 @@ def test_all_equal_groups_are_dropped_and_the_batch_refilled():
     assert actor.calls == [[r.prompt for r in dataset.batch(i, 6)] for i in range(1, batches + 1)]
     state.step = 1  # the step body's, once the step's updates are applied
     assert state.batches_used == batches
-    asyncio.run(sampler(cfg, actor, reward, dataset).rollout(2, state))
+    asyncio.run(sampler(cfg, actor, reward, dataset).step(2, state))
     assert actor.calls[batches] == [r.prompt for r in dataset.batch(batches + 1, 6)]
 
 
 def test_past_its_bound_a_step_trains_on_what_it_kept():
     cfg, dataset, actor, reward = setup("train.dynamic_sampling.max_batches=1")
-    rollout = asyncio.run(DynamicSampling(cfg, actor, reward, dataset).rollout(1, CoordinatorState(0, 0.0)))
+    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).step(1, CoordinatorState(0, 0.0)))
     kept = sum(r.prompt[0] in "13579" for r in dataset.batch(1, 6))
     assert 0 < kept < 6 and len(rollout.records) == kept and rollout.stats["dynamic/kept_groups"] == kept
 
@@ -87,7 +91,7 @@ def test_past_its_bound_a_step_trains_on_what_it_kept():
 def test_with_no_signal_anywhere_the_last_batch_is_trained_whole():
     cfg, dataset, actor, reward = setup("train.dynamic_sampling.max_batches=2", varied="")
     state = CoordinatorState(0, 0.0)
-    rollout = asyncio.run(DynamicSampling(cfg, actor, reward, dataset).rollout(1, state))
+    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).step(1, state))
     assert [r.prompt for r in rollout.records] == [r.prompt for r in dataset.batch(2, 6)]
     assert rollout.stats["dynamic/kept_groups"] == 0 and state.counts.dropped_groups == 12
 
@@ -97,7 +101,7 @@ def test_the_overlong_penalty_is_what_the_filter_sees():
     cfg, dataset, actor, reward = setup("train.overlong.mode=penalty", "sampling.max_new_tokens=2",
                                         "train.overlong.buffer_tokens=1", varied="")
     actor.generate = lambda prompts, sampling, first_group_id=0: _ragged(prompts, sampling, first_group_id)
-    rollout = asyncio.run(DynamicSampling(cfg, actor, reward, dataset).rollout(1, CoordinatorState(0, 0.0)))
+    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).step(1, CoordinatorState(0, 0.0)))
     assert rollout.stats["dynamic/kept_groups"] == 6
 
 
@@ -110,8 +114,8 @@ async def _ragged(prompts, sampling, first_group_id):
 
 def test_without_dynamic_sampling_a_step_is_one_batch():
     cfg, dataset, actor, reward = setup("train.dynamic_sampling.enabled=false")
-    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).rollout(3, CoordinatorState(2, 0.0)))
-    assert type(sampler(cfg, actor, reward, dataset)) is OneBatch and rollout.reward is None
+    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).step(3, CoordinatorState(2, 0.0)))
+    assert rollout.reward is None
     assert actor.calls == [[r.prompt for r in dataset.batch(3, 6)]] and reward.calls == 0
 
 
@@ -129,17 +133,19 @@ def test_settings_that_cannot_work_are_refused(overrides, message):
 def test_an_environments_rewards_count_in_what_the_filter_sees():
     """Multi-turn: the reward role scores every sample alike, the environment rewarded them
     differently; the groups keep their signal (the step's advantages see both)."""
-    from rolefleet.actor.types import EpisodeStats
+    from rolefleet.reward.types import EnvOutcome
 
-    cfg, dataset, actor, reward = setup("train.dynamic_sampling.max_batches=1", varied="")
-    generate = actor.generate
+    class EnvReward(ScriptedReward):
+        """Ends every conversation at its first turn, rewarding sample k with k % 2."""
 
-    async def with_episodes(prompts, sampling, first_group_id=0):
-        samples = await generate(prompts, sampling, first_group_id)
-        return [dataclasses.replace(s, episode=EpisodeStats(turns=2, env_reward=float(s.sample_index % 2)))
-                for s in samples]
+        async def step(self, items):
+            return [EnvOutcome([], done=True, reward=float(int(i.messages[-1]["content"].rpartition("|")[2]) % 2))
+                    for i in items]
 
-    actor.generate = with_episodes
-    rollout = asyncio.run(DynamicSampling(cfg, actor, reward, dataset).rollout(1, CoordinatorState(0, 0.0)))
+    cfg, dataset, actor, _ = setup("train.dynamic_sampling.max_batches=1", "actor.rollout.max_turns=2",
+                                   "reward.env.name=tools", varied="")
+    reward = EnvReward("")
+    rollout = asyncio.run(sampler(cfg, actor, reward, dataset).step(1, CoordinatorState(0, 0.0)))
     assert rollout.stats["dynamic/kept_groups"] == 6
+    assert [s.episode.env_reward for s in rollout.samples[:4]] == [0.0, 1.0, 0.0, 1.0]
     assert "env" not in rollout.reward.sources  # the step body adds the environment's rewards, once

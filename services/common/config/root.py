@@ -68,9 +68,6 @@ class RoleFleetConfig(_Section):
         warmup = self.train.critic_warmup_steps
         if warmup and not preset.uses_critic:
             raise ValueError(f"train.critic_warmup_steps: algorithm {self.algorithm} has no critic")
-        if warmup and self.pipeline.mode == "async":
-            raise ValueError("train.critic_warmup_steps needs pipeline.mode sync (async generation waits for "
-                             "actor updates the warm-up withholds)")
         if warmup >= self.train.total_steps:
             raise ValueError(f"train.critic_warmup_steps={warmup} leaves no actor step of train.total_steps="
                              f"{self.train.total_steps}")
@@ -91,17 +88,13 @@ class RoleFleetConfig(_Section):
                              "reward.env.name (tools, feedback) or reward.env.path")
         if rollout.max_total_tokens is None:
             rollout.max_total_tokens = rollout.max_turns * self.sampling.max_new_tokens
-        if rollout.max_turns > 1 and self.train.overlong.mode != "none":
-            # Its cap is one response's (sampling.max_new_tokens); a conversation's length is another measure.
-            raise ValueError(f"train.overlong.mode={self.train.overlong.mode} measures single responses against "
-                             "sampling.max_new_tokens; with actor.rollout.max_turns > 1 set it to none")
-        overlong = self.train.overlong
+        overlong, cap = self.train.overlong, self.episode_cap
         if overlong.buffer_tokens is None:
-            overlong.buffer_tokens = max(1, self.sampling.max_new_tokens // 4)
-        if overlong.mode == "penalty" and overlong.buffer_tokens > self.sampling.max_new_tokens:
-            raise ValueError(f"train.overlong.buffer_tokens={overlong.buffer_tokens} is more than "
-                             f"sampling.max_new_tokens={self.sampling.max_new_tokens}: the penalty's buffer lies "
-                             "before the cap")
+            overlong.buffer_tokens = max(1, cap // 4)
+        if overlong.mode == "penalty" and overlong.buffer_tokens > cap:
+            raise ValueError(f"train.overlong.buffer_tokens={overlong.buffer_tokens} is more than the episode's "
+                             f"cap of {cap} tokens (sampling.max_new_tokens, or actor.rollout.max_total_tokens "
+                             "with max_turns > 1): the penalty's buffer lies before the cap")
         if self.train.dynamic_sampling.enabled:
             if self.train.samples_per_prompt < 2:
                 raise ValueError("train.dynamic_sampling compares the samples of a prompt: set "
@@ -110,13 +103,6 @@ class RoleFleetConfig(_Section):
         if partial.token_budget is None:
             partial.token_budget = max(1, self.sampling.max_new_tokens // 4)
         if partial.enabled:
-            for refused, why in ((self.pipeline.mode == "async", "pipeline.mode async (sync mode only)"),
-                                 (self.pipeline.max_staleness == 0, "pipeline.max_staleness=0 (no response could "
-                                  "be carried into a later step)"),
-                                 (rollout.max_turns > 1, "actor.rollout.max_turns > 1 (a conversation is "
-                                  "carried whole, not cut)")):
-                if refused:
-                    raise ValueError(f"pipeline.partial_rollouts does not combine with {why}")
             if partial.token_budget >= self.sampling.max_new_tokens:
                 raise ValueError(f"pipeline.partial_rollouts.token_budget={partial.token_budget} cuts nothing below "
                                  f"sampling.max_new_tokens={self.sampling.max_new_tokens}")
@@ -150,6 +136,14 @@ class RoleFleetConfig(_Section):
     @property
     def preset(self):
         return ALGORITHMS[self.algorithm]
+
+    @property
+    def episode_cap(self) -> int:
+        """The most tokens an episode has after its prompt: one turn's (`sampling.max_new_tokens`),
+        or a multi-turn conversation's (`actor.rollout.max_total_tokens`). Overlong shaping measures
+        an episode against it (docs/algorithms.md)."""
+        rollout = self.actor.rollout
+        return rollout.max_total_tokens if rollout.max_turns > 1 else self.sampling.max_new_tokens
 
     @property
     def one_pass_update(self) -> bool:
