@@ -21,6 +21,9 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rolefleet.common.model_paths import share_read_access
 from rolefleet.trainer.checkpoint import MANIFEST, begin, commit, latest_checkpoint
@@ -90,9 +93,6 @@ def _write_atomically(out: Path, write) -> None:
 
 def _merged_model(actor: Path, config, dtype: torch.dtype, base: str | None, adapter_out: Path | None):
     """The base model with the checkpoint's adapters merged into its weights, in `dtype`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         lora = LoraConfig.from_pretrained(str(actor / "hf"))
     except (OSError, ValueError, TypeError) as exc:
@@ -168,8 +168,6 @@ def check_out(out: Path) -> None:
 
 def _read_hf(hf: Path):
     """The model config and the tokenizer saved in `hf`."""
-    from transformers import AutoConfig, AutoTokenizer
-
     try:
         return AutoConfig.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
     except (OSError, ValueError) as exc:
@@ -179,8 +177,6 @@ def _read_hf(hf: Path):
 def _empty_model(config, dtype: torch.dtype) -> torch.nn.Module:
     """The architecture of `config` in `dtype` on the CPU, its memory allocated once and not
     initialized (every tensor that export writes is then read from the checkpoint)."""
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -198,8 +194,6 @@ def _load_weights(model: torch.nn.Module, weights: Path, names: set[str] | None 
     """The checkpoint's "model" entries into `model`'s tensors, after checking that they are exactly
     the tensors it has (`names`: those of its tensors the checkpoint holds, a LoRA model's adapters;
     None: all). A missing or surplus key means the checkpoint and hf/ do not match."""
-    import torch.distributed.checkpoint as dcp
-
     reader = dcp.FileSystemReader(str(weights))
     stored = {key.removeprefix(_KEY_PREFIX): meta for key, meta in reader.read_metadata().state_dict_metadata.items()
               if key.startswith(_KEY_PREFIX)}

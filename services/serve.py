@@ -11,11 +11,15 @@ from collections.abc import Callable
 from typing import Optional
 
 import grpc
+from prometheus_client import start_http_server
 
+from rolefleet.actor.placement import rollout_ranks
 from rolefleet.common import progress
 from rolefleet.common.config import RoleFleetConfig, split_device
 from rolefleet.common.gpu_metrics import GpuSampler
+from rolefleet.coordinator.state import RunState
 from rolefleet.launch import in_torchrun, launch_node, rank_main
+from rolefleet.rpc.roles import use_security
 from rolefleet.rpc.security import Security, refuse_if_open
 from rolefleet.rpc.server import (
     StartupError,
@@ -25,8 +29,9 @@ from rolefleet.rpc.server import (
     start_server,
     write_ready_file,
 )
-from rolefleet.trainer.nodes import GROUP_ROLES, layout_for, node_problem
+from rolefleet.trainer.nodes import layout_for, node_problem
 from rolefleet.trainer.threads import set_threads
+from rolefleet.trainer.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +39,10 @@ AddServicers = Callable[[grpc.aio.Server], list[str]]
 
 
 def _actor(cfg: RoleFleetConfig, group=None):
+    # A role's core loads the model libraries (its server imports it): not for the coordinator's process,
+    # which imports this module (tests/coordinator/test_imports.py).
     from rolefleet.actor import server
-    from rolefleet.actor.core import ActorCore
-    from rolefleet.actor.placement import rollout_ranks
+    from rolefleet.actor.core import ActorCore  # as above
 
     core = ActorCore(cfg.actor, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound,
                      rollout_ranks=rollout_ranks(cfg), group=group)
@@ -45,16 +51,16 @@ def _actor(cfg: RoleFleetConfig, group=None):
 
 
 def _reward(cfg: RoleFleetConfig, group=None):
-    from rolefleet.reward import server
-    from rolefleet.reward.core import RewardCore
+    from rolefleet.reward import server  # role core: as in _actor
+    from rolefleet.reward.core import RewardCore  # role core: as in _actor
 
     core = RewardCore(cfg.reward)
     return core, functools.partial(server.add_to_server, core)
 
 
 def _critic(cfg: RoleFleetConfig, group=None):
-    from rolefleet.critic import server
-    from rolefleet.critic.core import CriticCore
+    from rolefleet.critic import server  # role core: as in _actor
+    from rolefleet.critic.core import CriticCore  # role core: as in _actor
 
     core = CriticCore(cfg.critic, seed=cfg.run.seed, max_staleness=cfg.pipeline.staleness_bound, group=group)
     core.checkpoint_root, core.snapshot_root = cfg.checkpoint.root(cfg.run), cfg.checkpoint.snapshot.root(cfg.run)
@@ -71,19 +77,12 @@ POD_NAME_ENV = "ROLEFLEET_POD_NAME"  # else the ordinal a StatefulSet's pod name
 def worker_factory(role: str):
     """What each other rank of `role`'s group builds: its worker (`trainer/workers.py`)."""
     if role == "actor":
-        from rolefleet.actor.worker import ActorWorker
+        from rolefleet.actor.worker import ActorWorker  # loads the model libraries: as in _actor
 
         return ActorWorker.from_config
-    from rolefleet.critic.worker import CriticWorker
+    from rolefleet.critic.worker import CriticWorker  # loads the model libraries: as in _actor
 
     return CriticWorker.from_config
-
-
-def worker_count(role: str, cfg: RoleFleetConfig) -> int:
-    """One worker per GPU of the role's device group, or `<role>.workers` (CPU groups), over all its nodes."""
-    if role not in GROUP_ROLES:
-        return 1
-    return getattr(cfg, role).workers or max(1, len(getattr(cfg.devices, role)))
 
 
 def node_rank_of(flag: Optional[int], env: dict[str, str]) -> int:
@@ -117,8 +116,6 @@ def serve_node(role: str, cfg: RoleFleetConfig, node: int, ready_file: Optional[
     """One node of a role whose worker group spans nodes: this node's agent (`launch.py`),
     whose rank 0 on node 0 serves the role. Another node's metrics port serves its node's GPUs
     (no gRPC: rank 0 serves that)."""
-    from prometheus_client import start_http_server
-
     layout = layout_for(role, cfg)
     if (problem := node_problem(node, layout, role)) is not None:
         raise StartupError(problem)
@@ -148,8 +145,6 @@ def bound_hosts(cfg: RoleFleetConfig, role: str) -> dict[str, str]:
 def run_security(cfg: RoleFleetConfig, role: str) -> Security:
     """What `role`'s server demands and its calls present (`client`: a process that only calls);
     its own channels use it from now on."""
-    from rolefleet.rpc.roles import use_security
-
     try:
         security = Security.of(cfg.security, role)
         if role != "client":
@@ -167,8 +162,8 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     security = run_security(cfg, role)
     check_ports_free(role, getattr(cfg, role))
     if role == "coordinator":
+        # The coordinator's server (its loop, HTTP control plane, trackers) only in its own process.
         from rolefleet.coordinator.server import run_coordinator
-        from rolefleet.coordinator.state import RunState
 
         status = await run_coordinator(cfg, ready_file, security=security)
         if status is not None:
@@ -181,8 +176,6 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     section = getattr(cfg, role)
     layout = layout_for(role, cfg)
     if group is None and layout.world > 1:
-        from rolefleet.trainer.workers import WorkerGroup
-
         progress.report(f"starting {layout.world} worker processes")
         group = WorkerGroup.start(role, layout.world, cfg.model_dump(mode="json"), worker_factory(role))
     models = role != "reward" or any(s.kind == "model" for s in cfg.reward.scoring_sources())

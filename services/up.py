@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Optional
 
+from rolefleet.app.placement import placed
+from rolefleet.app.snapshot_budget import fitting_snapshots
 from rolefleet.app.startup import StartupLimit, startup_limit
 from rolefleet.common import progress
 from rolefleet.common.config import ConfigError, RoleFleetConfig, dial_host, dump_config
@@ -34,6 +36,7 @@ from rolefleet.rpc.auth import write_run_token
 from rolefleet.rpc.roles import fetch_status
 from rolefleet.rpc.run_files import RUN_TOKEN_FILE
 from rolefleet.rpc.server import StartupError
+from rolefleet.serve import run_security
 from rolefleet.trainer.nodes import layout_for
 from rolefleet.trainer.workers import free_port
 
@@ -320,10 +323,6 @@ def with_run_token(cfg: RoleFleetConfig) -> tuple[RoleFleetConfig, Optional[Path
 
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
-    from rolefleet.app.placement import placed
-    from rolefleet.app.snapshot_budget import fitting_snapshots
-    from rolefleet.serve import run_security
-
     # `rolefleet up` has chosen the devices already; a caller of its own not.
     cfg, made_token = with_run_token(fitting_snapshots(placed(cfg)))
     try:

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.actor.rollout import RolloutEngine
 from rolefleet.actor.rollout_hf import HFRolloutEngine
+from rolefleet.actor.rollout_vllm import VllmRolloutEngine
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compute_dtype
 from rolefleet.trainer.workers import local_index
@@ -27,8 +28,6 @@ def make_engine(backend: str, cfg: ActorSection, policy: PreTrainedModel | None,
     log.info("rollout backend: %s", backend)
     if backend == "vllm":
         try:
-            from rolefleet.actor.rollout_vllm import VllmRolloutEngine
-
             gpus = None if gpu_ranks is None else [visible_gpus()[local_index(r)] for r in gpu_ranks]
             return VllmRolloutEngine(policy, tokenizer, cfg, cfg.model_name_or_path, stop_ids, seed, gpus)
         except Exception as exc:  # an installed vLLM that cannot start here (its torch pin, say)

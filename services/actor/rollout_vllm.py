@@ -62,14 +62,14 @@ class VllmRolloutEngine(RolloutEngine):
         not loaded and its generation defaults are off, so it knows no eos but these. `gpus`: run
         the engine in processes of its own on these GPUs (CUDA_VISIBLE_DEVICES entries), tensor
         parallel over them; None: in this process, on its GPU."""
-        from vllm import LLM
+        from vllm import LLM  # optional dependency: vllm (the vllm extra)
 
         v = cfg.rollout.vllm
         extra = {k: getattr(v, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
                  if getattr(v, k) is not None}
         self.remote = gpus is not None
         if self.remote:
-            from vllm.config import WeightTransferConfig
+            from vllm.config import WeightTransferConfig  # optional dependency: vllm
 
             extra.update(tensor_parallel_size=len(gpus), weight_transfer_config=WeightTransferConfig(backend="nccl"))
         self.max_model_len = v.max_model_len
@@ -163,8 +163,7 @@ class VllmRolloutEngine(RolloutEngine):
                  policy_version: int) -> Iterator[list[Sample]]:
         """n samples per prompt (vLLM's parallel sampling shares the prompt's KV blocks), prompt-major,
         `rollout.batch_size` sequences per engine call."""
-        from vllm import SamplingParams as VllmSampling
-        from vllm import TokensPrompt
+        import vllm  # optional dependency: vllm
 
         truncation_refused(sampling)
         longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
@@ -177,7 +176,7 @@ class VllmRolloutEngine(RolloutEngine):
         per_call = max(1, self.cfg.rollout.batch_size // sampling.n)
         for start in range(0, len(prompt_ids), per_call):
             chunk = range(start, min(start + per_call, len(prompt_ids)))
-            params = [VllmSampling(
+            params = [vllm.SamplingParams(
                 # temperature 0 is vLLM's greedy too. A stop id is kept as the output's last token
                 # (vLLM leaves only stop *strings* out), as the hf engine keeps it.
                 n=sampling.n, temperature=sampling.temperature, max_tokens=sampling.max_new_tokens,
@@ -185,7 +184,7 @@ class VllmRolloutEngine(RolloutEngine):
                 # vLLM seeds child i of a request with seed + i: prompts far apart keep streams apart.
                 seed=None if sampling.seed < 0 else derived_seed(sampling.seed, p * sampling.n),
             ) for p in chunk]
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[p].tolist()) for p in chunk],
+            outputs = self.llm.generate([vllm.TokensPrompt(prompt_token_ids=prompt_ids[p].tolist()) for p in chunk],
                                         params, use_tqdm=False)
             yield [self._sample(p, prompt_ids[p], completion, policy_version)
                    for p, out in zip(chunk, outputs) for completion in sorted(out.outputs, key=lambda c: c.index)]

@@ -33,6 +33,7 @@ class Sender:
     """The trainer's end: opens the communicator (blocking until every engine worker has joined)."""
 
     def __init__(self, address: str, port: int, world: int):
+        # optional dependency: vllm
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         self._transfer = NCCLWeightTransferEngine

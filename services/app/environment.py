@@ -4,8 +4,9 @@ can run here, the rollout engine `actor.rollout.backend: auto` would pick, and w
 versions differ from the tested GPU install's pins (constraints/gpu-h200.txt in a checkout).
 
 Each probe is guarded: a piece that is missing or broken is a value of the report (its error), never
-a failed command, since a broken install is what the report is for. Versions come from package
-metadata, without importing the package (transformers and vLLM take seconds to import)."""
+a failed command, since a broken install is what the report is for (torch aside: `rolefleet`'s
+config imports it, so a torch that cannot import stops every command before this one). Versions come
+from package metadata, without importing the package (transformers and vLLM take seconds to import)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+import rolefleet
+from rolefleet.actor import rollout
+from rolefleet.app import preflight
 
 # A probe answers its key's value, or several rows (`cuda available` and one per visible GPU).
 Probe = Callable[[], "str | dict[str, str]"]
@@ -43,8 +54,6 @@ def installed(name: str) -> str | None:
 def declared(dist: str, extra: str = "") -> list:
     """The requirements `dist`'s metadata declares on this platform: its own, or with `extra` that
     extra's alone."""
-    from packaging.requirements import Requirement
-
     reqs = [Requirement(line) for line in importlib.metadata.requires(dist) or []]
     if not extra:
         return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
@@ -52,8 +61,6 @@ def declared(dist: str, extra: str = "") -> list:
 
 
 def rolefleet_install() -> str:
-    import rolefleet
-
     return f"{rolefleet.__version__} ({Path(rolefleet.__file__).parent})"
 
 
@@ -66,22 +73,16 @@ def os_platform() -> str:
 
 
 def torch_version() -> str:
-    import torch
-
     return torch.__version__
 
 
 def torch_cuda_build() -> str:
-    import torch
-
     if torch.version.cuda:
         return torch.version.cuda
     return f"none (a ROCm build: HIP {torch.version.hip})" if torch.version.hip else "none (a CPU build)"
 
 
 def cudnn() -> str:
-    import torch
-
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if version is None:
         return "not in this torch build"
@@ -97,8 +98,6 @@ def visible_devices() -> str:
 
 def cuda_devices() -> dict[str, str]:
     """`cuda available`, and a row per GPU this process sees: its name, memory and compute capability."""
-    import torch
-
     if not torch.version.cuda:
         return {"cuda available": "no (torch is not a CUDA build)"}
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -114,7 +113,7 @@ def cuda_devices() -> dict[str, str]:
 def nvidia_driver() -> str:
     """The driver through NVML (nvidia-ml-py): absent or failing is a machine without the driver."""
     try:
-        import pynvml
+        import pynvml  # per probe: a package absent or broken is this row's value, not a failed report
 
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, ...
@@ -130,21 +129,14 @@ def nvidia_driver() -> str:
 
 
 def nccl() -> str:
-    import torch
-    import torch.distributed as dist
-
-    from rolefleet.app.preflight import gpu_count
-
     if not (dist.is_available() and dist.is_nccl_available()):
         return "not in this torch build"
     version = ".".join(str(part) for part in torch.cuda.nccl.version())
-    return version if gpu_count() > 0 else f"{version}, not usable: no CUDA GPU"
+    return version if preflight.gpu_count() > 0 else f"{version}, not usable: no CUDA GPU"
 
 
 def flash_sdp() -> str:
     """Whether torch's scaled-dot-product attention can take its flash kernel on GPU 0."""
-    import torch
-
     built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
     if not built:
         return "not in this torch build"
@@ -161,7 +153,7 @@ def flash_sdp() -> str:
 def flash_attn() -> str:
     if importlib.util.find_spec("flash_attn") is None:
         return "not installed"
-    import flash_attn
+    import flash_attn  # optional: an extension of its own, and importing it loads its CUDA kernels
 
     return f"{flash_attn.__version__} (imports)"
 
@@ -172,8 +164,6 @@ def vllm_usable() -> str:
     `vllm` extra's range, or other requirements it declares at other versions, make it untested.
     Requirements that are absent are not counted: the tested install leaves vLLM's unused kernel
     packages out on purpose (constraints/gpu-h200.txt)."""
-    from rolefleet.app.preflight import gpu_count
-
     version = installed("vllm")
     if version is None:
         return "not installed (README.md, GPU install)"
@@ -181,7 +171,7 @@ def vllm_usable() -> str:
     for r in declared("vllm"):
         if (have := installed(r.name)) is not None and not r.specifier.contains(have, prereleases=True):
             (problems if r.name == "torch" else untested).append(f"it needs {r.name}{r.specifier}, this is {have}")
-    if gpu_count() == 0:
+    if preflight.gpu_count() == 0:
         problems.append("no CUDA GPU")
     ranges = [r.specifier for r in declared("rolefleet", extra="vllm") if r.name == "vllm"]
     if ranges and not ranges[0].contains(version, prereleases=True):
@@ -194,29 +184,21 @@ def vllm_usable() -> str:
 def rollout_engine() -> str:
     """What `actor.rollout.backend: auto` picks for an actor of one process that sees this
     process's GPUs: the decision the actor itself makes (`actor/rollout.py`), and why."""
-    from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
-    from rolefleet.app.preflight import gpu_count
-
-    has_gpu, installed = gpu_count() > 0, vllm_installed()
-    if choose_backend("auto", has_gpu, installed) == "vllm":
+    has_gpu, installed = preflight.gpu_count() > 0, rollout.vllm_installed()
+    if rollout.choose_backend("auto", has_gpu, installed) == "vllm":
         return "vllm (vllm is installed and a CUDA GPU is visible)"
-    why = backend_problem("vllm", has_gpu, installed)
+    why = rollout.backend_problem("vllm", has_gpu, installed)
     return f"hf ({why.removesuffix(', or set actor.rollout.backend=hf')})"
 
 
 def checkout_constraints() -> Path | None:
     """The pins file of the checkout this rolefleet runs from; an install from a wheel has none."""
-    import rolefleet
-
     path = Path(rolefleet.__file__).resolve().parent.parent / CONSTRAINTS
     return path if path.is_file() else None
 
 
 def read_pins(text: str) -> dict[str, str]:
     """A constraints file's `name==version` lines by canonical name (comments and blank lines skipped)."""
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
     pins = {}
     for line in text.splitlines():
         line = line.split(" #", 1)[0].strip()
@@ -232,8 +214,6 @@ def read_pins(text: str) -> dict[str, str]:
 def pin_differences(path: Path | None = None) -> dict[str, str]:
     """A summary row, then a row per installed package whose version differs from its pin; the pins
     that are not installed share one row (on a CPU machine, vLLM and the CUDA libraries)."""
-    from packaging.specifiers import SpecifierSet
-
     path = path or checkout_constraints()
     if path is None:
         return {"tested pins": f"not compared: no checkout beside this rolefleet (its {CONSTRAINTS})"}

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
 from rolefleet.common.model_paths import cached_config, is_repo_id
 
@@ -449,8 +451,6 @@ def snapshot_bytes(cfg: RoleFleetConfig, staged: bool = False) -> Optional[float
 
 def gpu_capacity() -> Optional[float]:
     """Bytes of the smallest GPU this process sees (None without CUDA)."""
-    import torch
-
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
     return float(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
@@ -591,6 +591,6 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
     if not lines:
         lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
     # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.
-    from rolefleet.app.preflight import idle_gpu_warnings
+    from rolefleet.app.preflight import idle_gpu_warnings  # import cycle: app/preflight.py imports this module
 
     return "\n".join([*lines, *(f"warning: {w}" for w in idle_gpu_warnings(cfg, cfg.roles()))])

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 import yaml
 
 from rolefleet.app.memory import GIB, GpuPlan, plan, settings_that_help
@@ -232,8 +233,6 @@ def require_map(cfg: RoleFleetConfig, what: str) -> None:
 
 def visible_gpus() -> list[float]:
     """Memory in bytes of each GPU this process sees; [] without CUDA."""
-    import torch
-
     if not torch.cuda.is_available():
         return []
     return [float(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count())]

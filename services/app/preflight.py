@@ -20,8 +20,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from rolefleet.actor import rollout as actor_rollout
+from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
+from rolefleet.app import memory
+from rolefleet.app.placement import gpu_roles
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
 from rolefleet.common.model_paths import cached_config, is_repo_id, model_problem
+from rolefleet.coordinator.data import PromptDataset
+from rolefleet.coordinator.trackers import missing_backends
+from rolefleet.reward.sources import check_sources
+from rolefleet.tasks import DataError
+from rolefleet.tasks.files import Columns, read_prompts
+from rolefleet.trainer.nodes import layout_for, worker_count
 
 log = logging.getLogger(__name__)
 COMMANDS = ("up", "serve", "train")
@@ -53,8 +65,6 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str, node: int
     for warning in idle_gpu_warnings(cfg, roles):
         log.warning("%s", warning)
     if "reward" in roles:
-        from rolefleet.reward.sources import check_sources
-
         problems += check_sources(cfg)
     if problems:
         raise ConfigError("config check failed:\n  " + "\n  ".join(problems))
@@ -63,9 +73,7 @@ def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str, node: int
 def check_memory(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
     """The roles' estimated GPU memory (`app/memory.py`) against this machine's GPUs, and what they
     offload against its memory: over is a problem, near a warning."""
-    from rolefleet.app.memory import gpu_capacity, host_capacity, memory_problems
-
-    problems, warnings = memory_problems(cfg, roles, gpu_capacity(), host_capacity())
+    problems, warnings = memory.memory_problems(cfg, roles, memory.gpu_capacity(), memory.host_capacity())
     for warning in warnings:
         log.warning("%s", warning)
     return problems
@@ -101,9 +109,10 @@ def check_adapters(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
               and model_problem(getattr(cfg, r).model_name_or_path) is None]
     if not wanted:
         return []
+    # Only for a LoRA config: transformers and peft take seconds to import, on every `rolefleet up` else.
     from transformers import AutoConfig
 
-    from rolefleet.trainer.lora import merged_shapes
+    from rolefleet.trainer.lora import merged_shapes  # imports peft and transformers: as above
 
     problems = []
     for role in wanted:
@@ -125,8 +134,6 @@ def check_adapters(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
 
 def check_tracking(cfg: RoleFleetConfig) -> list[str]:
     """A chosen tracker must be importable: found missing after the models loaded, it would end the run."""
-    from rolefleet.coordinator.trackers import missing_backends
-
     return [f"tracking.backends: {m} is not installed" for m in missing_backends(cfg.tracking.backends)]
 
 
@@ -137,10 +144,6 @@ def check_data(cfg: RoleFleetConfig) -> list[str]:
     the token limit apply (otherwise the coordinator would fail at step 1, after every role has
     loaded its models). The tokenizer is read only from a local model directory: a missing one
     is check_models' finding, and a hub id would mean the network (the coordinator checks it)."""
-    from rolefleet.coordinator.data import PromptDataset
-    from rolefleet.tasks import DataError
-    from rolefleet.tasks.files import Columns, read_prompts
-
     d = cfg.data
     local = Path(cfg.actor.model_name_or_path).expanduser()
     try:
@@ -241,7 +244,7 @@ def _config_json(path: str) -> Optional[dict]:
 
 
 def _max_positions_from_transformers(path: str) -> Optional[int]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # only where config.json does not say: seconds to import (max_positions)
 
     local = Path(path).expanduser()
     try:
@@ -329,8 +332,6 @@ def check_role_addresses(cfg: RoleFleetConfig) -> list[str]:
 
 def gpu_count() -> int:
     """GPUs this process can use (CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -391,8 +392,6 @@ def check_workers(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
                             "(one worker per GPU; leave it unset)")
     rollout = cfg.actor.rollout.workers
     if "actor" in roles and rollout is not None:
-        from rolefleet.serve import worker_count
-
         if cfg.devices.actor:
             problems.append("actor.rollout.workers: the actor has GPUs; devices.rollout names the ones that "
                             "generate (leave it unset)")
@@ -407,16 +406,12 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
     group; `serve`: what the process sees)."""
     if "actor" not in roles:
         return []
-    from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
-    from rolefleet.actor.rollout import backend_problem, choose_backend, vllm_installed
-    from rolefleet.serve import worker_count
-
     has_gpu = bool(cfg.devices.actor) if command == "up" else gpu_count() > 0
-    backend, installed, workers = cfg.actor.rollout.backend, vllm_installed(), worker_count("actor", cfg)
+    backend, installed, workers = cfg.actor.rollout.backend, actor_rollout.vllm_installed(), worker_count("actor", cfg)
     placement = ActorPlacement(workers, rollout_ranks(cfg))  # devices.rollout is within devices.actor (config)
-    if (problem := backend_problem(backend, has_gpu, installed, workers, placement.split)) is not None:
+    if (problem := actor_rollout.backend_problem(backend, has_gpu, installed, workers, placement.split)) is not None:
         return [f"actor.rollout.backend: {problem}"]
-    chosen = choose_backend(backend, has_gpu, installed, workers, placement.split)
+    chosen = actor_rollout.choose_backend(backend, has_gpu, installed, workers, placement.split)
     try:
         size = engine_size(cfg.actor, chosen, placement)
     except ValueError as exc:
@@ -434,8 +429,6 @@ def check_rollout_backend(cfg: RoleFleetConfig, roles: list[str], command: str) 
 
 def engine_nodes_problem(cfg: RoleFleetConfig, placement) -> str | None:
     """A vLLM engine runs its tensor-parallel workers on the GPUs of one node."""
-    from rolefleet.trainer.nodes import layout_for
-
     layout = layout_for("actor", cfg)
     for rank in placement.engine_ranks if placement.engine_size > 1 else []:
         members = placement.engine_members(rank)
@@ -450,8 +443,6 @@ def check_visible_gpus(cfg: RoleFleetConfig, roles: list[str], node: int = 0) ->
     """`rolefleet serve ROLE` (compose, Helm): the process must see as many GPUs as its group lists
     (on its node, for a group over several); otherwise the role would silently run on fewer GPUs,
     or on the CPU."""
-    from rolefleet.app.placement import gpu_roles
-
     problems = []
     if cfg.devices.auto and set(roles) & set(gpu_roles(cfg)) and (seen := gpu_count()):
         # The map `auto` stands for is chosen by `up` for the whole run; one role alone cannot.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rolefleet.app.memory import ModelDims
 from rolefleet.common.config import RoleFleetConfig
 
 STARTUP_BASE_S = 300.0  # imports, worker processes and a small model's load, on a busy CI machine too
@@ -33,8 +34,6 @@ def role_weight_bytes(cfg: RoleFleetConfig, role: str) -> Optional[float]:
     actor's policy and its reference (unless the reference is the policy with its adapters off),
     the critic's value model, the reward's models; None when a model's config.json cannot be read
     here (a hub id not yet downloaded)."""
-    from rolefleet.app.memory import ModelDims
-
     def stored(path: str, scorer: bool = False) -> float:
         dims = ModelDims.read(path)
         return float(dims.stored_bytes * (dims.scorer_params if scorer else dims.params))

@@ -109,7 +109,7 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
     """Supervised steps on `task` answers (loss on answer + EOS only; a tool task: on the assistant
     turns of a conversation that calls the calculator, `tool_trace`). Returns the last loss."""
     if task == "tool_arithmetic":
-        from rolefleet.app.tool_warm_start import warm_start_on_tools
+        from rolefleet.app.tool_warm_start import warm_start_on_tools  # import cycle: it imports this module
 
         return warm_start_on_tools(model, tokenizer, steps, seed, batch_size=batch_size, lr=lr)
     records = make_task(task, size=steps * batch_size, seed=seed + 1)

@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from rolefleet.common import metrics
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ class GpuSampler(threading.Thread):
         """A started sampler, or None where there is no NVIDIA driver or no GPU for this role."""
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml as nvml  # the NVIDIA driver's library: absent or failing on a machine without one
             except ImportError:
                 return None
         try:
@@ -95,8 +97,6 @@ class GpuSampler(threading.Thread):
 def _allocator_fragmentation() -> Optional[float]:
     """(reserved - allocated) / reserved of PyTorch's caching allocator on this process's GPU;
     None before the role has touched CUDA (the sampler must not initialise it)."""
-    import torch
-
     if not torch.cuda.is_initialized():
         return None
     reserved = torch.cuda.memory_reserved()

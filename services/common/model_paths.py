@@ -8,6 +8,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 
 def model_problem(path: str) -> Optional[str]:
     """Why `path` is neither a local model directory nor a hub id that can be loaded, or None."""
@@ -54,8 +57,6 @@ def _meant_as_local(path: str) -> bool:
 
 
 def is_repo_id(path: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
         validate_repo_id(path)
     except HFValidationError:
@@ -74,8 +75,6 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 def cached_config(repo_id: str) -> Optional[Path]:
     """The config.json of `repo_id` in the local hub cache, or None."""
-    from huggingface_hub import try_to_load_from_cache
-
     cached = try_to_load_from_cache(repo_id, "config.json")
     return Path(cached) if isinstance(cached, str) else None
 

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
+from huggingface_hub import snapshot_download
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
+from rolefleet.common.model_paths import model_problem
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,6 @@ def pick_device() -> torch.device:
 def check_model_path(path: str) -> str:
     """The same rule as the config check (`model_paths.model_problem`): a local model directory, or
     a hub id that can be loaded; anything else fails here with a plain message."""
-    from rolefleet.common.model_paths import model_problem
-
     if (problem := model_problem(path)) is not None:
         raise FileNotFoundError(problem)
     return path
@@ -48,8 +48,6 @@ def model_source(path: str) -> Path | None:
     neither is possible (from_pretrained's own lookup is left)."""
     if Path(path).is_dir():
         return Path(path)
-    from huggingface_hub import snapshot_download
-
     wanted = ["*.json", "*.safetensors"]
     try:
         return Path(snapshot_download(path, allow_patterns=wanted, local_files_only=True))
@@ -315,7 +313,7 @@ def layer_compile_options() -> dict[str, bool]:
     guards on: the first micro-batch over that size, often steps into a run, recompiled every layer
     graph (about 20 s for Qwen2-0.5B on an H200, 2026-11-30). Without the size checks the fusion's
     choice does not depend on the token count, so one graph serves every width."""
-    from torch._inductor import config as inductor
+    from torch._inductor import config as inductor  # only where layers compile: 0.7 s to import
 
     return {"triton.mix_order_reduction_non_strict_mode": True} \
         if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode") else {}

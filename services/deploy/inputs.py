@@ -16,6 +16,8 @@ from typing import Literal
 
 from rolefleet.app.preflight import MODEL_KEYS
 from rolefleet.common.config import RoleFleetConfig
+from rolefleet.tasks.files import source_format
+from rolefleet.tasks.hf import local_copy_hint
 
 ALL_ROLES = ("actor", "reward", "critic", "coordinator")
 # Where a deployment's containers see what a run reads: the models directory (./models beside the
@@ -55,9 +57,6 @@ def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
 
 
 def _local_data(key: str, section) -> str:
-    from rolefleet.tasks.files import source_format
-    from rolefleet.tasks.hf import local_copy_hint
-
     if source_format(section.path, section.format, key) == "hub":  # nothing on disk to mount, and no hub to read
         raise ValueError(f"{key}.path: {section.path!r} is a hub dataset id, and a deployment's roles read no hub "
                          f"(HF_HUB_OFFLINE=1 in the image): {local_copy_hint(section.path, section.name)}")

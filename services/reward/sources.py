@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from rolefleet.common.config import ConfigError, RewardSection
+from rolefleet.common.model_paths import model_problem
 from rolefleet.reward.functions import REWARD_FUNCTIONS, isolated_target
 from rolefleet.reward.sandbox import LoadError, SandboxPool, Target, WorkerFailed
 from rolefleet.reward.sandbox_worker import Outcome, as_score, one_line
@@ -73,8 +74,9 @@ class ModelSource:
     """A reward model's scalar output (rolefleet.reward.model, imported only for this kind)."""
 
     def __init__(self, name: str, weight: float, path: str, dtype: str, max_tokens_per_batch: int):
+        # Only for a model source: they load transformers, which a reward of functions never needs.
         from rolefleet.common.modeling import pick_device
-        from rolefleet.reward.model import RewardModelScorer
+        from rolefleet.reward.model import RewardModelScorer  # as above
 
         self.name, self.weight = name, weight
         self.scorer = RewardModelScorer(path, dtype, max_tokens_per_batch, pick_device())
@@ -162,8 +164,6 @@ def check_sources(cfg: Any) -> list[str]:
     """Problems with the reward sources of `cfg` (a RoleFleetConfig or its RewardSection), found
     without running any of them: a user file that is missing, not Python, or defines no such
     function at its top level; a reward model that does not exist. One line each, naming the key."""
-    from rolefleet.common.model_paths import model_problem
-
     reward: RewardSection = getattr(cfg, "reward", cfg)
     problems = []
     for i, spec in enumerate(reward.sources):

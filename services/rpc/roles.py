@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolefleet.common.errors import Unavailable, error_from_rpc
-from rolefleet.common.pb import common_pb2
+from rolefleet.common.pb import actor_pb2_grpc, common_pb2, critic_pb2_grpc, reward_pb2_grpc
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
 from rolefleet.rpc.auth import client_interceptors
 from rolefleet.rpc.channels import client_options
@@ -89,8 +89,6 @@ class InProcessTrainerClient:
 
 
 def _status_stubs() -> dict[str, type]:
-    from rolefleet.common.pb import actor_pb2_grpc, critic_pb2_grpc, reward_pb2_grpc
-
     return {"actor": actor_pb2_grpc.ActorServiceStub, "critic": critic_pb2_grpc.CriticServiceStub,
             "reward": reward_pb2_grpc.RewardServiceStub}
 

@@ -85,8 +85,9 @@ def _read(key: str, path: str) -> bytes:
 def _check_pair(paths: dict[str, Optional[str]], cert_pem: bytes, key_pem: bytes) -> None:
     """Refuse at start what would only fail every handshake later: no certificate, a key of another
     certificate, a certificate out of its validity."""
+    # Only for a server on TLS (every role server imports this module): cryptography's import is not for the rest.
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives import serialization  # as above
 
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)

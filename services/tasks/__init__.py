@@ -54,7 +54,7 @@ def arithmetic_chat(size: int, seed: int) -> list[PromptRecord]:
 
 
 def _tool_arithmetic(size: int, seed: int) -> list[PromptRecord]:
-    from rolefleet.tasks.tools import tool_arithmetic  # the task's module imports this one
+    from rolefleet.tasks.tools import tool_arithmetic  # import cycle: the task's module imports this one
 
     return tool_arithmetic(size, seed)
 

@@ -177,8 +177,8 @@ def _object(obj: Any, where: str) -> dict[str, Any]:
 
 
 def _parquet_rows(path: str | Path, columns: Optional[Columns]) -> Iterator[Row]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # only for Parquet prompts: the config's checks and the coordinator import this module
+    import pyarrow.parquet as pq  # as above
 
     try:
         file = pq.ParquetFile(path)
@@ -198,7 +198,7 @@ def _check_columns(where: str, names: list[str], columns: Optional[Columns]) -> 
 
 
 def _arrow_rows(where: str, batches: Iterable[Any]) -> Iterator[Row]:
-    import pyarrow as pa
+    import pyarrow as pa  # as in _parquet_rows
 
     row = 0
     try:

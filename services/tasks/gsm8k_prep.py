@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from rolefleet.tasks import DataError
 from rolefleet.tasks.files import read_rows, source_format
 from rolefleet.tasks.hf import HubUnavailable, saved_splits
@@ -41,9 +44,6 @@ def prepare(out_dir: str | Path, source: str = HUB_ID, name: Optional[str] = Non
             test_source: Optional[str] = None) -> list[Written]:
     """Write OUT_DIR/train.parquet and OUT_DIR/test.parquet; a problem with a source is a DataError
     naming the option that gave it (`--source`, `--test-source`, `--name`)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if test_source is None and not _has_splits(source, "--source"):
         raise DataError(f"--source: {source} is a single split (the training one): give the test split with "
                         "--test-source (GSM8K's test split, or a held-out file)")

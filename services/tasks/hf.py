@@ -66,7 +66,7 @@ def check_split(splits: list[str], split: str, where: str) -> None:
 
 def _library() -> Any:
     try:
-        import datasets
+        import datasets  # seconds to import, and only for a saved Dataset or a hub id
     except ImportError as e:  # a dependency; an install without it still reads files
         raise DataError(f"data.path: a save_to_disk directory or a hub dataset is read through the `datasets` "
                         f"library, which is not installed here ({e}): pip install 'datasets>=3.0'") from None

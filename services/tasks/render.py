@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from rolefleet.reward.env_tools import TOOL_SCHEMAS
 from rolefleet.tasks import DataError, PromptRecord
 from rolefleet.tasks.files import Messages, RawPrompt
 
@@ -30,6 +31,7 @@ def load_tokenizer(path: str, key: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer of the model at `path`; `key` is the setting that needs it (for the error);
     `trust_remote_code`: the actor's (a tokenizer of the model's own code)."""
     try:
+        # Importing the coordinator loads no model library (tests/coordinator/test_imports.py).
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError(f"{key}: needs the transformers package where the coordinator runs, to load "
@@ -152,8 +154,6 @@ class PromptRenderer:
 
 def tool_schemas(names: Sequence[str]) -> list[dict]:
     """The JSON schemas (chat-template `tools=` form) of built-in tools, by name."""
-    from rolefleet.reward.env_tools import TOOL_SCHEMAS  # standard library only: no model code
-
     return [TOOL_SCHEMAS[n] for n in names]
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.role_types import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class HostCopy:
         return TrainerWrite(staged, self.thread.submit(stage_and_write))
 
     def _copy(self, key: str, value):
+        # DTensors exist only where a trainer shards; the coordinator imports this module (0.4 s to import).
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, DTensor):  # its shard, with what DCP needs to place it in the whole
@@ -138,7 +140,7 @@ def write_group(group):
 def start_write(state: dict, weights: Path, host: HostCopy, group) -> TrainerWrite:
     """`state` (the trainer's model and optimizer state dicts) staged into `host` and written to
     `weights` in the background; collective over `group`'s ranks."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # as trainer/checkpoint.py's: not for the coordinator
 
     pg = write_group(group)  # made here, in the main thread, by every rank of the save at once
     return host.start(state, lambda staged: dcp.save(staged, checkpoint_id=str(weights), process_group=pg))
@@ -150,6 +152,7 @@ class BackgroundSave:
     request waits for that (`wait`)."""
 
     def __init__(self, target: Path, step: int, info: CheckpointInfo, written: Future):
+        # import cycle: trainer/checkpoint.py imports this module
         from rolefleet.trainer.checkpoint import commit, partial
 
         self.target, self.step, self.info = target, step, info
@@ -176,8 +179,6 @@ class BackgroundSave:
 
     def wait(self) -> CheckpointInfo:
         """Once the files are complete; a failed write is refused as a save that failed."""
-        from rolefleet.common.errors import FailedPrecondition
-
         self._done.wait()
         if self.error is not None:
             raise FailedPrecondition(f"saving the checkpoint to {self.target} failed: "

@@ -41,7 +41,9 @@ from typing import Any
 
 import torch
 
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 from rolefleet.common.role_types import CheckpointInfo
+from rolefleet.trainer import background
 from rolefleet.trainer.background import BackgroundSave
 
 MANIFEST = "MANIFEST.json"
@@ -102,11 +104,8 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     (a full disk) is a role error alike on every rank: the save is refused, nothing changed. With
     `host` (`background.HostCopy`) the weights are staged into its buffers and written in the
     background: the write in flight is returned (`background.TrainerWrite`)."""
+    # the coordinator imports this module and saves no trainer: torch.distributed.checkpoint (0.4 s) not for it
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from rolefleet.common.errors import FailedPrecondition
-    from rolefleet.trainer import background
 
     try:
         model_state, optim_state = _trainable_state(model, optimizer)
@@ -122,7 +121,7 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         with _one_process_is_fine():
             dcp.save(state, checkpoint_id=str(work / "weights"), process_group=group)
         return None
-    except (Exception, CheckpointException) as exc:  # dcp's errors derive from BaseException
+    except (Exception, dcp.CheckpointException) as exc:  # dcp's errors derive from BaseException
         raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
 
 
@@ -131,11 +130,9 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     """SPMD over the training ranks: the inverse of `save_trainer`, resharded to this group. A
     failure is a role error alike on every rank (the caller marks the role broken: the weights may
     be half loaded)."""
+    # the coordinator imports this module and saves no trainer: torch.distributed.checkpoint (0.4 s) not for it
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from rolefleet.common.errors import FailedPrecondition
+    from torch.distributed.checkpoint.state_dict import set_state_dict  # as above
 
     try:
         model_state, optim_state = _trainable_state(model, optimizer)
@@ -150,7 +147,7 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         torch.set_rng_state(extra["torch_rng"])
         if extra["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["cuda_rng"][:torch.cuda.device_count()])
-    except (Exception, CheckpointException) as exc:
+    except (Exception, dcp.CheckpointException) as exc:
         raise FailedPrecondition(f"loading the checkpoint {path} failed: {exc}") from exc
 
 
@@ -158,7 +155,7 @@ def _trainable_options():
     """A trainer's state is what it trains: frozen parameters (a LoRA base model) are left out, and
     loading leaves them as they are (not strict: their keys are absent by design; DCP's load still
     refuses a checkpoint that lacks any key asked for)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # as in save_trainer: not for the coordinator
 
     return StateDictOptions(ignore_frozen_params=True, strict=False)
 
@@ -166,7 +163,7 @@ def _trainable_options():
 def _trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The model's and optimizer's state dicts without frozen parameters, under every name of each
     (a tied LM head shares the frozen embeddings' tensor under a second name)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # as in save_trainer: not for the coordinator
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_trainable_options())
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
@@ -233,8 +230,6 @@ def prune(root: Path, keep: int) -> list[Path]:
 def _role_dir(core, path: str) -> Path:
     """The directory a request names, refused unless under the role's checkpoint root (a server's is
     its run's `checkpoint.dir`): a caller never gets a role to write, replace or load elsewhere."""
-    from rolefleet.common.errors import InvalidArgument
-
     if not path:
         raise InvalidArgument("path", "no checkpoint directory given")
     if "\x00" in path:
@@ -291,8 +286,6 @@ def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
     """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks).
     When `save_state` returns a write still in flight (rank 0's Future: a background save), the
     directory is committed once it is over, by the BackgroundSave returned."""
-    from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-
     target = _role_dir(core, path)
     last = core.state.ledger.last_step
     if step != last:
@@ -326,8 +319,6 @@ def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
 
 def load_role(core, path: str, load_state: Callable[[str], None]) -> CheckpointInfo:
     """`core`'s trainer from `path` (`load_state(path)` over the training ranks)."""
-    from rolefleet.common.errors import FailedPrecondition, InvalidArgument
-
     source = _role_dir(core, path)
     saved = read_role_json(source)
     if saved is None:

@@ -22,8 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from transformers import AutoConfig, GenerationConfig
 
+from rolefleet.common import progress
 from rolefleet.common.modeling import disable_dropout, model_source
 
 log = logging.getLogger(__name__)
@@ -42,8 +46,6 @@ class SafetensorsCheckpoint:
     @classmethod
     def open(cls, directory: Path) -> SafetensorsCheckpoint | None:
         """None where the directory holds no safetensors weights."""
-        from safetensors import safe_open
-
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -82,9 +84,6 @@ def build_on_meta(auto_class, path: str, trust_remote_code: bool = False) -> tor
     """`auto_class`'s model of `path` as an fp32 skeleton on the meta device (its buffers, such as
     rotary frequencies, computed for real: they are not in the checkpoint), waiting for
     `materialize`; None when its checkpoint cannot be read by shard (the caller loads it whole)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, GenerationConfig
-
     directory = model_source(path)
     checkpoint = SafetensorsCheckpoint.open(directory) if directory is not None else None
     if checkpoint is None:
@@ -124,10 +123,6 @@ def materialize(root: torch.nn.Module, device: torch.device) -> None:
     """Give every skeleton under `root` (already sharded) real memory on `device` and read each
     rank's shard of its weights from the checkpoint; the fp32 master copy is cast from the
     checkpoint's dtype one shard at a time."""
-    from safetensors import safe_open
-
-    from rolefleet.common import progress
-
     for model in [m for m in root.modules() if m in _PENDING]:
         pending = _PENDING.pop(model)
         # to_empty gives the parameters memory and would leave the buffers garbage: they were real.

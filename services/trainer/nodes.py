@@ -80,6 +80,13 @@ def layout_for(role: str, cfg: RoleFleetConfig) -> NodeLayout:
     return NodeLayout((workers // nodes,) * nodes)
 
 
+def worker_count(role: str, cfg: RoleFleetConfig) -> int:
+    """One worker per GPU of the role's device group, or `<role>.workers` (CPU groups), over all its nodes."""
+    if role not in GROUP_ROLES:
+        return 1
+    return getattr(cfg, role).workers or max(1, len(getattr(cfg.devices, role)))
+
+
 def node_problem(node: int, layout: NodeLayout, role: str) -> str | None:
     """Why `--node-rank node` cannot run `role`, or None (0, the server's node, always can)."""
     if node == 0:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,6 @@ class Ranks:
         """The device mesh FSDP shards over: the part's (None: FSDP's default, every rank)."""
         if self.group is None:
             return None
-        from torch.distributed.device_mesh import DeviceMesh
-
         return DeviceMesh.from_group(self.group, device.type)
 
     def all_gather(self, obj) -> list:

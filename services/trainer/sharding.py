@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rolefleet.trainer.loading import materialize
@@ -39,8 +40,6 @@ def shard(root: torch.nn.Module, layers: list[torch.nn.Module], device: torch.de
     `dtype`: the compute dtype of the gathered parameters (None: as stored); `full_precision`:
     units gathered as stored whatever `dtype` (a value head); `offload`: the shards live in CPU
     memory (for a frozen reference model) and visit the GPU per forward."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     where = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
     mesh = ranks.mesh(device)  # the ranks that train (the actor's rollout ranks hold no shards)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 GPU_PROCESS_THREADS = 1
 
 
@@ -12,8 +14,6 @@ def set_threads(num_threads: int | None) -> None:
     elements), and a thread per core in every role process of a node makes each small op wait for
     its slowest thread: profiled on two H200s, such ops took 8-12 ms each in the trainer, against
     0.9 ms on a node with fewer processes (torchrun sets one thread per process for the same reason)."""
-    import torch  # on first use: importing the serving code need not load torch
-
     if num_threads:
         torch.set_num_threads(num_threads)
     elif torch.cuda.is_available():

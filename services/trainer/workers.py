@@ -40,9 +40,11 @@ from typing import NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from rolefleet.common.config import parse_config
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.orphans import exit_with_parent
 from rolefleet.trainer.nodes import NodeLayout
+from rolefleet.trainer.threads import set_threads
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable)
@@ -354,9 +356,6 @@ def worker_main(role: str, factory: Callable, raw_config: dict, rank: int, layou
                 pipe) -> None:
     """Every rank but 0 of a group on one node: join rank 0's store on loopback, build the worker,
     then run rank 0's commands from `pipe` until STOP."""
-    from rolefleet.common.config import parse_config
-    from rolefleet.trainer.threads import set_threads
-
     # The parent killed (SIGKILL, the OOM killer): a rank inside a collective with it would otherwise
     # wait for COLLECTIVE_TIMEOUT, holding its GPU (and spinning it, on NCCL).
     exit_with_parent(1, f"{role} rank {rank}")
