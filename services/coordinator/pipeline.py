@@ -54,7 +54,6 @@ from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.rollout import Rollout, score_items, spent, to_batch
 from rolefleet.coordinator.saved_state import CoordinatorState
-from rolefleet.coordinator.source import trains_at
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
 from rolefleet.critic.types import CriticValues
@@ -281,7 +280,9 @@ class Pipeline(Schedule):
         step = index - self.state.extra_batches
         if step > self.cfg.train.total_steps:
             return "no batch left"
-        if trains_at(self.cfg, step) - self.version > self.p.max_staleness:
+        # Steps trained, not the actor's version: during the critic's warm-up the critic's values
+        # age a version a step while the policy stands still.
+        if step - 1 - self.state.step > self.p.max_staleness:
             return "staleness bound"
         return "backpressure" if self._backed_up() else None
 

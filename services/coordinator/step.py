@@ -213,8 +213,11 @@ class StepBody:
             roles.reward.score(score_items(r.records, r.samples)) if r.reward is None else _given(r.reward),
             roles.critic.compute_values(r.batch) if roles.critic and r.values is None else _given(r.values),
             # Reference logprobs every step, even with no KL term: the `kl` metric watches the drift.
+            # (Async mode asks for the reference's alone ahead of a one-pass update; a step of the
+            # critic's warm-up needs the policy's too.)
             roles.actor.compute_logprobs(r.batch, self.cfg.sampling.temperature, include_reference=True,
-                                         reference_only=one_pass) if r.logprobs is None else _given(r.logprobs),
+                                         reference_only=one_pass)
+            if r.logprobs is None or (not one_pass and r.logprobs.logprobs is None) else _given(r.logprobs),
         )
 
     async def _updates(self, step: int, rollout: Rollout, policy_batch: SequenceBatch, policy: PolicyTargets,
