@@ -111,7 +111,7 @@ def plot_reward_curve(records: list[dict], path: Path) -> None:
         return
 
     matplotlib.use("Agg")  # headless: no display on CI or servers
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): the backend is chosen on this import
 
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, NonNegativeInt, ValidationError
 from pydantic.dataclasses import dataclass
+from safetensors.torch import load_file, save
 
 STATE_FILE = "coordinator.json"
 TENSORS_FILE = "carried.safetensors"
@@ -110,8 +111,6 @@ class CoordinatorState:
 def write_state(directory: Path, state: CoordinatorState, write_bytes) -> None:
     """`state` into `directory`: the carried tensors first, then coordinator.json (`write_bytes(path,
     data)`: an atomic write), which names the tensors file it goes with."""
-    from safetensors.torch import save
-
     # Each its own copy: a group's responses share their prompt's ids, which safetensors refuses.
     tensors = {f"{g}.{r}.{name}": getattr(resp, name).clone()
                for g, group in enumerate(state.carried) for r, resp in enumerate(group.responses)
@@ -143,8 +142,6 @@ def read_state(directory: Path) -> CoordinatorState:
                          f"{', '.join(map(str, READS))} (a checkpoint of another RoleFleet release: resume it with that one)")
     tensors: dict[str, torch.Tensor] = {}
     if version >= 2 and doc.get("carried"):
-        from safetensors.torch import load_file
-
         try:
             tensors = load_file(directory / TENSORS_FILE)
         except (OSError, ValueError, RuntimeError) as exc:

@@ -47,7 +47,7 @@ def numeric(record: dict) -> dict[str, float]:
 @TRACKERS.register("tensorboard")
 class TensorBoardTracker:
     def __init__(self, out_dir: Path, **_: Any):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional tracker: loaded only when asked for
 
         self.writer = SummaryWriter(str(out_dir / "tensorboard"))
 
@@ -62,7 +62,7 @@ class TensorBoardTracker:
 @TRACKERS.register("wandb")
 class WandbTracker:
     def __init__(self, out_dir: Path, run_name: str, project: str, config: dict[str, Any], wandb_mode: str, **_: Any):
-        import wandb
+        import wandb  # optional dependency
 
         self.run = wandb.init(project=project, name=run_name, config=config, dir=str(out_dir), mode=wandb_mode,
                               reinit="create_new")
@@ -78,8 +78,10 @@ class WandbTracker:
 class MlflowTracker:
     def __init__(self, out_dir: Path, run_name: str, project: str, config: dict[str, Any], mlflow_uri: str | None,
                  **_: Any):
-        from mlflow import MlflowClient
-        from mlflow.entities import Param
+        from mlflow import MlflowClient  # optional dependency
+        from mlflow.entities import Metric, Param
+
+        self._metric = Metric
 
         # A client of its own, not mlflow's process-wide active run: nothing leaks between runs.
         self.client = MlflowClient(mlflow_uri or f"sqlite:///{(out_dir / 'mlflow.db').resolve()}")
@@ -90,11 +92,9 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in _flatten(config).items()])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         # MLflow keys allow [A-Za-z0-9_-./ ]: the record's keys (reward/mean) pass as they are.
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
