@@ -216,7 +216,7 @@ class EpisodeStage:
             requests.setdefault((e.turn_open, limit), []).append(e)
         answers = await asyncio.gather(*(self._pieces(group, sampling, round_, limit, resumed)
                                          for (resumed, limit), group in requests.items()))
-        for ((resumed, limit), group), pieces in zip(requests.items(), answers):
+        for ((resumed, _), group), pieces in zip(requests.items(), answers):
             for e, piece in zip(group, pieces):
                 observation = piece.prompt_ids[len(e.context):] if not resumed else torch.zeros(0, dtype=torch.int64)
                 # The observation fills the episode's tokens, or the model's positions (the actor's

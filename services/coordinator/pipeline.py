@@ -198,27 +198,18 @@ class Pipeline(Schedule):
         chunk = min(self.cfg.actor.rollout.batch_size, self.cfg.train.prompts_per_step * self.cfg.train.samples_per_prompt)
         attempt = 0
         while True:
-            pending: list[Sample] = []
-            scoring: list[asyncio.Future] = []
-
-            def ended(records: list[PromptRecord], samples: list[Sample]) -> None:
-                pending.extend(samples)
-                if len(pending) >= chunk:
-                    scoring.append(self._score_soon(records, list(pending)))
-                    pending.clear()
-
+            chunks = _Chunks(self._score_soon, chunk)
             try:
-                rollout = await self.body.source.batch(index, index - self.state.extra_batches, self.state, ended)
-                if pending:
-                    scoring.append(self._score_soon(rollout.records, list(pending)))
+                rollout = await self.body.source.batch(index, index - self.state.extra_batches, self.state, chunks.add)
+                chunks.flush(rollout.records)
                 break
             except Unavailable as exc:
-                for task in scoring:
+                for task in chunks.scoring:
                     task.cancel()
-                await asyncio.gather(*scoring, return_exceptions=True)  # their ends taken: no "never retrieved"
+                await asyncio.gather(*chunks.scoring, return_exceptions=True)  # their ends taken: no "never retrieved"
                 await self.body.retries.again("actor", attempt, exc)
                 attempt += 1
-        rollout.scoring = scoring
+        rollout.scoring = chunks.scoring
         self.busy["generate"] += rollout.generate_s
         return rollout
 
@@ -315,6 +306,25 @@ class Pipeline(Schedule):
             "pipeline/queue/scored": float(self.scored.qsize()),
             **{f"pipeline/busy/{stage}": seconds / wall for stage, seconds in self.busy.items()},
         }
+
+
+class _Chunks:
+    """A batch's finished samples sent to be scored as they end, `size` or more at a time."""
+
+    def __init__(self, score_soon: Callable[[list[PromptRecord], list[Sample]], asyncio.Future], size: int):
+        self.score_soon, self.size = score_soon, size
+        self.pending: list[Sample] = []
+        self.scoring: list[asyncio.Future] = []
+
+    def add(self, records: list[PromptRecord], samples: list[Sample]) -> None:
+        self.pending += samples
+        if len(self.pending) >= self.size:
+            self.flush(records)
+
+    def flush(self, records: list[PromptRecord]) -> None:
+        if self.pending:
+            self.scoring.append(self.score_soon(records, self.pending))
+            self.pending = []
 
 
 async def _none() -> None:

@@ -18,8 +18,8 @@ from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.source import RolloutSource
 from rolefleet.coordinator.saved_state import CoordinatorState, read_state, write_state
+from rolefleet.coordinator.source import RolloutSource
 from rolefleet.reward.types import ScoreResult
 
 STOP, PROMPT = 2, [1, 1, 1]

@@ -3,7 +3,6 @@ reach the update, the batch is refilled from the next prompts of the data, the d
 past every batch drawn, and the drops are counted."""
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ from rolefleet.actor.types import FinishReason, Sample, with_ids
 from rolefleet.algos import informative_groups
 from rolefleet.common.config import parse_config
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.source import RolloutSource
 from rolefleet.coordinator.saved_state import CoordinatorState
+from rolefleet.coordinator.source import RolloutSource
 from rolefleet.reward.types import ScoreResult
 
 
