@@ -12,6 +12,15 @@ alone from the run's snapshot (or checkpoint) of the run's step, and the call re
 goes on where it was, nothing is trained twice and nothing the others did is lost. Where there is
 no such snapshot (the one of the run's step was being written when the trainer died), the call
 fails with its error and the run recovers from its newest one (`loop.train`).
+
+A role that holds no training state (the reward and its replicas) has nothing to lose: a restarted
+reward server scores the same items the same way, so its call is sent again once it answers, for
+up to `reward.restart_wait_s` from the first failure, and the trainers never rewind. Past that the
+run fails naming the key.
+
+This is the one application-level policy (docs/operations.md, "Retries"): below it, gRPC retries a
+call answered UNAVAILABLE on its channel (`rpc/channels.py`, the service config) and the reward's
+replica set sends a failed shard to another replica; nothing else repeats a call.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional, TypeVar
 
 from rolefleet.actor.client import ActorClient
-from rolefleet.common.errors import Unavailable
+from rolefleet.common.errors import FailedPrecondition, Unavailable
 from rolefleet.common.role_types import RoleStatus
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.critic.client import CriticClient
@@ -35,7 +44,22 @@ from rolefleet.reward.client import RewardClient
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRAINERS = ("actor", "critic")
+STATELESS_KEY = {"reward": "reward.restart_wait_s"}  # the roles without training state, and their bound's key
 SAME_PROCESS_EVERY_S = 1.0  # below the time any trainer takes to restart (`Retries._same_process`)
+POLL_S = 0.5  # between looks at a role that is away: a restart under `rolefleet up` takes seconds
+
+
+async def answering(client: Any, deadline: float, poll_s: float = POLL_S,
+                    clock: Callable[[], float] = time.monotonic) -> RoleStatus | None:
+    """The role's status once it answers, looked for every `poll_s` until `deadline` (`clock`'s
+    time); None if it has not answered by then."""
+    while True:
+        try:
+            return await client.status()
+        except Unavailable:
+            if clock() > deadline:
+                return None
+            await asyncio.sleep(poll_s)
 
 
 @dataclass
@@ -51,12 +75,16 @@ class Retries:
     applies none of (its own step ids lag the run's by it)."""
 
     def __init__(self, retries: int, state: CoordinatorState, warmup: int = 0,
-                 restore: Callable[[str, int, float], Awaitable[bool]] | None = None, wait_s: float = 0.0):
+                 restore: Callable[[str, int, float], Awaitable[bool]] | None = None, wait_s: float = 0.0,
+                 stateless_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S):
         """`restore(role, step, since)`: load trainer `role` alone from the run's snapshot or
         checkpoint of run step `step` (False: there is none), the loss having begun at `since`
-        (time.monotonic); `wait_s`: how long a trainer that does not answer is waited for."""
+        (time.monotonic); `wait_s`: how long a trainer that does not answer is waited for;
+        `stateless_wait_s`: how long a call to a role without training state is repeated."""
         self.retries, self.state, self.warmup = retries, state, warmup
-        self.restore, self.wait_s = restore, wait_s
+        self.restore, self.wait_s, self.stateless_wait_s = restore, wait_s, stateless_wait_s
+        self.clock, self.poll_s = clock, poll_s
+        self.repeated: dict[str, int] = {}  # calls to a stateless role sent again: what its loss cost
         self._clients: dict[str, Any] = {}  # the clients `wrap` was given, asked for status unrepeated
         # Per trainer, set while its calls may go out: cleared from its first failure until it is
         # back, so that no other call (async mode's concurrent ones) reaches a restarted process
@@ -76,7 +104,7 @@ class Retries:
         return replace(roles, **{name: _Repeated(client, name, self) for name, client in self._clients.items()})
 
     async def call(self, role: str, method: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
-        attempt = 0
+        attempt, since = 0, None
         while True:
             if role in self._open:
                 await self._open[role].wait()
@@ -87,8 +115,25 @@ class Retries:
                     await self._same_process(role)
                 return await method(*args, **kwargs)
             except Unavailable as exc:
-                await self.again(role, attempt, exc)
+                if role in STATELESS_KEY:
+                    since = self.clock() if since is None else since
+                    await self._stateless_back(role, getattr(method, "__name__", "call"), exc, since)
+                else:
+                    await self.again(role, attempt, exc)
                 attempt += 1
+
+    async def _stateless_back(self, role: str, name: str, exc: Unavailable, since: float) -> None:
+        """Before the call of `name` to stateless `role` is sent again: a pause, unless
+        `stateless_wait_s` have passed since its first failure (`since`), which fails the run."""
+        key = STATELESS_KEY[role]
+        if self.clock() - since >= self.stateless_wait_s:
+            raise FailedPrecondition(f"the {role} role has not answered {name} for {self.stateless_wait_s:g} s "
+                                     f"({key}): {exc}") from exc
+        if not self.repeated.get(role):
+            log.warning("%s.%s failed (%s); the %s holds no training state: sending it again once it answers, for up "
+                        "to %g s (%s)", role, name, exc, role, self.stateless_wait_s, key)
+        self.repeated[role] = self.repeated.get(role, 0) + 1
+        await asyncio.sleep(self.poll_s)
 
     async def _same_process(self, role: str) -> None:
         """Unavailable when trainer `role` answers as another process than its calls went to. Asked
@@ -147,12 +192,10 @@ class Retries:
                             "does not answer" if status is None else f"is at step {status.last_step}",
                             self._expected(role))
                 raise exc
-            deadline = since + self.wait_s
-            while status is None:  # restarting: only this call waits for it
-                if time.monotonic() > deadline:
+            if status is None:  # restarting: only this call waits for it
+                status = await answering(self._clients[role], since + self.wait_s, self.poll_s)
+                if status is None:
                     raise exc
-                await asyncio.sleep(0.5)
-                status = await self._status(role)
             if status.last_step < self._expected(role) and not await self.restore(role, self.state.step, since):
                 raise exc
         self._instance[role], self._checked[role] = status.instance_id, time.monotonic()

@@ -25,7 +25,7 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition, Unavailable
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.call_trace import CallTrace, watch_event_loop
-from rolefleet.coordinator.calls import Roles
+from rolefleet.coordinator.calls import Roles, answering
 from rolefleet.coordinator.checkpoints import Checkpointer
 from rolefleet.coordinator.journal import FILENAME as JOURNAL_FILE
 from rolefleet.coordinator.journal import Journal
@@ -127,15 +127,10 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
     print(f"rolefleet: a role was lost ({lost}); recovery {attempt} of {cfg.run.max_restarts}: waiting for every "
           "role, then resuming from the newest snapshot or checkpoint", flush=True)
     deadline = time.monotonic() + cfg.train.connect_timeout_s
-    for client in (roles.actor, roles.reward, roles.critic):
-        while client is not None:
-            try:
-                await client.status()
-                break
-            except Unavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.5)
+    for name, client in (("actor", roles.actor), ("reward", roles.reward), ("critic", roles.critic)):
+        if client is not None and await answering(client, deadline) is None:
+            raise Unavailable(f"the {name} has not answered for train.connect_timeout_s={cfg.train.connect_timeout_s:g} s "
+                              f"after the loss ({lost})")
     resumed = await checkpointer.restore(roles)
     if resumed is None:
         raise FailedPrecondition(f"a role was lost ({lost}) and the run has no checkpoint to recover from: "

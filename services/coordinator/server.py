@@ -16,7 +16,6 @@ from rolefleet.coordinator.logger import RunLogger
 from rolefleet.coordinator.loop import Roles, train
 from rolefleet.coordinator.scaling import RewardScaling
 from rolefleet.coordinator.state import RunState, RunStatus
-from rolefleet.coordinator.stateless import WaitsForRestart
 from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
@@ -98,10 +97,8 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
         # Replicated even when one: replicas may be added while the run goes (coordinator/scaling.py).
-        # It holds no training state: a call it loses to a restart is repeated, not rolled back.
-        reward=WaitsForRestart(ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
-                               "reward", cfg.reward.restart_wait_s, "reward.restart_wait_s",
-                               methods=("score", "step")),  # an environment's turn is as repeatable
+        # It holds no training state: a call it loses to a restart is repeated (`calls.Retries`).
+        reward=ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
     )
 

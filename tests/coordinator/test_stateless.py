@@ -1,5 +1,6 @@
 """A role without training state (the reward) that goes away: its calls are repeated once it is
-back, within a bound; past the bound the run fails naming the key."""
+back, within a bound; past the bound the run fails naming the key (`calls.Retries`, the one
+application-level policy)."""
 
 import asyncio
 
@@ -7,8 +8,9 @@ import pytest
 
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolefleet.coordinator.busy import BusyClock
+from rolefleet.coordinator.calls import Retries
 from rolefleet.coordinator.loop import Roles
-from rolefleet.coordinator.stateless import WaitsForRestart
+from rolefleet.coordinator.saved_state import CoordinatorState
 
 
 class Flaky:
@@ -37,14 +39,20 @@ class Clock:
 
 
 def wrap(inner, bound_s=10.0):
-    return WaitsForRestart(inner, "reward", bound_s, "reward.restart_wait_s", clock=Clock(), poll_s=0)
+    retries = Retries(retries=2, state=CoordinatorState(step=0, kl_coef=0.0), stateless_wait_s=bound_s, clock=Clock(),
+                      poll_s=0)
+    reward = retries.wrap(Roles(actor=None, reward=inner, critic=None)).reward
+    reward.retries = retries
+    return reward
 
 
 def test_a_call_to_a_role_that_went_away_is_repeated_once_it_answers():
     inner = Flaky(down=3)
     client = wrap(inner)
     assert asyncio.run(client.score(["a", "b"])) == "scores of ['a', 'b']"
-    assert inner.calls == [["a", "b"]] * 4 and client.repeated == 3
+    assert inner.calls == [["a", "b"]] * 4 and client.retries.repeated["reward"] == 3
+    # Not bounded by pipeline.retries (2): a stateless role is waited for by time alone.
+    assert client.retries.state.counts.retries == 0
     assert client.active_labels() == ["a:1"]  # the rest of the client is the inner one's
 
 
