@@ -72,7 +72,7 @@ class Sample:
     # the model's tokens, False on the observations between its turns; None: all the model's.
     loss_mask: torch.Tensor | None = None
     episode: EpisodeStats | None = None  # multi-turn samples: what the conversation did
-    # Partial rollouts (`coordinator/partial.py`): int64 [R], the policy version that generated each
+    # The rollout source's episodes (`coordinator/episodes.py`): int64 [R], the policy version that generated each
     # token (policy_version is the oldest); None: all of them policy_version's.
     token_versions: torch.Tensor | None = None
 
@@ -95,7 +95,7 @@ class Continuation:
     """A conversation to continue by one assistant turn (multi-turn rollouts, `actor/turns.py`): its
     tokens so far exactly as generated, and the environment's answer to render and append. Or, with
     `resume_from` > 0 and no observation, a response cut at a token budget to generate on
-    (partial rollouts, `coordinator/partial.py`): it began at `context_ids[resume_from]`."""
+    (partial rollouts, `coordinator/source.py`): it began at `context_ids[resume_from]`."""
 
     context_ids: torch.Tensor           # int64 [C]
     observation: list[dict[str, str]]   # {role, content} messages, at least one unless resuming

@@ -2,7 +2,7 @@
 
 `coordinator.json` holds the run's position: after step `step`, the KL coefficient the next step
 uses, the data position, the pipeline's counts, and the groups partial rollouts carry into the next
-step (`partial.py`) without their tensors. Those (each unfinished response's prompt and response
+step (`source.py`) without their tensors. Those (each unfinished response's prompt and response
 ids, rollout logprobs and the policy version of each token) go to `carried.safetensors` beside it,
 as tensors: at 4k-token responses, JSON lists of floats were megabytes of text a step.
 

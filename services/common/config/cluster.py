@@ -23,7 +23,7 @@ class CoordinatorSection(Endpoint):
 
 
 class PartialRolloutsSection(_Section):
-    """Partial rollouts (docs/algorithms.md, "The long tail"; `coordinator/partial.py`)."""
+    """Partial rollouts (docs/algorithms.md, "The long tail"; the rollout source, `coordinator/source.py`)."""
 
     enabled: bool = Field(False, description="sync mode: a step generates at most token_budget tokens of each "
                           "response; responses cut there are carried into the next step and generated on by its "
