@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import time
 from collections import defaultdict
@@ -82,6 +83,7 @@ class _Tracked:
         if not asyncio.iscoroutinefunction(attr):
             return attr
 
+        @functools.wraps(attr)  # keeps the method's name: the retry policy's messages name it
         async def timed(*args, **kwargs):
             with self._timing(name):
                 return await attr(*args, **kwargs)

@@ -133,6 +133,7 @@ class Retries:
             log.warning("%s.%s failed (%s); the %s holds no training state: sending it again once it answers, for up "
                         "to %g s (%s)", role, name, exc, role, self.stateless_wait_s, key)
         self.repeated[role] = self.repeated.get(role, 0) + 1
+        self.state.counts.retries += 1
         await asyncio.sleep(self.poll_s)
 
     async def _same_process(self, role: str) -> None:

@@ -143,7 +143,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
                 status.state = RunState.STOPPED
                 return status
             return _failed(status, exc)
-        scaling.client = roles.reward.inner
+        scaling.client = roles.reward
         try:
             logger = run_logger(cfg, progress)
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot start (W&B without a login, say)

@@ -45,8 +45,8 @@ def test_a_transient_failure_is_repeated_and_counted():
     state = CoordinatorState(step=3, kl_coef=0.0)
     roles = wrapped(state, actor=Flaky(2, last_step=3), reward=Flaky(1))
     assert asyncio.run(roles.actor.update(4)) == "update 4" and asyncio.run(roles.reward.update(1)) == "update 1"
-    # The reward's repeat is its own policy's (reward.restart_wait_s, test_stateless.py), not counted here.
-    assert state.counts.retries == 2
+    # The reward's repeat is bounded by its own wait (reward.restart_wait_s, test_stateless.py); counted too.
+    assert state.counts.retries == 3
 
 
 def test_past_the_retries_the_call_fails_with_its_error():

@@ -107,10 +107,13 @@ def test_a_failed_call_is_retried_and_no_sample_is_lost_or_trained_twice(make_co
 
 
 def test_a_call_that_keeps_failing_ends_the_run_with_its_error(make_config):
-    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.retries=1", "train.total_steps=3",
+    """A reward that stays away past reward.restart_wait_s (a trainer: past pipeline.retries)."""
+    from rolefleet.common.errors import FailedPrecondition
+
+    cfg = make_config("algorithm=grpo", "pipeline.mode=async", "reward.restart_wait_s=1", "train.total_steps=3",
                       "train.samples_per_prompt=2")
-    with pytest.raises(Unavailable, match="restarting"):
-        run(cfg, SlowReward(RewardCore(cfg.reward), fail=frozenset(range(2, 100))))
+    with pytest.raises(FailedPrecondition, match=r"reward role has not answered score for 1 s \(reward.restart_wait_s\)"):
+        run(cfg, SlowReward(RewardCore(cfg.reward), fail=frozenset(range(2, 1000))))
 
 
 def test_backpressure_keeps_the_actor_from_running_ahead_of_a_slow_reward(make_config):

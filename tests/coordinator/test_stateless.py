@@ -51,8 +51,8 @@ def test_a_call_to_a_role_that_went_away_is_repeated_once_it_answers():
     client = wrap(inner)
     assert asyncio.run(client.score(["a", "b"])) == "scores of ['a', 'b']"
     assert inner.calls == [["a", "b"]] * 4 and client.retries.repeated["reward"] == 3
-    # Not bounded by pipeline.retries (2): a stateless role is waited for by time alone.
-    assert client.retries.state.counts.retries == 0
+    # Not bounded by pipeline.retries (2): a stateless role is waited for by time alone; counted.
+    assert client.retries.state.counts.retries == 3
     assert client.active_labels() == ["a:1"]  # the rest of the client is the inner one's
 
 
