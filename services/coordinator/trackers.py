@@ -79,7 +79,7 @@ class MlflowTracker:
     def __init__(self, out_dir: Path, run_name: str, project: str, config: dict[str, Any], mlflow_uri: str | None,
                  **_: Any):
         from mlflow import MlflowClient  # optional dependency
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param  # the same optional dependency
 
         self._metric = Metric
 

@@ -279,3 +279,29 @@ def test_with_dynamic_sampling_past_max_batches_the_step_trains_what_finished():
     assert first.stats["dynamic/batches"] == 2 and first.stats["dynamic/kept_groups"] == 0
     assert sorted({s.group_id for s in first.samples}) == [3, 4, 5]
     assert state.counts.refill_batches == 1 and state.counts.dropped_groups == 6
+
+
+def test_carried_responses_of_a_version_2_checkpoint_go_on_as_episodes():
+    """A checkpoint written before carried responses were episodes (state version 2: no `done`, no
+    mask): a response that ended is read as ended, an open one goes on."""
+    import json
+
+    lengths = lambda g, k: 10 if (g, k) == (1, 1) else 3  # noqa: E731
+    cfg, actor, rollouts = setup(lengths)
+    _, state = steps(rollouts, actor, 1)
+    with tempfile.TemporaryDirectory() as directory:
+        write_state(Path(directory), state, Path.write_bytes)
+        path = Path(directory) / "coordinator.json"
+        doc = json.loads(path.read_text())
+        doc["version"] = 2
+        for group in doc["carried"]:
+            group["responses"] = [{k: r[k] for k in ("sample_index", "finish_reason", "text", "carries", "full")}
+                                  for r in group["responses"]]
+        path.write_text(json.dumps(doc))
+        saved = read_state(Path(directory))
+    assert [r.done for r in saved.carried[0].responses] == [None, None]
+    (second, third), _ = steps(sampler(cfg, actor), actor, 2, saved)
+    (long,) = [s for s in third.samples if (s.group_id, s.sample_index) == (1, 1)]
+    assert long.token_versions.tolist() == [0] * 4 + [1] * 4 + [2] * 2
+    (short,) = [s for s in third.samples if (s.group_id, s.sample_index) == (1, 0)]
+    assert short.response_ids.tolist() == [100, 10, STOP]  # ended at step 1: not generated on
