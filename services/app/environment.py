@@ -69,7 +69,9 @@ def python() -> str:
 
 
 def os_platform() -> str:
-    return platform.platform()
+    # Not platform.platform(): on Linux it runs `uname -p` in a subprocess for the processor name.
+    u = os.uname()
+    return f"{u.sysname}-{u.release}-{u.machine}"
 
 
 def torch_version() -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def test_a_missing_driver_and_a_broken_probe_are_values_not_failures(capsys, mon
     def broken():
         raise OSError("no platform here")
 
-    monkeypatch.setattr(platform, "platform", broken)
+    monkeypatch.setattr(os, "uname", broken)
     rows = env_rows(capsys)
     assert rows["nvidia driver"].startswith("no NVIDIA driver (ModuleNotFoundError: ")
     assert "pynvml" in rows["nvidia driver"]
