@@ -130,7 +130,7 @@ class RolloutSource:
             await self._round(groups, step, index, sampling_for(self.cfg, index), rounds,
                               fresh=index + batches if decision is Next.REFILL else None)
             batches += decision is Next.REFILL
-        done = self._keep_open(groups, index + batches - 1)
+        done = self._keep_open(groups, index + batches - 1, trained=index + batches - 1)
         generate_s = spent("generate", start + (kept.score_s if kept else 0.0))  # scoring is its own phase
         if kept is None:
             records, samples = self._samples(done)
@@ -170,7 +170,7 @@ class RolloutSource:
         while self._next(groups, None, 1, state, step) is not Next.TRAIN:
             rounds += 1
             await self._round(groups, step, index, sampling, rounds, on_finished=stream)
-        done = self._keep_open(groups, index)
+        done = self._keep_open(groups, index, trained=state.batches_used)
         if self.carrying:
             records, streamed = self._samples(done)
             on_samples(records, streamed)
@@ -184,8 +184,6 @@ class RolloutSource:
         """What a checkpoint after `batches_used` data batches carries: the episodes open after the
         last of them was generated (async mode generates further ahead; a resumed run generates
         those batches again)."""
-        for old in [i for i in self._after if i < batches_used]:
-            del self._after[old]
         return self._after.get(batches_used, [])
 
     # --- the stages ----------------------------------------------------------------------------------
@@ -256,13 +254,16 @@ class RolloutSource:
         scores = await self.reward.score(score_items(records, samples))
         kept.add(Rollout(step, records, samples, to_batch(samples), 0.0), scores, spent("score", start), drawn=False)
 
-    def _keep_open(self, groups: list[Group], last_batch: int) -> list[Group]:
+    def _keep_open(self, groups: list[Group], last_batch: int, trained: int) -> list[Group]:
         """The groups that ended; the others carried into the next step (their open episodes counted
-        as carried once more), and kept for a checkpoint after data batch `last_batch`."""
+        as carried once more), and kept for a checkpoint after data batch `last_batch`, beside those
+        of the batches after `trained` (the newest a checkpoint can be taken after)."""
         self.carried = [g for g in groups if not g.finished]
         for g in self.carried:
             for e in g.episodes:
                 e.carries += not e.done
+        for old in [i for i in self._after if i < trained]:
+            del self._after[old]
         self._after[last_batch] = [_to_saved(g) for g in self.carried]
         return [g for g in groups if g.finished]
 
