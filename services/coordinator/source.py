@@ -116,7 +116,7 @@ class RolloutSource:
         kept = KeptGroups(self.cfg, trim=not self.carrying) if self.cfg.train.dynamic_sampling.enabled else None
         groups, batches, rounds, scored = self._carried(state), 1, 1, set()
         version = self.known_version()
-        await self._round(groups, step, index, sampling_for(self.cfg, index), 1, fresh=index)
+        await self._round(groups, step, sampling_for(self.cfg, index), 1, fresh=index)
         while True:
             if kept is not None and (new := [g for g in groups if g.finished and id(g) not in scored]):
                 scored.update(map(id, new))
@@ -127,7 +127,7 @@ class RolloutSource:
             if decision is Next.TRAIN:
                 break
             rounds += 1
-            await self._round(groups, step, index, sampling_for(self.cfg, index), rounds,
+            await self._round(groups, step, sampling_for(self.cfg, index), rounds,
                               fresh=index + batches if decision is Next.REFILL else None)
             batches += decision is Next.REFILL
         done = self._keep_open(groups, index + batches - 1, trained=index + batches - 1)
@@ -165,11 +165,11 @@ class RolloutSource:
 
         # Without carrying, a batch's samples are scored as they end; with it, as their groups end.
         stream = None if self.carrying else ended
-        await self._round(groups, step, index, sampling, 1, fresh=index, records=records, on_finished=stream)
+        await self._round(groups, step, sampling, 1, fresh=index, records=records, on_finished=stream)
         rounds = 1
         while self._next(groups, None, 1, state, step) is not Next.TRAIN:
             rounds += 1
-            await self._round(groups, step, index, sampling, rounds, on_finished=stream)
+            await self._round(groups, step, sampling, rounds, on_finished=stream)
         done = self._keep_open(groups, index, trained=state.batches_used)
         if self.carrying:
             records, streamed = self._samples(done)
@@ -188,7 +188,7 @@ class RolloutSource:
 
     # --- the stages ----------------------------------------------------------------------------------
 
-    async def _round(self, groups: list[Group], step: int, index: int, sampling: SamplingParams, round_: int,
+    async def _round(self, groups: list[Group], step: int, sampling: SamplingParams, round_: int,
                      fresh: int | None = None, records: list[PromptRecord] | None = None,
                      on_finished: Callable[[list[Episode]], None] | None = None) -> None:
         """One round: the open episodes generated on (each by the budget, or to its end where it
