@@ -162,6 +162,8 @@ class EpisodeStage:
         # Multi-turn only: a single turn has no environment to answer it, and no limit but its own.
         self.env = reward if self.max_turns > 1 else None
         self.max_observation_bytes = cfg.actor.max_prompt_bytes  # what the actor takes in one observation
+        # What the actor takes in one request: open episodes of several steps can outnumber a batch.
+        self.max_sequences, self.max_tokens = cfg.actor.max_sequences_per_request, cfg.actor.max_tokens_per_request
         self.env_s = 0.0  # seconds spent waiting for the environment (the step's timing/env_s)
 
     @property
@@ -210,13 +212,14 @@ class EpisodeStage:
         if not open_:
             return
         sampling = self.for_turns(sampling)
-        requests: dict[tuple[bool, int], list[Episode]] = {}
+        by_kind: dict[tuple[bool, int], list[Episode]] = {}
         for e in open_:
             limit = e.room if (a := allowance(e)) is None else min(a, e.room)
-            requests.setdefault((e.turn_open, limit), []).append(e)
+            by_kind.setdefault((e.turn_open, limit), []).append(e)
+        requests = [(kind, part) for kind, group in by_kind.items() for part in self._within_limits(group, kind[1])]
         answers = await asyncio.gather(*(self._pieces(group, sampling, round_, limit, resumed)
-                                         for (resumed, limit), group in requests.items()))
-        for ((resumed, _), group), pieces in zip(requests.items(), answers):
+                                         for (resumed, limit), group in requests))
+        for ((resumed, _), group), pieces in zip(requests, answers):
             for e, piece in zip(group, pieces):
                 observation = piece.prompt_ids[len(e.context):] if not resumed else torch.zeros(0, dtype=torch.int64)
                 # The observation fills the episode's tokens, or the model's positions (the actor's
@@ -244,6 +247,20 @@ class EpisodeStage:
         pieces = await self.actor.generate([], replace(sampling, n=1, seed=seed, max_new_tokens=limit), 0,
                                            continuations)
         return sorted(pieces, key=lambda s: s.prompt_index)
+
+    def _within_limits(self, group: list[Episode], limit: int) -> list[list[Episode]]:
+        """`group` in requests the actor takes: at most actor.max_sequences_per_request episodes and
+        actor.max_tokens_per_request of context and new tokens each."""
+        parts: list[list[Episode]] = [[]]
+        used = 0
+        for e in group:
+            size = len(e.first.prompt_ids) + len(e.response) + limit
+            if parts[-1] and (len(parts[-1]) >= self.max_sequences or used + size > self.max_tokens):
+                parts.append([])
+                used = 0
+            parts[-1].append(e)
+            used += size
+        return parts
 
     def _settled(self, e: Episode, allowance: int | None) -> Episode:
         """Whether its last piece ended it: the turn hit its limit (not only the allowance), or the

@@ -305,3 +305,11 @@ def test_carried_responses_of_a_version_2_checkpoint_go_on_as_episodes():
     assert long.token_versions.tolist() == [0] * 4 + [1] * 4 + [2] * 2
     (short,) = [s for s in third.samples if (s.group_id, s.sample_index) == (1, 0)]
     assert short.response_ids.tolist() == [100, 10, STOP]  # ended at step 1: not generated on
+
+
+def test_carried_responses_go_out_in_requests_the_actor_takes():
+    """Open responses of several steps outnumber a request's limit: they go in several requests."""
+    cfg, actor, rollouts = setup(lambda g, k: 12, "actor.max_sequences_per_request=4")
+    steps(rollouts, actor, 3)
+    assert max(n for _, n, _ in actor.calls) <= 4 and any(n == 4 for _, n, _ in actor.calls)
+    assert sum(n for _, n, _ in actor.calls) > 4  # more open responses than one request takes
