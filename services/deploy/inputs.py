@@ -46,6 +46,9 @@ def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
     inputs = [Input(f"{key}.path", _local_data(key, section), "file") for key, section in (("data", cfg.data),
                                                                                             ("eval", cfg.eval))
               if section.path]
+    # ... and the files of the user's tools (data.tools): it builds their schemas from the source.
+    inputs += [Input(f"data.tools.{i}", entry.rpartition(":")[0], "file") for i, entry in enumerate(cfg.data.tools)
+               if ":" in entry]
     if role in MODEL_KEYS:  # the trainer roles: each loads its own models (weights and tokenizer)
         inputs += [Input(key, _get(cfg, key), "model") for key in MODEL_KEYS[role]]
     elif role == "coordinator":
@@ -85,16 +88,22 @@ def _get(cfg: RoleFleetConfig, key: str) -> str:
 def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
     """key=<path> for every input of `inside` ({key: where a container sees it}): what a deployment
     passes a role so that it reads each model and file at its path in the container. Code keeps its
-    `:function`; reward sources are a list, which an override sets whole, with every path and
-    tokenizer rewritten."""
-    overrides, sources = [], {}
+    `:function`; reward sources and data.tools are lists, which an override sets whole, with every
+    path and tokenizer rewritten."""
+    overrides, sources, tools = [], {}, {}
     for key, path in inside.items():
         if key.startswith("reward.sources."):
             sources[key] = path
+        elif key.startswith("data.tools."):
+            tools[int(key.rpartition(".")[2])] = path
         elif key == "reward.env.path":
             overrides.append(f"{key}={path}:{cfg.reward.env.path.rpartition(':')[2]}")
         else:
             overrides.append(f"{key}={path}")
+    if tools:
+        entries = [f"{tools[i]}:{entry.rpartition(':')[2]}" if i in tools else entry
+                   for i, entry in enumerate(cfg.data.tools)]
+        overrides.append("data.tools=" + json.dumps(entries, separators=(",", ":")))
     if sources:
         entries = []
         for i, source in enumerate(cfg.reward.sources):

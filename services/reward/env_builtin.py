@@ -19,38 +19,53 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rolefleet.reward.env_tools import TOOLS, ToolCall, parse_tool_calls
+from rolefleet.reward.env_tools import TOOLS, ToolCall, ToolResult, parse_tool_calls
+from rolefleet.reward.user_tools import load_user_tools, run_user_tool
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def tools(prompt: str, messages: list[dict], ground_truth: str, extra: dict, *,
-          tools: tuple[str, ...] = ("calculator", "python"), python_timeout_s: float = 5.0,
-          max_output_chars: int = 2000) -> dict:
+          tools: tuple[str, ...] = ("calculator", "python"), user_tools: tuple[str, ...] = (),
+          python_timeout_s: float = 5.0, tool_timeout_s: float = 5.0, max_output_chars: int = 2000) -> dict:
     """Tool calling: each `<tool_call>` of the last assistant turn runs and its result comes back as
     a `tool` message; a turn without tool calls is the model's answer and ends the episode. A
     malformed call, an unknown tool and a failed or timed-out tool answer with an error message,
-    which the model reads like any result (and which the metrics count)."""
+    which the model reads like any result (and which the metrics count). `user_tools`: the user's
+    functions of data.tools (path/to/file.py:function), each call under `tool_timeout_s`; one named
+    like a built-in takes its place."""
     calls = parse_tool_calls(messages[-1]["content"])
     if not calls:
         return {"observation": None, "done": True}
+    users = load_user_tools(user_tools)
+    names = [*(t for t in tools if t not in users), *users]
     observation, errors, timeouts = [], 0, 0
     for call in calls:
         if isinstance(call, str):
-            result, error, timed_out = f"error: {call}", True, False
+            r = ToolResult(f"error: {call}", True)
+        elif call.name in users:
+            r = run_user_tool(users[call.name], call.arguments, tool_timeout_s, max_output_chars)
         elif call.name not in tools:
-            result, error, timed_out = f"error: unknown tool {call.name!r}; tools: {', '.join(tools)}", True, False
+            r = ToolResult(f"error: unknown tool {call.name!r}; tools: {', '.join(names)}", True)
         else:
             r = _run(call, python_timeout_s, max_output_chars)
-            result, error, timed_out = r.content, r.error, r.timed_out
-        errors += error
-        timeouts += timed_out
-        observation.append({"role": "tool", "content": result})
+        errors += r.error
+        timeouts += r.timed_out
+        observation.append({"role": "tool", "content": r.content})
     return {"observation": observation, "done": False, "tool_calls": len(calls), "tool_errors": errors,
             "tool_timeouts": timeouts}
 
 
-def _run(call: ToolCall, python_timeout_s: float, max_output_chars: int):
+def _prepare_tools(*, user_tools: tuple[str, ...] = (), **_options) -> None:
+    """Import the user's tools as the worker starts: a file that cannot be imported fails the
+    reward role's start, naming it, rather than every call of the run."""
+    load_user_tools(user_tools)
+
+
+tools.prepare = _prepare_tools  # called by the sandbox worker with the options, when it loads `tools`
+
+
+def _run(call: ToolCall, python_timeout_s: float, max_output_chars: int) -> ToolResult:
     if call.name == "python":
         return TOOLS["python"](call.arguments, python_timeout_s, max_output_chars)
     return TOOLS[call.name](call.arguments)

@@ -27,9 +27,17 @@ SECTION = "reward.env"
 def env_target(cfg: EnvSection) -> Target:
     """What the workers import: a built-in of `env_builtin`, or the user file's function."""
     if cfg.name:
-        return Target("module", "rolefleet.reward.env_builtin", cfg.name, dict(cfg.options))
+        options = dict(cfg.options)
+        if cfg.name == "tools" and cfg.user_tools:
+            options["user_tools"] = [_resolved(entry) for entry in cfg.user_tools]
+        return Target("module", "rolefleet.reward.env_builtin", cfg.name, options)
     file, _, fn = cfg.path.rpartition(":")
     return Target("file", str(Path(file).resolve()), fn)
+
+
+def _resolved(entry: str) -> str:
+    file, _, fn = entry.rpartition(":")
+    return f"{Path(file).resolve()}:{fn}"
 
 
 class Environment:

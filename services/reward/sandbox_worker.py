@@ -213,7 +213,10 @@ def serve(conn: Connection) -> int:
 def _load_target(functions: dict, key: str, target: tuple, memory_mb: int) -> str | None:
     kind, where, attr, options = target
     try:
-        functions[key] = (load(kind, where, attr), options)
+        fn = load(kind, where, attr)
+        if kind == "module" and callable(prepare := getattr(fn, "prepare", None)):
+            prepare(**options)  # a built-in that loads what its options name (the tools environment's user tools)
+        functions[key] = (fn, options)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported to the server, which names the source
         error = one_line(f"{type(exc).__name__}: {exc}")
         # The address-space limit shows as a MemoryError, or as a shared library that cannot be mapped.

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rolefleet.reward.env_tools import TOOL_SCHEMAS
+from rolefleet.reward.tool_schema import ToolSchemaError
+from rolefleet.reward.tool_schema import tool_schemas as _tool_schemas
 from rolefleet.tasks import DataError, PromptRecord
 from rolefleet.tasks.files import Messages, RawPrompt
 
@@ -55,8 +56,9 @@ class PromptRenderer:
 
     def __init__(self, tokenizer: Any, model: str, *, chat_template: bool, max_tokens: Optional[int] = None,
                  overlong: str = "filter", tools: Sequence[str] = ()):
-        """`tools`: names of built-in tools (`data.tools`) whose schemas go to the chat template as
-        `tools=`; a template that ignores them gets them described in a system message instead."""
+        """`tools`: `data.tools` (built-in names, path/to/file.py:function of the user's), whose
+        schemas go to the chat template as `tools=`; a template that ignores them gets them described
+        in a system message instead."""
         if overlong not in OVERLONG:
             raise ValueError(f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG)}")
         if chat_template and getattr(tokenizer, "chat_template", None) is None:
@@ -152,9 +154,13 @@ class PromptRenderer:
         return self.tokenizer.decode(ids[drop:]) if drop < len(ids) else None
 
 
-def tool_schemas(names: Sequence[str]) -> list[dict]:
-    """The JSON schemas (chat-template `tools=` form) of built-in tools, by name."""
-    return [TOOL_SCHEMAS[n] for n in names]
+def tool_schemas(entries: Sequence[str], key: str = "data.tools") -> list[dict]:
+    """The JSON schemas (chat-template `tools=` form) of `data.tools`: built-in tools by name, the
+    user's from their functions (path/to/file.py:function). DataError naming the entry."""
+    try:
+        return _tool_schemas(list(entries), key)
+    except ToolSchemaError as e:
+        raise DataError(str(e)) from None
 
 
 def with_tools_described(messages: list[dict], tools: list[dict]) -> list[dict]:

@@ -211,6 +211,8 @@ def read_in_container(service: dict, item: Input) -> Path | None:
         _, _, index, field = item.key.split(".")
         path = json.loads(values["reward.sources"])[int(index)][field].rpartition(":")
         path = path[0] if field == "path" and path[0] else path[2]
+    elif item.key.startswith("data.tools."):
+        path = json.loads(values["data.tools"])[int(item.key.rpartition(".")[2])].rpartition(":")[0]
     else:
         path = values[item.key].rpartition(":")[0] if item.key == "reward.env.path" else values[item.key]
     return host_path(service, path)
@@ -261,6 +263,22 @@ def test_models_data_eval_and_code_reach_only_the_roles_that_read_them(tmp_path)
     assert "$$" in json.dumps(services["reward"]["command"])  # compose passes a literal $ on
     assert critic["critic.model_name_or_path"] == "/models/value"
     assert command_values(services["coordinator"])["actor.model_name_or_path"] == "/models/policy"
+
+
+def test_user_tool_files_reach_every_role_and_data_tools_points_inside(tmp_path):
+    """Every role validates the whole config, and that builds the user tools' schemas from their
+    files; the reward role runs them. The override keeps built-ins and each tool's :function."""
+    (tmp_path / "glossary.py").write_text("def lookup(word: str) -> str:\n    return word\n")
+    overrides = [f"data.tools=[calculator, {tmp_path}/glossary.py:lookup]", "reward.env.name=tools",
+                 "actor.rollout.max_turns=2"]
+    cfg = load_config(REPO / CONFIG, overrides)
+    services = yaml.safe_load(render_compose(cfg, CONFIG, overrides))["services"]
+    for role in cfg.roles():
+        items = [i for i in role_inputs(cfg, role) if i.key.startswith("data.tools")]
+        assert items == [Input("data.tools.1", f"{tmp_path}/glossary.py", "file")], role
+        assert f"{tmp_path}:/inputs/0:ro" in services[role]["volumes"], role
+        assert json.loads(command_values(services[role])["data.tools"]) == ["calculator", "/inputs/0/glossary.py:lookup"]
+        assert read_in_container(services[role], items[0]) == tmp_path / "glossary.py"
 
 
 def test_an_override_of_a_key_compose_owns_is_refused_and_others_reach_every_service():

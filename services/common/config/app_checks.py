@@ -1,4 +1,4 @@
-"""The checks that need modules above the config: the built-in tasks and prompt sources
+"""The checks that need modules above the config: the built-in tasks, prompt sources and tools
 (rolefleet.tasks) and the built-in reward functions (rolefleet.reward.functions).
 
 `common/` sits below them (rolefleet.tasks imports ConfigError from here), so they are imported
@@ -27,6 +27,14 @@ def check_source(path: str, fmt: Optional[str], split: str, key: str) -> str:
     from rolefleet.tasks.files import check_source  # import cycle: as known_task's
 
     return check_source(path, fmt, split, key)
+
+
+def check_tools(entries: list[str], key: str) -> None:
+    """Each tool `key` names is a built-in or a function whose schema can be built (ValueError
+    naming the entry, `data.tools[1]: ...`)."""
+    from rolefleet.tasks.render import tool_schemas  # import cycle: as known_task's
+
+    tool_schemas(entries, key)
 
 
 def reward_function_names() -> list[str]:

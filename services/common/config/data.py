@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from rolefleet.common.config.app_checks import check_source, known_task
+from rolefleet.common.config.app_checks import check_source, check_tools, known_task
 from rolefleet.common.config.base import MIN_TEMPERATURE, _Section
 from rolefleet.common.config.paths import ExpandedPath
 
@@ -42,9 +42,11 @@ class DataSection(_Section):
                                             "extra; default: every column but the prompt and answer ones")
     chat_template: Optional[bool] = Field(None, description="render prompts with the tokenizer chat template "
                                           "of the actor's model; default: when the prompts are chat messages")
-    tools: list[Literal["calculator", "python"]] = Field(default_factory=list, description="tools shown to the "
-                                                         "model: passed as `tools=` to the chat template (multi-turn "
-                                                         "rollouts with reward.env.name=tools; docs/environments.md)")
+    tools: list[ExpandedPath] = Field(default_factory=list, description="tools shown to the model, passed as "
+                                      "`tools=` to the chat template: built-ins (calculator, python) and functions "
+                                      "of your own, path/to/file.py:function (their schema from the signature and "
+                                      "docstring; run by reward.env.name=tools in the reward role's sandbox); "
+                                      "docs/environments.md")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="prompt length limit in tokens, after "
                                              "the chat template; default: none")
     overlong: Literal["filter", "truncate", "error"] = Field(
@@ -55,12 +57,18 @@ class DataSection(_Section):
 
     _task = field_validator("task")(lambda cls, v: known_task(v))
 
+    @property
+    def user_tools(self) -> list[str]:
+        """The entries of `tools` that are functions of the user's (path/to/file.py:function)."""
+        return [t for t in self.tools if ":" in t]
+
     @model_validator(mode="after")
     def _one_source(self) -> DataSection:
         if not self.task and not self.path:
             raise ValueError("set data.task or data.path")
         if self.path:
             check_source(self.path, self.format, self.split, "data")  # before any role loads a model
+        check_tools(self.tools, "data.tools")  # the files read, not run: a schema is built from the source
         if self.tools and self.chat_template is False:
             raise ValueError("data.tools are rendered by the chat template: data.chat_template must not be false")
         if self.prompt_key == self.answer_key:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from rolefleet.common.config.app_checks import check_reward_options, known_reward_function, reward_function_names
 from rolefleet.common.config.base import Endpoint, _Section
@@ -49,9 +49,22 @@ class EnvSection(_Section):
                              "built-in tools: calculator, python")
         return self
 
+    # The user tools of data.tools (path/to/file.py:function), which the `tools` environment runs
+    # besides its built-ins: set from the whole config (RoleFleetConfig), not a key of this section,
+    # so that they are declared once, where the model is shown them.
+    _user_tools: tuple[str, ...] = PrivateAttr(default=())
+
     @property
     def enabled(self) -> bool:
         return bool(self.name or self.path)
+
+    @property
+    def user_tools(self) -> tuple[str, ...]:
+        return self._user_tools
+
+    def run_user_tools(self, entries: list[str]) -> EnvSection:
+        self._user_tools = tuple(entries)
+        return self
 
 
 class RewardSection(Endpoint):

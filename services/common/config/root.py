@@ -86,6 +86,8 @@ class RoleFleetConfig(_Section):
         if rollout.max_turns > 1 and not self.reward.env.enabled:
             raise ValueError("actor.rollout.max_turns > 1 needs an environment to answer the turns: set "
                              "reward.env.name (tools, feedback) or reward.env.path")
+        # The tools environment runs the user tools the model is shown: they are declared once, in data.tools.
+        self.reward.env.run_user_tools(self.data.user_tools)
         if rollout.max_total_tokens is None:
             rollout.max_total_tokens = rollout.max_turns * self.sampling.max_new_tokens
         overlong, cap = self.train.overlong, self.episode_cap
