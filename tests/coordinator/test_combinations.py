@@ -198,3 +198,32 @@ def test_partial_rollouts_carry_a_conversation_between_steps_and_through_a_check
                                                                       for s in group1]
     # The first turn was resumed where the budget cut it: nothing asked for again.
     assert (0, [True, True], 2) in actor.calls
+
+
+def test_overlong_shaping_measures_a_conversation_against_its_cap():
+    """Multi-turn with the overlong penalty: a conversation is measured whole (turns and
+    observations) against `actor.rollout.max_total_tokens`, not a turn against max_new_tokens."""
+    from rolefleet.coordinator.targets import shaped_scores, truncated
+    from rolefleet.reward.types import ScoreResult
+
+    class Flat(TwoTurnEnv):
+        async def score(self, items):
+            total = torch.zeros(len(items))
+            return ScoreResult(total, {"flat": total.clone()}, [""] * len(items))
+
+    cfg = parse_config({"model": {"model_name_or_path": "m"}, "algorithm": "grpo",
+                        "data": {"task": "addition", "size": 64}, "sampling": {"max_new_tokens": 6},
+                        "train": {"prompts_per_step": 2, "samples_per_prompt": 2,
+                                  "overlong": {"mode": "penalty", "buffer_tokens": 4}},
+                        "actor": {"rollout": {"max_turns": 2, "max_total_tokens": 16}},
+                        "reward": {"env": {"name": "tools"}}})
+    assert cfg.episode_cap == 16
+    source = RolloutSource(cfg, TurnActor(), Flat(), PromptDataset.for_run(cfg), lambda: 0)
+    rollout = asyncio.run(source.step(1, CoordinatorState(step=0, kl_coef=0.0)))
+    # Group 0: 3 + 2 + 3 = 8 tokens, clear of the buffer; group 1: 6 + 2 + 6 = 14, inside it (12-16).
+    assert {s.group_id: len(s.response_ids) for s in rollout.samples} == {0: 8, 1: 14}
+    scores = asyncio.run(Flat().score([None] * len(rollout.samples))).total
+    shaped, _, stats = shaped_scores(cfg.train, cfg.episode_cap, rollout.batch, scores, truncated(rollout.samples))
+    by_group = {s.group_id: float(v) for s, v in zip(rollout.samples, shaped)}
+    assert by_group == {0: 0.0, 1: pytest.approx(-0.5)}  # (16 - 4 - 14) / 4
+    assert stats["overlong/shaped_fraction"] == 0.5
