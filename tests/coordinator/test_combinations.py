@@ -26,6 +26,8 @@ from rolefleet.critic.core import CriticCore
 from rolefleet.reward.client import InProcessRewardClient
 from rolefleet.reward.core import RewardCore
 from rolefleet.reward.types import EnvOutcome
+from tests.coordinator.test_partial import steps
+from tests.coordinator.test_pipeline import recording
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,13 +43,7 @@ def run_async(cfg, reward=None):
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     pipeline = Pipeline(cfg, Roles(actor, reward or InProcessRewardClient(RewardCore(cfg.reward)), critic), logger,
                         RunStatus(cfg.run.name, cfg.train.total_steps))
-    trained, run_step = [], pipeline.body.run
-
-    async def recording(step, rollout, **kwargs):
-        trained.append(rollout)
-        return await run_step(step, rollout, **kwargs)
-
-    pipeline.body.run = recording
+    trained = recording(pipeline)
     asyncio.run(pipeline.run())
     logger.close()
     return pipeline, trained, logger.records
@@ -151,16 +147,6 @@ def multi_turn_source(actor):
                         "actor": {"rollout": {"max_turns": 2, "max_total_tokens": 20}}, "reward": {"env": {"name": "tools"}},
                         "pipeline": {"max_staleness": 2, "partial_rollouts": {"enabled": True, "token_budget": 4}}})
     return RolloutSource(cfg, actor, TwoTurnEnv(), PromptDataset.for_run(cfg), lambda: actor.version)
-
-
-def steps(source, actor, n, state=None):
-    state = state or CoordinatorState(step=0, kl_coef=0.0)
-    out = []
-    for step in range(state.step + 1, state.step + n + 1):
-        out.append(asyncio.run(source.step(step, state)))
-        state.step, actor.version = step, actor.version + 1
-    state.carried = source.saved(state.batches_used)
-    return out, state
 
 
 def test_partial_rollouts_carry_a_conversation_between_steps_and_through_a_checkpoint():

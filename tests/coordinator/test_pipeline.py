@@ -72,6 +72,18 @@ def run(cfg, reward):
     return pipeline, actor, logger.records
 
 
+def recording(pipeline) -> list:
+    """The rollouts the pipeline's steps train, in order, as they run."""
+    trained, run_step = [], pipeline.body.run
+
+    async def run(step, rollout, **kwargs):
+        trained.append(rollout)
+        return await run_step(step, rollout, **kwargs)
+
+    pipeline.body.run = run
+    return trained
+
+
 def every_sample_once(cfg, pipeline):
     n, prompts = cfg.train.samples_per_prompt, cfg.train.prompts_per_step
     assert len(pipeline.trained) == len(set(pipeline.trained)) == cfg.train.total_steps * prompts * n
@@ -294,13 +306,7 @@ def test_dynamic_sampling_in_async_mode_trains_only_informative_groups_and_refil
     logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
     pipeline = Pipeline(cfg, Roles(actor, ParityReward(RewardCore(cfg.reward), delay_s=delay), critic), logger,
                         RunStatus(cfg.run.name, cfg.train.total_steps))
-    trained, run_step = [], pipeline.body.run
-
-    async def recording(step, rollout, **kwargs):
-        trained.append(rollout)
-        return await run_step(step, rollout, **kwargs)
-
-    pipeline.body.run = recording
+    trained = recording(pipeline)
     asyncio.run(pipeline.run())
     logger.close()
     records = logger.records
