@@ -213,3 +213,32 @@ def test_overlong_shaping_measures_a_conversation_against_its_cap():
     by_group = {s.group_id: float(v) for s, v in zip(rollout.samples, shaped)}
     assert by_group == {0: 0.0, 1: pytest.approx(-0.5)}  # (16 - 4 - 14) / 4
     assert stats["overlong/shaped_fraction"] == 0.5
+
+
+def test_an_async_run_with_partial_rollouts_resumes_its_carried_episodes(make_config, tmp_path):
+    """Stopped after step 1 of an async run with partial rollouts, the checkpoint holds the episodes
+    open after batch 1 was generated (not those of the batches generated ahead); the resumed run
+    trains them, every sample once, within the bound."""
+    import json
+
+    from rolefleet.coordinator.journal import Journal
+    from tests.coordinator.test_checkpoints import run
+
+    common = ("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=2", "train.total_steps=5",
+              "checkpoint.every=1", "train.samples_per_prompt=2", "sampling.max_new_tokens=12",
+              "pipeline.partial_rollouts.enabled=true", "pipeline.partial_rollouts.token_budget=2")
+    cfg = make_config(*common, f"run.output_dir={tmp_path / 'run'}")
+    run(cfg, stop_after=1)
+    saved = json.loads((cfg.run.out / "checkpoints" / "step-00000001" / "coordinator.json").read_text())
+    carried = {g["group_id"] for g in saved.get("carried", [])}
+    assert carried and all(g["batch"] == 1 for g in saved["carried"])  # batch 1's open groups, none ahead
+    status, _, _ = run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})}))
+    assert status.state.name == "FINISHED"
+    with Journal(cfg.run.out / "journal.sqlite") as journal:
+        ids = journal.trained_sample_ids()
+    assert len(ids) == len(set(ids))  # no sample trained twice across the stop
+    trained_groups = {i >> 20 for i in ids}
+    assert carried <= trained_groups  # the carried groups went on and were trained after the resume
+    records = [json.loads(line) for line in (cfg.run.out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "step" in r and r["step"] > 0] == [1, 2, 3, 4, 5]
+    assert all(r["pipeline/version_lag/max"] <= 2 for r in records if "pipeline/version_lag/max" in r)
