@@ -1,4 +1,4 @@
-"""`rolefleet env`: what a bug report needs to say about this machine (as `trl env` does): RoleFleet
+"""`rolefleet env`: what a bug report needs to say about this machine: RoleFleet
 and the stack's versions, the GPUs and their driver, whether NCCL, flash-attention kernels and vLLM
 can run here, the rollout engine `actor.rollout.backend: auto` would pick, and where the installed
 versions differ from the tested GPU install's pins (constraints/gpu-h200.txt in a checkout).

@@ -60,7 +60,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_env(args) -> int:
-    """The report a bug needs (as `trl env`): every probe is guarded, so a broken install still exits 0."""
+    """The report a bug needs: every probe is guarded, so a broken install still exits 0."""
     rows = environment.report()
     print(environment.as_json(rows) if args.json else environment.as_text(rows))
     return 0
