@@ -91,6 +91,10 @@ class Episode:
         return torch.cat([self.first.prompt_ids, self.response])
 
     @property
+    def context_tokens(self) -> int:
+        return len(self.first.prompt_ids) + len(self.response)
+
+    @property
     def turn_tokens(self) -> int:
         return len(self.response) - self.turn_from
 
@@ -200,7 +204,7 @@ class EpisodeStage:
             episodes = [self._begin(p, turns, allowance)
                         for p in await self.actor.generate(prompts, first, first_group_id)]
         episodes.sort(key=lambda e: (e.first.prompt_index, e.first.sample_index))
-        await self._answer(records, episodes, on_finished, already=stream)
+        await self._answer(lambda e: records[e.first.prompt_index], episodes, on_finished, already=stream)
         return episodes
 
     async def advance(self, records: Callable[[Episode], PromptRecord], episodes: list[Episode],
@@ -221,7 +225,7 @@ class EpisodeStage:
                                          for (resumed, limit), group in requests))
         for ((resumed, _), group), pieces in zip(requests, answers):
             for e, piece in zip(group, pieces):
-                observation = piece.prompt_ids[len(e.context):] if not resumed else torch.zeros(0, dtype=torch.int64)
+                observation = piece.prompt_ids[e.context_tokens:] if not resumed else torch.zeros(0, dtype=torch.int64)
                 # The observation fills the episode's tokens, or the model's positions (the actor's
                 # empty piece): the episode ends before it.
                 if len(e.response) + len(observation) >= e.limit or not len(piece.response_ids):
@@ -254,7 +258,7 @@ class EpisodeStage:
         parts: list[list[Episode]] = [[]]
         used = 0
         for e in group:
-            size = len(e.first.prompt_ids) + len(e.response) + limit
+            size = e.context_tokens + limit
             if parts[-1] and (len(parts[-1]) >= self.max_sequences or used + size > self.max_tokens):
                 parts.append([])
                 used = 0
@@ -275,11 +279,11 @@ class EpisodeStage:
             e.done = True  # a turn at its limit is no finished message for the environment to answer
         return e
 
-    async def _answer(self, records, episodes: list[Episode], on_finished, already: bool = False) -> None:
+    async def _answer(self, record_of: Callable[[Episode], PromptRecord], episodes: list[Episode],
+                      on_finished: Callable[[list[Episode]], None] | None, already: bool = False) -> None:
         """2. The environment's answer to each episode's finished turn; episodes at their turn or
         token limit end. Those that ended are handed to `on_finished` (`already`: those that had
         ended before this were handed on)."""
-        record_of = records if callable(records) else (lambda e: records[e.first.prompt_index])  # a batch's list
         ended_before = {id(e) for e in episodes if e.done} if already else set()
         if self.env is not None and (asked := [e for e in episodes if not e.done and not e.turn_open]):
             await self._environment(record_of, asked)
