@@ -152,14 +152,17 @@ class Pipeline(Schedule):
         takes (`KeptGroups`). Each batch beyond the first is counted as the step's before it is
         waited for, which lets the generate stage start it (its staleness and end-of-run checks
         count batches per step)."""
-        kept = KeptGroups(self.cfg)
+        # Groups that ended with carried episodes cannot wait for a later step: none is trimmed.
+        kept = KeptGroups(self.cfg, trim=not self.body.source.carrying)
         while True:
             rollout = await self._next_batch()
             if rollout is None:  # dropped past the bound: its replacement is counted already
                 continue
             kept.add(rollout, rollout.reward, rollout.score_s)
             if kept.done:
-                return kept.rollout(step, self.state.counts)
+                joined = kept.rollout(step, self.state.counts)
+                joined.stats.update(self.body.source.joined_stats(joined, [b for b, _, _ in kept.kept], step))
+                return joined
             async with self.changed:
                 self.state.counts.refill_batches += 1
                 self.changed.notify_all()

@@ -180,6 +180,14 @@ class RolloutSource:
             rollout.stats = _stats(streamed, trains_at(self.cfg, step), len(done), self.carried, rounds)
         return rollout
 
+    def joined_stats(self, rollout: Rollout, parts: list[Rollout], step: int) -> dict[str, float]:
+        """The `partial/*` entries of step `step`'s rollout joined from several batches (async mode's
+        dynamic sampling): of its samples, over the rounds of every batch it took groups from."""
+        if not self.carrying:
+            return {}
+        rounds = int(sum(p.stats.get("partial/rounds", 0.0) for p in parts))
+        return _stats(rollout.samples, trains_at(self.cfg, step), len(rollout.records), self.carried, rounds)
+
     def saved(self, batches_used: int) -> list[CarriedGroup]:
         """What a checkpoint after `batches_used` data batches carries: the episodes open after the
         last of them was generated (async mode generates further ahead; a resumed run generates
