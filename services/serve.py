@@ -183,8 +183,9 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
     core, add_servicers = ROLE_BUILDERS[role](cfg, group)
     progress.report("opening its ports")
     handle = await start_server(role, section, add_servicers, security)
+    front = await front_door(role, cfg, core, security)
     if ready_file:
-        write_ready_file(ready_file, handle)
+        write_ready_file(ready_file, handle, **({"endpoint_port": front.port} if front else {}))
     progress.report("serving")
     gpu_sampler = GpuSampler.start_for(role, node_devices(cfg, role, 0))  # None without NVIDIA GPUs
     watch = asyncio.ensure_future(handle.report_broken(lambda: core.status().broken))  # noqa: RUF006 - until exit
@@ -198,8 +199,25 @@ async def serve_role(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] 
 
     await serve_until_stopped(handle, close=close)
     watch.cancel()
+    if front is not None:
+        await front.stop()
     log.info("%s stopped", role)
     return 0
+
+
+async def front_door(role: str, cfg: RoleFleetConfig, core, security: Security):
+    """The actor's OpenAI-compatible endpoint where agents drive episodes (actor.endpoint), else None."""
+    if role != "actor" or not cfg.actor.endpoint.enabled:
+        return None
+    from rolefleet.actor.openai_api import start_endpoint  # the actor's process alone: as in _actor
+
+    ep = cfg.actor.endpoint
+    try:
+        server = await start_endpoint(core, cfg, cfg.security.tls, security.token)
+    except OSError as exc:
+        raise StartupError(busy_port_error(role, "endpoint", ep.host, ep.port, exc)) from None
+    progress.report(f"OpenAI-compatible endpoint on {server.scheme}://{server.host}:{server.port}")
+    return server
 
 
 def run(role: str, cfg: RoleFleetConfig, ready_file: Optional[str] = None, node_rank: int = 0) -> int:

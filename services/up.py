@@ -265,7 +265,8 @@ class Supervisor:
         old.close_logs()
         ports = old.ports() or {}
         same_ports = [f"{role}.{key}={ports[name]}" for key, name in
-                      (("port", "grpc_port"), ("metrics_port", "metrics_port"), ("http_port", "http_port"))
+                      (("port", "grpc_port"), ("metrics_port", "metrics_port"), ("http_port", "http_port"),
+                       ("endpoint.port", "endpoint_port"))
                       if name in ports]
         resume = ["run.resume=true"] if role == "coordinator" else []
         self.start(role, [*self.overrides[role], *same_ports, *resume], log_to_file=old.log_file is not None)
@@ -321,6 +322,12 @@ def with_run_token(cfg: RoleFleetConfig) -> tuple[RoleFleetConfig, Optional[Path
     return cfg.model_copy(update={"security": s.model_copy(update={"token_file": str(path)})}), path
 
 
+def endpoint_url(cfg: RoleFleetConfig, port: int) -> str:
+    """The base URL of the actor's endpoint as this machine dials it."""
+    scheme = "https" if cfg.security.tls.enabled else "http"
+    return f"{scheme}://{dial_host(cfg.actor.endpoint.host)}:{port}"
+
+
 def up(cfg: RoleFleetConfig) -> int:
     """Run the whole cluster locally. Returns the coordinator's exit code."""
     # `rolefleet up` has chosen the devices already; a caller of its own not.
@@ -349,7 +356,10 @@ def up(cfg: RoleFleetConfig) -> int:
                 print(f"rolefleet: every role refuses calls without the run's token, made for this run in "
                       f"{out / RUN_TOKEN_FILE} (readable by you alone); `rolefleet status --run {out}` "
                       "presents it", flush=True)
-            sup.start("coordinator", [f"{role}.address={a}" for role, a in addresses.items()], log_to_file=False)
+            endpoint = [f"actor.endpoint.url={endpoint_url(cfg, ports['actor']['endpoint_port'])}"
+                        ] if "endpoint_port" in ports.get("actor", {}) and not cfg.actor.endpoint.url else []
+            sup.start("coordinator", [f"{role}.address={a}" for role, a in addresses.items()] + endpoint,
+                      log_to_file=False)
             return sup.watch("coordinator")
         finally:
             sup.stop_all()

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from rolefleet.actor import wire
-from rolefleet.actor.types import ActorUpdateResult, Continuation, LogProbs, PolicyTargets, Sample, SamplingParams
+from rolefleet.actor.types import (
+    ActorUpdateResult,
+    Continuation,
+    LogProbs,
+    PolicyTargets,
+    Sample,
+    SamplingParams,
+    Trajectory,
+)
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import error_from_rpc
 from rolefleet.common.pb import actor_pb2, actor_pb2_grpc
@@ -37,6 +45,12 @@ class ActorClient(Protocol):
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                      temperature: float) -> ActorUpdateResult: ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
+    async def open_sessions(self, ids: list[str], sampling: SamplingParams) -> list[str]:
+        """Sessions of the OpenAI-compatible endpoint, one per agent-driven episode; their keys."""
+        ...
+    async def close_sessions(self, ids: list[str]) -> list[Trajectory]:
+        """The sessions' trajectories, in order; the sessions are gone afterwards."""
+        ...
     async def save_checkpoint(self, step: int, path: str, background: bool = False) -> CheckpointInfo: ...
     async def load_checkpoint(self, path: str) -> CheckpointInfo: ...
     async def close(self) -> None: ...
@@ -58,6 +72,12 @@ class InProcessActorClient(InProcessTrainerClient):
 
     async def update(self, step, policy_version, batch, targets, temperature):
         return await asyncio.to_thread(self.core.update, step, policy_version, batch, targets, temperature)
+
+    async def open_sessions(self, ids, sampling):
+        return self.core.open_sessions(ids, sampling)
+
+    async def close_sessions(self, ids):
+        return self.core.close_sessions(ids)
 
 
 
@@ -87,3 +107,13 @@ class GrpcActorClient(GrpcTrainerClient):
         request = actor_pb2.ActorUpdateRequest(step=step, policy_version=policy_version, batch=batch.to_proto(),
                                                temperature=temperature, **wire.policy_targets_to_proto(targets))
         return wire.update_result_from_proto(await call(self.stub.Update(request, timeout=self.timeout_s)))
+
+    async def open_sessions(self, ids, sampling):
+        request = actor_pb2.OpenSessionsRequest(session_ids=ids, sampling=wire.sampling_to_proto(sampling))
+        return list((await call(self.stub.OpenSessions(request, timeout=self.timeout_s))).keys)
+
+    async def close_sessions(self, ids):
+        response = await call(self.stub.CloseSessions(actor_pb2.CloseSessionsRequest(session_ids=ids),
+                                                      timeout=self.timeout_s))
+        return [wire.trajectory_from_proto(t) for t in response.trajectories]
+

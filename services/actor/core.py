@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.actor.sessions import SessionLimits, SessionStore
 from rolefleet.actor.turns import TurnRenderer, check_observation, whole_responses, with_no_room
 from rolefleet.actor.types import (
     SAMPLES_PER_GROUP_LIMIT,
@@ -22,6 +23,7 @@ from rolefleet.actor.types import (
     PolicyTargets,
     Sample,
     SamplingParams,
+    Trajectory,
     with_ids,
 )
 from rolefleet.actor.worker import ROLE, ActorWorker
@@ -68,6 +70,22 @@ class ActorCore(TrainerRole):
         metrics.MODEL_VERSION.labels(ROLE).set(0)
         self._engine_said = ""
         self.rollout_engine()
+        # The endpoint's sessions (actor/openai_api.py); kept here, where the coordinator opens and closes them.
+        self.sessions = SessionStore(self.tokenizer, SessionLimits(
+            cfg.endpoint.max_sessions, cfg.rollout.max_total_tokens or cfg.rollout.max_turns * 4096,
+            cfg.rollout.max_turns, cfg.endpoint.session_timeout_s), self.generate_positions)
+
+    # --- the endpoint's sessions ---------------------------------------------------------------------
+
+    def open_sessions(self, ids: list[str], sampling: SamplingParams) -> list[str]:
+        """Sessions for agent-driven episodes, sampling with the run's `sampling` (every turn ends at
+        the chat template's end-of-turn token); their keys."""
+        if not ids:
+            raise InvalidArgument("session_ids", "no sessions given")
+        return self.sessions.open(ids, replace(sampling, n=1, seed=-1, stop_at_end_of_turn=True))
+
+    def close_sessions(self, ids: list[str]) -> list[Trajectory]:
+        return self.sessions.close(ids)
 
     # --- rollouts ---------------------------------------------------------------------------------
 

@@ -56,6 +56,19 @@ class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):
         return wire.update_result_to_proto(result)
 
 
+    @rpc
+    async def OpenSessions(self, request: actor_pb2.OpenSessionsRequest, context):
+        if not request.HasField("sampling"):
+            raise InvalidArgument("sampling", "required")
+        keys = self.core.open_sessions(list(request.session_ids), wire.sampling_from_proto(request.sampling))
+        return actor_pb2.OpenSessionsResponse(keys=keys)
+
+    @rpc
+    async def CloseSessions(self, request: actor_pb2.CloseSessionsRequest, context):
+        trajectories = self.core.close_sessions(list(request.session_ids))
+        return actor_pb2.CloseSessionsResponse(trajectories=[wire.trajectory_to_proto(t) for t in trajectories])
+
+
 def add_to_server(core: ActorCore, server: grpc.aio.Server) -> list[str]:
     actor_pb2_grpc.add_ActorServiceServicer_to_server(ActorServicer(core), server)
     return [actor_pb2.DESCRIPTOR.services_by_name["ActorService"].full_name]

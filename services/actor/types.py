@@ -137,3 +137,20 @@ class ActorUpdateResult(UpdateResult):
     metrics. A replay of the newest step returns them too; of an older one, not."""
 
     logprobs: LogProbs | None = None
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """What a closed session trains as (no turns: the agent never asked for a completion)."""
+
+    session_id: str
+    prompt_ids: torch.Tensor            # int64 [P]
+    response_ids: torch.Tensor          # int64 [R]
+    logprobs: torch.Tensor              # float32 [R] (0 on rendered messages)
+    versions: torch.Tensor              # int64 [R]
+    own: torch.Tensor                   # bool [R]: the model's tokens
+    finish_reason: FinishReason
+    turns: int
+    last_text: str                      # the text of its last completion
+    error: str = ""                     # why there is nothing to train ("" when there is)
+    tool_calls: int = 0                 # function calls its completions made

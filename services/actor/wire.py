@@ -12,6 +12,7 @@ from rolefleet.actor.types import (
     PolicyTargets,
     Sample,
     SamplingParams,
+    Trajectory,
 )
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
@@ -118,3 +119,23 @@ def policy_targets_from_proto(m: actor_pb2.ActorUpdateRequest, batch: SequenceBa
         ref_logprobs=optional("ref_logprobs"),
         rollout_logprobs=optional("rollout_logprobs"),
     )
+
+
+def trajectory_to_proto(t: Trajectory) -> actor_pb2.Trajectory:
+    return actor_pb2.Trajectory(
+        session_id=t.session_id, prompt_ids=codec.encode(t.prompt_ids), response_ids=codec.encode(t.response_ids),
+        logprobs=codec.encode(t.logprobs), versions=codec.encode(t.versions), own=codec.encode(t.own),
+        finish_reason=int(t.finish_reason), turns=t.turns, last_text=t.last_text, error=t.error,
+        tool_calls=t.tool_calls)
+
+
+def trajectory_from_proto(m: actor_pb2.Trajectory) -> Trajectory:
+    field = f"trajectories[{m.session_id}]"
+    return Trajectory(
+        m.session_id, codec.decode_as(m.prompt_ids, f"{field}.prompt_ids", torch.int64, 1),
+        codec.decode_as(m.response_ids, f"{field}.response_ids", torch.int64, 1),
+        codec.decode_as(m.logprobs, f"{field}.logprobs", torch.float32, 1),
+        codec.decode_as(m.versions, f"{field}.versions", torch.int64, 1),
+        codec.decode_as(m.own, f"{field}.own", torch.bool, 1),
+        FinishReason(m.finish_reason) if m.finish_reason else FinishReason.LENGTH, m.turns, m.last_text, m.error,
+        m.tool_calls)

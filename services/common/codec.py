@@ -90,7 +90,8 @@ def decode(msg: common_pb2.Tensor, field: str) -> torch.Tensor:
 
 
 def decode_as(msg: common_pb2.Tensor, field: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    """Decode and require a dtype family and rank: float fields accept any float dtype."""
+    """Decode and require a dtype family and rank: float fields accept any float dtype, integer
+    fields any integer dtype, bool fields bool alone."""
     tensor = decode(msg, field)
     if tensor.dim() != ndim:
         raise InvalidArgument(f"{field}.shape", f"expected {ndim} dimension(s), got shape {list(tensor.shape)}")
@@ -98,6 +99,10 @@ def decode_as(msg: common_pb2.Tensor, field: str, dtype: torch.dtype, ndim: int)
         if not tensor.dtype.is_floating_point:
             raise InvalidArgument(f"{field}.dtype", f"expected a float dtype, got {msg.dtype}")
         return tensor.to(dtype)
+    if dtype == torch.bool:
+        if tensor.dtype != torch.bool:
+            raise InvalidArgument(f"{field}.dtype", f"expected bool, got {msg.dtype}")
+        return tensor
     if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
         raise InvalidArgument(f"{field}.dtype", f"expected an integer dtype, got {msg.dtype}")
     return tensor.to(dtype)

@@ -37,6 +37,10 @@ SAMPLES_SCORED = Counter("rolefleet_samples_scored", "Samples scored by the rewa
 REWARD_ERRORS = Counter("rolefleet_reward_errors", "Samples a reward source could not score (an exception, a "
                         "timeout, a crashed worker, a non-number, NaN or inf): they got reward.fallback_score",
                         ["role", "function"])
+ENDPOINT_REQUESTS = Counter("rolefleet_endpoint_requests", "Chat completion requests of the actor's "
+                            "OpenAI-compatible endpoint, by HTTP status", ["role", "status"])
+ENDPOINT_SESSIONS = Gauge("rolefleet_endpoint_sessions", "Sessions (agent-driven episodes) open on the actor's "
+                          "endpoint", ["role"])
 STAGE_SECONDS = Counter(
     "rolefleet_stage_busy_seconds", "Time the coordinator spent in each step phase", ["role", "stage"]
 )

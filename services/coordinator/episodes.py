@@ -152,7 +152,7 @@ class Episode:
         return replace(self.first, prompt_index=self.first.prompt_index if prompt_index is None else prompt_index,
                        response_ids=self.response, logprobs=self.logprobs, finish_reason=self.last.finish_reason,
                        response_text=self.last.response_text, policy_version=self.oldest_version,
-                       loss_mask=self.own if self.turns > 1 else None, episode=stats,
+                       loss_mask=None if bool(self.own.all()) else self.own, episode=stats,
                        token_versions=self.versions)
 
 

@@ -23,7 +23,7 @@ from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.algos import pass_at_k
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.coordinator.data import PromptDataset
-from rolefleet.coordinator.episodes import episode_metrics
+from rolefleet.coordinator.episodes import episode_metrics, with_env_rewards
 from rolefleet.reward.types import ScoreItem, ScoreResult
 from rolefleet.tasks import PromptRecord
 
@@ -83,6 +83,7 @@ class Evaluator:
         result: ScoreResult = await score([ScoreItem(self.records[s.prompt_index].prompt, s.response_text,
                                                      self.records[s.prompt_index].ground_truth,
                                                      self.records[s.prompt_index].extra) for s in samples])
+        result = with_env_rewards(result, samples)  # what an environment or agent rewarded
         record = eval_record(samples, result, len(self.records), self.sampling.n, self.cfg.eval.pass_threshold)
         record["eval/train_overlap"] = float(self.overlap)
         record["eval/time_s"] = time.perf_counter() - start

@@ -5,13 +5,9 @@ pause, resume and stop, reward replicas added and removed. OpenAPI schema at /op
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -19,11 +15,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
-from rolefleet.common.config import TlsSection
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.coordinator.scaling import RewardScaling
 from rolefleet.coordinator.state import ControlError, RunState, RunStatus
 from rolefleet.rpc.auth import AUTH_REFUSED, HEADER, token_matches
+from rolefleet.rpc.http_server import HttpServer as HttpControlPlane  # noqa: F401 - the coordinator's server
 from rolefleet.rpc.roles import check_health, fetch_status
 
 STATES = tuple(s.name for s in RunState)
@@ -208,42 +204,3 @@ async def _status(role: str, address: str) -> dict[str, Any]:
         return {"error": str(exc)}
     return {"devices": s.devices, "workers": s.workers, "model_version": s.model_version,
             "last_step": s.last_step, "broken": s.broken, "engine": s.engine}
-
-
-class _Server(uvicorn.Server):
-    """uvicorn inside the coordinator's loop: the coordinator owns the process's signals (SIGTERM
-    stops the run in order), so uvicorn must not install its own handlers."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-class HttpControlPlane:
-    """The app bound to `host:port` (0: a free port, known once bound) and served as a task; over
-    TLS with `tls` (the coordinator's certificate; mutual TLS asks each client for one of the CA's)."""
-
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsSection | None = None):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))  # OSError when taken: the caller reports it
-        self.host, self.port = host, self.socket.getsockname()[1]
-        self.scheme = "https" if tls is not None and tls.enabled else "http"
-        self.server = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                             **_uvicorn_tls(tls)))
-        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-control-plane")
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
-        self.socket.close()
-
-
-def _uvicorn_tls(tls: TlsSection | None) -> dict[str, Any]:
-    if tls is None or not tls.enabled:
-        return {}
-    files = tls.paths("coordinator")
-    mutual = {"ssl_ca_certs": files["ca_file"], "ssl_cert_reqs": ssl.CERT_REQUIRED} if tls.mutual else {}
-    return {"ssl_certfile": files["cert_file"], "ssl_keyfile": files["key_file"], **mutual}

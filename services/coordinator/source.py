@@ -44,6 +44,7 @@ from rolefleet.actor.client import ActorClient
 from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, FinishReason, Sample, SamplingParams
 from rolefleet.common.config import RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
+from rolefleet.coordinator.agents import AgentStage
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.dynamic import KeptGroups
 from rolefleet.coordinator.episodes import Episode, EpisodeStage
@@ -97,7 +98,8 @@ class RolloutSource:
         """`known_version()`: the newest policy version the coordinator knows the actor holds (it
         generates with that one or a newer)."""
         self.cfg, self.reward, self.dataset, self.known_version = cfg, reward, dataset, known_version
-        self.stage = EpisodeStage(cfg, actor, reward)
+        # The episodes: the coordinator's rounds, or the user's agents driving the actor's endpoint.
+        self.stage = AgentStage(cfg, actor, reward) if cfg.reward.agent.enabled else EpisodeStage(cfg, actor, reward)
         partial = cfg.pipeline.partial_rollouts
         self.budget = partial.token_budget if partial.enabled else None  # None: nothing is carried
         self.carried: list[Group] | None = None  # read from the state at first use (a resumed run's)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -11,7 +12,7 @@ from rolefleet.common import codec
 from rolefleet.common.errors import RoleFleetError
 from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.common.role_types import RoleStatus
-from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreItem, ScoreResult
+from rolefleet.reward.types import AgentItem, AgentOutcome, EnvItem, EnvOutcome, ScoreItem, ScoreResult
 from rolefleet.rpc.roles import GrpcRoleClient, call
 
 if TYPE_CHECKING:  # clients depend on types and stubs only: the coordinator never loads a model library
@@ -22,6 +23,9 @@ class RewardClient(Protocol):
     async def score(self, items: list[ScoreItem]) -> ScoreResult: ...
     async def step(self, items: list[EnvItem]) -> list[EnvOutcome]:
         """The environment's answer to each conversation's last assistant turn (multi-turn rollouts)."""
+        ...
+    async def run_agents(self, items: list[AgentItem]) -> list[AgentOutcome]:
+        """Each episode's agent run to its end (reward.agent): its reward, or why it has none."""
         ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
     async def close(self) -> None: ...
@@ -36,6 +40,9 @@ class InProcessRewardClient:
 
     async def step(self, items: list[EnvItem]) -> list[EnvOutcome]:
         return await asyncio.to_thread(self.core.step, items)
+
+    async def run_agents(self, items: list[AgentItem]) -> list[AgentOutcome]:
+        return await asyncio.to_thread(self.core.run_agents, items)
 
     async def status(self, include_digest=False):
         return self.core.status(include_digest)
@@ -69,6 +76,19 @@ class GrpcRewardClient(GrpcRoleClient):
             raise RoleFleetError(f"reward server answered {len(response.outcomes)} environment outcomes for "
                                  f"{len(items)} conversations")
         return [outcome_from_proto(o) for o in response.outcomes]
+
+
+    async def run_agents(self, items: list[AgentItem]) -> list[AgentOutcome]:
+        request = reward_pb2.RunAgentsRequest(items=[
+            reward_pb2.AgentItem(base_url=i.base_url, key=i.key, prompt_json=json.dumps(i.prompt),
+                                 ground_truth=i.ground_truth, extra_json=ScoreItem("", "", "", i.extra).extra_json())
+            for i in items])
+        # An episode runs up to reward.agent.timeout_s: no shorter deadline than the role's own.
+        response = await call(self.stub.RunAgents(request, timeout=None))
+        if len(response.outcomes) != len(items):
+            raise RoleFleetError(f"reward server answered {len(response.outcomes)} agent outcomes for {len(items)} "
+                                 "episodes")
+        return [AgentOutcome(o.reward, o.error) for o in response.outcomes]
 
 
 def outcome_from_proto(o: reward_pb2.EnvStepOutcome) -> EnvOutcome:

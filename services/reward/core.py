@@ -13,12 +13,13 @@ from rolefleet.common import metrics
 from rolefleet.common.config import RewardSection
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.role_types import RoleStatus
+from rolefleet.reward.agents import Agents
 from rolefleet.reward.definition import definition_digest
 from rolefleet.reward.environments import KEY as ENV_KEY
 from rolefleet.reward.environments import Environment
 from rolefleet.reward.sandbox_worker import FLOAT32_MAX, Outcome
 from rolefleet.reward.sources import Source, build_sources
-from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreItem, ScoreResult
+from rolefleet.reward.types import AgentItem, AgentOutcome, EnvItem, EnvOutcome, ScoreItem, ScoreResult
 
 ROLE = "reward"
 log = logging.getLogger(__name__)
@@ -35,9 +36,12 @@ class RewardCore:
         self.cfg = cfg
         self.version = definition_digest(cfg)
         self.sources, self.pool = build_sources(cfg)
+        self.env: Environment | None = None
+        self.agents: Agents | None = None
         try:
             # Multi-turn rollouts' environment: its own worker pool, limits and metrics.
             self.env = Environment(cfg.env) if cfg.env.enabled else None
+            self.agents = Agents(cfg.agent) if cfg.agent.enabled else None
         except BaseException:
             self._close_sources()
             raise
@@ -72,7 +76,17 @@ class RewardCore:
                 raise InvalidArgument(f"items[{i}].messages", "must end with the assistant turn to answer")
         return self.env.step(items)
 
-    def _check_sizes(self, items: list[ScoreItem] | list[EnvItem]) -> None:
+    def run_agents(self, items: list[AgentItem]) -> list[AgentOutcome]:
+        """Each episode's agent run to its end (`reward.agent`): its reward, or why it has none."""
+        if self.agents is None:
+            raise FailedPrecondition("this reward server runs no agent: set reward.agent.path")
+        self._check_sizes(items)
+        for i, item in enumerate(items):
+            if not item.base_url.startswith(("http://", "https://")):
+                raise InvalidArgument(f"items[{i}].base_url", "must be an http(s) URL")
+        return self.agents.run(items)
+
+    def _check_sizes(self, items: list[ScoreItem] | list[EnvItem] | list[AgentItem]) -> None:
         if not items:
             raise InvalidArgument("items", "no items to score")
         if len(items) > self.cfg.max_items_per_request:
@@ -102,6 +116,8 @@ class RewardCore:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if self.env is not None:
             self.env.close()
+        if self.agents is not None:
+            self.agents.close()
         self._close_sources()
 
     def _close_sources(self) -> None:

@@ -48,6 +48,12 @@ def exact_match(prompt: str, response: str, ground_truth: str, extra: dict) -> f
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
+@REWARD_FUNCTIONS.register("none")
+def no_reward(prompt: str, response: str, ground_truth: str, extra: dict) -> float:
+    """0 for every sample: the reward comes from elsewhere (an agent's, an environment's)."""
+    return 0.0
+
+
 @REWARD_FUNCTIONS.register("numeric_match")
 def numeric_match(prompt: str, response: str, ground_truth: str, extra: dict) -> float:
     """1.0 when the first number in the response equals the ground-truth number, else 0.0."""

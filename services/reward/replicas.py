@@ -95,16 +95,23 @@ class ReplicatedRewardClient:
         """The environment's answers (`RewardClient.step`), the items spread over the replicas like a
         Score's; a shard whose replica fails transiently goes to the next one (no hedging: an
         environment's turn may run tools, which are not worth running twice)."""
+        return await self._spread(items, lambda client, part: client.step(part), "Step")
+
+    async def run_agents(self, items: list):
+        """The agents' episodes (`RewardClient.run_agents`), spread as `step`'s."""
+        return await self._spread(items, lambda client, part: client.run_agents(part), "RunAgents")
+
+    async def _spread(self, items: list, method, name: str) -> list:
         async def shard(part: list, first: int) -> list:
             reasons = []
             for index in [first, *(i for i in self._by_preference(self._live()) if i != first)]:
                 try:
                     self.calls[index] += 1
-                    return await self.clients[index].step(part)
+                    return await method(self.clients[index], part)
                 except TRANSIENT as exc:
                     self._mark_down(index, exc)
                     reasons.append(f"replica {index}: {exc}")
-            raise Unavailable(f"no reward replica answered Step ({'; '.join(reasons)})")
+            raise Unavailable(f"no reward replica answered {name} ({'; '.join(reasons)})")
 
         parts = await asyncio.gather(*(shard(items[a:b], first) for a, b, first in self._shards(len(items))))
         return [outcome for part in parts for outcome in part]

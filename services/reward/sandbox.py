@@ -38,6 +38,7 @@ START_TIMEOUT_S = 120.0
 # Parts per worker a list of single-sample calls is cut into: small enough that a slow sample
 # does not hold up many others, large enough that each part is one message, not one per sample.
 PARTS_PER_WORKER = 4
+AGENT_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -240,21 +241,47 @@ class SandboxPool:
         futures = [self._threads.submit(self._run_part, key, part, False, "step") for part in parts]
         return [outcome for f in futures for outcome in f.result()]
 
+    def agents(self, key: str, rows: Sequence[tuple], concurrency: int, timeout_s: float) -> list[Outcome]:
+        """Agent episodes (rows of base_url, key, prompt, ground_truth, extra) in parts of at most
+        `concurrency`, each part run at once by one worker, each episode within `timeout_s`. A
+        worker that does not answer by then (an agent that blocks its loop) is killed: its part's
+        episodes fail, no other."""
+        rows = list(rows)
+        parts = [rows[i:i + concurrency] for i in range(0, len(rows), concurrency)]
+        futures = [self._threads.submit(self._agents_part, key, part, timeout_s) for part in parts]
+        return [outcome for f in futures for outcome in f.result()]
+
+    def _agents_part(self, key: str, rows: list[tuple], timeout_s: float) -> list[Outcome]:
+        slot = self._idle.get()
+        try:
+            slot.ensure(key)
+            slot.send(("agents", key, (rows, timeout_s)))
+            # Each episode ends by its own deadline in the worker; the grace covers the loop's wind-down.
+            return slot.receive(timeout_s + AGENT_GRACE_S)
+        except WorkerFailed as e:
+            return [str(e)] * len(rows)
+        finally:
+            self._give_back(slot)
+
     def _run_part(self, key: str, rows: list[tuple], batched: bool, op: str = "each") -> list[Outcome]:
         slot = self._idle.get()
         try:
             return self._batch(slot, key, rows) if batched else self._each(slot, key, rows, op)
         finally:
-            if slot.proc is None and not self._closed.is_set():
-                # Its worker was killed or died on the last sample: replace it now, between
-                # requests, rather than at the start of the next one.
-                revival = threading.Thread(target=self._revive, args=(slot, sorted(slot.loaded)),
-                                           name="reward-sandbox-revive", daemon=True)
-                with self._lock:  # close() joins those still running
-                    self._revivals = [t for t in self._revivals if t.is_alive()] + [revival]
-                revival.start()
-            else:
-                self._idle.put(slot)
+            self._give_back(slot)
+
+    def _give_back(self, slot: _Slot) -> None:
+        """A slot after a call: idle again, or (its worker gone) revived first."""
+        if slot.proc is None and not self._closed.is_set():
+            # Its worker was killed or died on the last sample: replace it now, between
+            # requests, rather than at the start of the next one.
+            revival = threading.Thread(target=self._revive, args=(slot, sorted(slot.loaded)),
+                                       name="reward-sandbox-revive", daemon=True)
+            with self._lock:  # close() joins those still running
+                self._revivals = [t for t in self._revivals if t.is_alive()] + [revival]
+            revival.start()
+        else:
+            self._idle.put(slot)
 
     def _revive(self, slot: _Slot, keys: list[str]) -> None:
         try:

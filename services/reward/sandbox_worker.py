@@ -15,17 +15,22 @@ Protocol (pickled tuples over a multiprocessing Connection; each request gets it
                     ("batch", key, rows)           one ("ok", [outcome per row] or why none) back
                     ("step", key, rows)            an environment's turn: one ("ok", step dict or why
                                                    none) back per row, as each finishes
+                    ("agents", key, (rows, s))     agent episodes run at once, each within s seconds:
+                                                   one ("ok", [outcome per row]) back
   worker -> server  ("fatal", message)             instead of a reply; the worker exits (MemoryError)
 A row is (prompt, response, ground_truth, extra); an outcome is a float score or a str saying why
 the row has none. An environment's row is (prompt, messages, ground_truth, extra) and its outcome a
-dict checked by `as_step` (or a str saying why there is none). Targets load on request, so a worker that replaces a crashed one loads only what
+dict checked by `as_step` (or a str saying why there is none). An agent's row is (base_url, key,
+prompt, ground_truth, extra) and its outcome the episode's reward (or why there is none). Targets load on request, so a worker that replaces a crashed one loads only what
 the next call needs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 import resource
 import sys
@@ -173,6 +178,34 @@ def call_step(fn: Callable, options: dict, row: tuple, memory_mb: int) -> Union[
         return _raised(exc, memory_mb)
 
 
+def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float, memory_mb: int) -> list[Outcome]:
+    """Agent episodes, all at once in this worker's loop (they spend their time awaiting the
+    endpoint, which batches their turns): each gets an `openai.AsyncOpenAI` client of its session."""
+    if not inspect.iscoroutinefunction(fn):
+        return [f"reward.agent.path must name an `async def` (got {type(fn).__name__})"] * len(rows)
+    # Imported here, in agent workers alone: the reward functions' workers never need it.
+    import openai
+
+    async def episode(row: tuple) -> Outcome:
+        base_url, key, prompt, ground_truth, extra = row
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=2, timeout=timeout_s)
+        try:
+            # From nothing: a repeated call of the same episodes (the role restarted) starts them again.
+            await client.post("/reset", cast_to=object, body={})
+            return as_score(await asyncio.wait_for(fn(client, prompt, ground_truth, extra, **options), timeout_s))
+        except asyncio.TimeoutError:
+            return f"timed out after {timeout_s:g} s (reward.agent.timeout_s)"
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the agent's failure is this episode's outcome
+            return _raised(exc, memory_mb)
+        finally:
+            await client.close()
+
+    async def every() -> list[Outcome]:
+        return list(await asyncio.gather(*(episode(row) for row in rows)))
+
+    return asyncio.run(every())
+
+
 def _limit_memory(memory_mb: int) -> None:
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
@@ -197,6 +230,10 @@ def serve(conn: Connection) -> int:
         try:
             if op == "load":
                 conn.send(("ok", _load_target(functions, key, targets[key], memory_mb)))
+            elif op == "agents":
+                fn, options = functions[key]
+                agent_rows, timeout_s = rows
+                conn.send(("ok", call_agents(fn, options, agent_rows, timeout_s, memory_mb)))
             elif op == "batch":
                 fn, options = functions[key]  # the server loads a target before it calls it
                 conn.send(("ok", call_batch(fn, options, rows, memory_mb)))

@@ -12,7 +12,7 @@ from rolefleet.common import codec
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import common_pb2, reward_pb2, reward_pb2_grpc
 from rolefleet.reward.core import RewardCore
-from rolefleet.reward.types import EnvItem, EnvOutcome, ScoreItem, ScoreResult
+from rolefleet.reward.types import AgentItem, EnvItem, EnvOutcome, ScoreItem, ScoreResult
 from rolefleet.rpc.server import RoleServicer, rpc
 
 
@@ -36,6 +36,25 @@ class RewardServicer(RoleServicer, reward_pb2_grpc.RewardServiceServicer):
                          _extra(n, i.extra_json)) for n, i in enumerate(request.items)]
         outcomes = await asyncio.to_thread(self.core.step, items)
         return reward_pb2.EnvStepResponse(outcomes=[outcome_to_proto(o) for o in outcomes])
+
+
+    @rpc
+    async def RunAgents(self, request: reward_pb2.RunAgentsRequest, context):
+        items = [AgentItem(i.base_url, i.key, _prompt(n, i.prompt_json), i.ground_truth, _extra(n, i.extra_json))
+                 for n, i in enumerate(request.items)]
+        outcomes = await asyncio.to_thread(self.core.run_agents, items)
+        return reward_pb2.RunAgentsResponse(outcomes=[reward_pb2.AgentOutcome(reward=o.reward, error=o.error)
+                                                      for o in outcomes])
+
+
+def _prompt(index: int, text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidArgument(f"items[{index}].prompt_json", "not JSON") from None
+    if _depth(value) > MAX_EXTRA_DEPTH:
+        raise InvalidArgument(f"items[{index}].prompt_json", f"nested deeper than {MAX_EXTRA_DEPTH} levels")
+    return value
 
 
 def outcome_to_proto(o: EnvOutcome) -> reward_pb2.EnvStepOutcome:

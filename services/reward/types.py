@@ -104,3 +104,27 @@ class EnvOutcome:
     tool_errors: int = 0
     tool_timeouts: int = 0
     error: str = ""
+
+
+@dataclass(frozen=True)
+class AgentItem:
+    """One agent-driven episode: its session of the actor's endpoint and its record."""
+
+    base_url: str                       # the session's OpenAI base URL (.../sessions/<id>/v1)
+    key: str                            # the session's bearer secret
+    prompt: Any                         # the prompt as the dataset gave it: text, or chat messages
+    ground_truth: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def size(self) -> int:
+        texts = (json.dumps(self.prompt), self.ground_truth, ScoreItem("", "", "", self.extra).extra_json())
+        return sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
+
+
+@dataclass(frozen=True)
+class AgentOutcome:
+    """An episode's reward, or why the agent failed on it (`error`; the reward is then 0)."""
+
+    reward: float = 0.0
+    error: str = ""
+

@@ -20,6 +20,13 @@ class PromptRecord:
     prompt: str | list[dict[str, str]]
     ground_truth: str
     extra: dict[str, Any] = field(default_factory=dict)
+    # The prompt as the data gave it, before the template (text or chat messages): what an agent
+    # (reward.agent) is handed to drive its episode with. None: `prompt` is it.
+    original: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def given(self) -> Any:
+        return self.prompt if self.original is None else self.original
 
 
 class DataError(ConfigError):

@@ -69,12 +69,12 @@ class PromptRenderer:
         self.chat_template, self.max_tokens, self.overlong = chat_template, max_tokens, overlong
         self._bos_to_strip = _bos_added_by(tokenizer) if chat_template else None
         self.tools = tool_schemas(tools)
-        self._tools_in_template = bool(self.tools) and chat_template and _template_shows_tools(tokenizer, self.tools)
+        self._tools_in_template = bool(self.tools) and chat_template and template_shows_tools(tokenizer, self.tools)
 
     def render_all(self, prompts: list[RawPrompt]) -> Rendered:
         texts = [self.render(p.prompt, p.where) for p in prompts]
         if self.max_tokens is None:
-            return Rendered([PromptRecord(t, p.ground_truth, p.extra) for t, p in zip(texts, prompts)])
+            return Rendered([PromptRecord(t, p.ground_truth, p.extra, p.prompt) for t, p in zip(texts, prompts)])
         out, too_long = Rendered([]), []
         for p, text, n in zip(prompts, texts, self.count(texts)):
             if n > self.max_tokens:
@@ -86,7 +86,7 @@ class PromptRenderer:
                     out.filtered += 1
                     continue
                 out.truncated += 1
-            out.records.append(PromptRecord(text, p.ground_truth, p.extra))
+            out.records.append(PromptRecord(text, p.ground_truth, p.extra, p.prompt))
         if too_long:
             named = ", ".join(too_long[:_NAMED_OVERLONG]) + (", ..." if len(too_long) > _NAMED_OVERLONG else "")
             raise DataError(f"data.max_prompt_tokens: {len(too_long)} of {len(prompts)} prompts are longer than "
@@ -175,7 +175,7 @@ def with_tools_described(messages: list[dict], tools: list[dict]) -> list[dict]:
     return [{"role": "system", "content": described}, *messages]
 
 
-def _template_shows_tools(tokenizer: Any, tools: list[dict]) -> bool:
+def template_shows_tools(tokenizer: Any, tools: list[dict]) -> bool:
     """Whether the chat template renders `tools=` (its text changes with them)."""
     probe = [{"role": "user", "content": "hi"}]
     try:

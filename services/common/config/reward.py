@@ -67,6 +67,35 @@ class EnvSection(_Section):
         return self
 
 
+class AgentSection(_Section):
+    """Agent code driving episodes through the actor's OpenAI-compatible endpoint, run by the reward
+    role in its own sandbox worker processes (docs/environments.md, "Your own agent")."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: Optional[ExpandedPath] = Field(None, description="path/to/file.py:function, `async def agent(client, "
+                                         "prompt, ground_truth, extra)` given an `openai.AsyncOpenAI` client of "
+                                         "its episode's session, returning the episode's reward (a number)")
+    workers: int = Field(2, ge=1, description="worker processes running agents")
+    concurrency: int = Field(64, ge=1, description="episodes one worker runs at once (its agents await the "
+                             "endpoint together, so the actor generates their turns in one batch)")
+    timeout_s: float = Field(600.0, gt=0, description="deadline of one episode; past it the episode ends with "
+                             "an error (counted) and what it generated is not trained")
+    memory_mb: int = Field(4096, ge=0, description="address-space limit of each agent worker (RLIMIT_AS); 0: none")
+
+    @field_validator("path")
+    @classmethod
+    def _form(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            file, _, fn = v.rpartition(":")
+            if not file or not fn.isidentifier():
+                raise ValueError(f"reward.agent.path {v!r} is not of the form path/to/file.py:function")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+
 class RewardSection(Endpoint):
     class Source(_Section):
         """One entry of `reward.sources`. Keys other than these are options of a built-in function
@@ -151,6 +180,8 @@ class RewardSection(Endpoint):
                                   "seconds; the trainers do not roll back (the reward holds no training state); "
                                   "past it the run fails naming this key")
     env: EnvSection = Field(default_factory=EnvSection, description="the environment of multi-turn rollouts")
+    agent: AgentSection = Field(default_factory=AgentSection, description="agent code driving episodes through "
+                                "the actor's OpenAI-compatible endpoint (instead of an environment)")
     score_delay_s: float = Field(0.0, ge=0, le=600, description="seconds each Score call waits before "
                                  "scoring: a stand-in for a slower reward (a reward model) in benchmarks and tests")
 

@@ -83,9 +83,16 @@ class RoleFleetConfig(_Section):
             raise ValueError("eval.path: evaluation of a run on a prompt file (data.path) needs held-out prompts of "
                              "its own: set eval.path (or eval.task), or eval.every=0")
         rollout = self.actor.rollout
-        if rollout.max_turns > 1 and not self.reward.env.enabled:
+        if self.reward.agent.enabled:
+            if self.reward.env.enabled:
+                raise ValueError("reward.agent drives its episodes itself (it is their environment): set "
+                                 "reward.agent or reward.env, not both")
+            self.actor.endpoint.enabled = True  # the agents' way to the policy
+            if not self.reward.sources and "function" not in self.reward.model_fields_set:
+                self.reward.function = "none"  # the agent's return is the reward; sources may add to it
+        if rollout.max_turns > 1 and not (self.reward.env.enabled or self.reward.agent.enabled):
             raise ValueError("actor.rollout.max_turns > 1 needs an environment to answer the turns: set "
-                             "reward.env.name (tools, feedback) or reward.env.path")
+                             "reward.env.name (tools, feedback) or reward.env.path, or an agent (reward.agent.path)")
         # The tools environment runs the user tools the model is shown: they are declared once, in data.tools.
         self.reward.env.run_user_tools(self.data.user_tools)
         if rollout.max_total_tokens is None:

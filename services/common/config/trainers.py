@@ -239,11 +239,30 @@ class LoraSection(_Section):
 CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
 
 
+class EndpointSection(_Section):
+    """The actor's OpenAI-compatible Chat Completions endpoint (docs/environments.md, "Your own
+    agent"): agent code drives its episodes' sessions through it. On whenever reward.agent is set."""
+
+    enabled: bool = Field(False, description="serve the endpoint (set by reward.agent)")
+    host: str = Field("127.0.0.1", description="interface the endpoint binds (loopback unless set)")
+    port: int = Field(0, ge=0, le=65535, description="its port; 0 picks a free one")
+    url: Optional[str] = Field(None, description="the base URL agents dial (http://actor:8300 in compose); "
+                               "default http://host:port, which `rolefleet up` fills in")
+    max_sessions: int = Field(8192, ge=1, description="sessions open at once (a step's samples, and those of "
+                              "the steps async mode generates ahead)")
+    session_timeout_s: float = Field(3600.0, gt=0, description="a session's life from its opening; past it "
+                                     "its requests are answered 404 and its episode is not trained")
+    max_new_tokens: int = Field(1024, ge=1, description="completion tokens of a request outside any session "
+                                "(a session's turn is bounded by sampling.max_new_tokens and "
+                                "actor.rollout.max_total_tokens)")
+
+
 class ActorSection(_TrainerSection):
     ref_model_name_or_path: Optional[ExpandedPath] = Field(None, description="default: the actor's model")
     lora: LoraSection = Field(default_factory=lambda: LoraSection(), description="low-rank adapters: only "
                               "they train; the reference is the model with them switched off")
     rollout: RolloutSection = Field(default_factory=lambda: RolloutSection())
+    endpoint: EndpointSection = Field(default_factory=lambda: EndpointSection())
     max_prompt_bytes: int = Field(1 << 18, ge=1, description="UTF-8 bytes of one Generate prompt, "
                                   "checked before tokenization")
     ref_offload: bool = Field(False, description="keep the reference model in CPU memory between "

@@ -17,6 +17,58 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class OpenSessionsRequest(_message.Message):
+    __slots__ = ("session_ids", "sampling")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampling: SamplingParams
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class OpenSessionsResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CloseSessionsRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "response_ids", "logprobs", "versions", "own", "finish_reason", "turns", "last_text", "error", "tool_calls")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TEXT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _common_pb2.Tensor
+    response_ids: _common_pb2.Tensor
+    logprobs: _common_pb2.Tensor
+    versions: _common_pb2.Tensor
+    own: _common_pb2.Tensor
+    finish_reason: FinishReason
+    turns: int
+    last_text: str
+    error: str
+    tool_calls: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., versions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., own: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., turns: _Optional[int] = ..., last_text: _Optional[str] = ..., error: _Optional[str] = ..., tool_calls: _Optional[int] = ...) -> None: ...
+
+class CloseSessionsResponse(_message.Message):
+    __slots__ = ("trajectories",)
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    def __init__(self, trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "seed", "stop_token_ids", "stop_at_end_of_turn")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]

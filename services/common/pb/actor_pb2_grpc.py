@@ -65,6 +65,16 @@ class ActorServiceStub:
                 request_serializer=rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.SerializeToString,
                 response_deserializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.OpenSessions = channel.unary_unary(
+                '/rolefleet.v1.ActorService/OpenSessions',
+                request_serializer=rolefleet_dot_v1_dot_actor__pb2.OpenSessionsRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_actor__pb2.OpenSessionsResponse.FromString,
+                _registered_method=True)
+        self.CloseSessions = channel.unary_unary(
+                '/rolefleet.v1.ActorService/CloseSessions',
+                request_serializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class ActorServiceServicer:
@@ -111,6 +121,20 @@ class ActorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSessions(self, request, context):
+        """Sessions of the OpenAI-compatible endpoint (docs/environments.md, "Your own agent"): each is one
+        episode that agent code drives with chat completions; closing one returns its trajectory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ActorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +167,16 @@ def add_ActorServiceServicer_to_server(servicer, server):
                     servicer.LoadCheckpoint,
                     request_deserializer=rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.FromString,
                     response_serializer=rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'OpenSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSessions,
+                    request_deserializer=rolefleet_dot_v1_dot_actor__pb2.OpenSessionsRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_actor__pb2.OpenSessionsResponse.SerializeToString,
+            ),
+            'CloseSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSessions,
+                    request_deserializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +341,60 @@ class ActorService:
             '/rolefleet.v1.ActorService/LoadCheckpoint',
             rolefleet_dot_v1_dot_common__pb2.LoadCheckpointRequest.SerializeToString,
             rolefleet_dot_v1_dot_common__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.ActorService/OpenSessions',
+            rolefleet_dot_v1_dot_actor__pb2.OpenSessionsRequest.SerializeToString,
+            rolefleet_dot_v1_dot_actor__pb2.OpenSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.ActorService/CloseSessions',
+            rolefleet_dot_v1_dot_actor__pb2.CloseSessionsRequest.SerializeToString,
+            rolefleet_dot_v1_dot_actor__pb2.CloseSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,29 +25,37 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/reward.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"t\n\x0b\x45nvStepItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12\x12\n\nextra_json\x18\x03 \x01(\t\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\":\n\x0e\x45nvStepRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.rolefleet.v1.EnvStepItem\"\xc1\x01\n\x0e\x45nvStepOutcome\x12.\n\x0bobservation\x18\x01 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nhas_reward\x18\x03 \x01(\x08\x12\x0e\n\x06reward\x18\x04 \x01(\x02\x12\x12\n\ntool_calls\x18\x05 \x01(\x05\x12\x13\n\x0btool_errors\x18\x06 \x01(\x05\x12\x15\n\rtool_timeouts\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"A\n\x0f\x45nvStepResponse\x12.\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1c.rolefleet.v1.EnvStepOutcome\"W\n\tScoreItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x12\n\nextra_json\x18\x04 \x01(\t\"6\n\x0cScoreRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.rolefleet.v1.ScoreItem\"B\n\x0cSourceScores\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06scores\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"r\n\rScoreResponse\x12$\n\x06scores\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.rolefleet.v1.SourceScores\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t2\xdd\x01\n\rRewardService\x12@\n\x05Score\x12\x1a.rolefleet.v1.ScoreRequest\x1a\x1b.rolefleet.v1.ScoreResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12\x43\n\x04Step\x12\x1c.rolefleet.v1.EnvStepRequest\x1a\x1d.rolefleet.v1.EnvStepResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rolefleet/v1/reward.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"i\n\tAgentItem\x12\x10\n\x08\x62\x61se_url\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0bprompt_json\x18\x03 \x01(\t\x12\x14\n\x0cground_truth\x18\x04 \x01(\t\x12\x12\n\nextra_json\x18\x05 \x01(\t\":\n\x10RunAgentsRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.rolefleet.v1.AgentItem\"-\n\x0c\x41gentOutcome\x12\x0e\n\x06reward\x18\x01 \x01(\x02\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"A\n\x11RunAgentsResponse\x12,\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1a.rolefleet.v1.AgentOutcome\"t\n\x0b\x45nvStepItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12\x12\n\nextra_json\x18\x03 \x01(\t\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\":\n\x0e\x45nvStepRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.rolefleet.v1.EnvStepItem\"\xc1\x01\n\x0e\x45nvStepOutcome\x12.\n\x0bobservation\x18\x01 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x12\n\nhas_reward\x18\x03 \x01(\x08\x12\x0e\n\x06reward\x18\x04 \x01(\x02\x12\x12\n\ntool_calls\x18\x05 \x01(\x05\x12\x13\n\x0btool_errors\x18\x06 \x01(\x05\x12\x15\n\rtool_timeouts\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"A\n\x0f\x45nvStepResponse\x12.\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1c.rolefleet.v1.EnvStepOutcome\"W\n\tScoreItem\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x14\n\x0cground_truth\x18\x03 \x01(\t\x12\x12\n\nextra_json\x18\x04 \x01(\t\"6\n\x0cScoreRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.rolefleet.v1.ScoreItem\"B\n\x0cSourceScores\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06scores\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"r\n\rScoreResponse\x12$\n\x06scores\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.rolefleet.v1.SourceScores\x12\x0e\n\x06\x65rrors\x18\x03 \x03(\t2\xab\x02\n\rRewardService\x12@\n\x05Score\x12\x1a.rolefleet.v1.ScoreRequest\x1a\x1b.rolefleet.v1.ScoreResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12\x43\n\x04Step\x12\x1c.rolefleet.v1.EnvStepRequest\x1a\x1d.rolefleet.v1.EnvStepResponse\x12L\n\tRunAgents\x12\x1e.rolefleet.v1.RunAgentsRequest\x1a\x1f.rolefleet.v1.RunAgentsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.reward_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENVSTEPITEM']._serialized_start=70
-  _globals['_ENVSTEPITEM']._serialized_end=186
-  _globals['_ENVSTEPREQUEST']._serialized_start=188
-  _globals['_ENVSTEPREQUEST']._serialized_end=246
-  _globals['_ENVSTEPOUTCOME']._serialized_start=249
-  _globals['_ENVSTEPOUTCOME']._serialized_end=442
-  _globals['_ENVSTEPRESPONSE']._serialized_start=444
-  _globals['_ENVSTEPRESPONSE']._serialized_end=509
-  _globals['_SCOREITEM']._serialized_start=511
-  _globals['_SCOREITEM']._serialized_end=598
-  _globals['_SCOREREQUEST']._serialized_start=600
-  _globals['_SCOREREQUEST']._serialized_end=654
-  _globals['_SOURCESCORES']._serialized_start=656
-  _globals['_SOURCESCORES']._serialized_end=722
-  _globals['_SCORERESPONSE']._serialized_start=724
-  _globals['_SCORERESPONSE']._serialized_end=838
-  _globals['_REWARDSERVICE']._serialized_start=841
-  _globals['_REWARDSERVICE']._serialized_end=1062
+  _globals['_AGENTITEM']._serialized_start=70
+  _globals['_AGENTITEM']._serialized_end=175
+  _globals['_RUNAGENTSREQUEST']._serialized_start=177
+  _globals['_RUNAGENTSREQUEST']._serialized_end=235
+  _globals['_AGENTOUTCOME']._serialized_start=237
+  _globals['_AGENTOUTCOME']._serialized_end=282
+  _globals['_RUNAGENTSRESPONSE']._serialized_start=284
+  _globals['_RUNAGENTSRESPONSE']._serialized_end=349
+  _globals['_ENVSTEPITEM']._serialized_start=351
+  _globals['_ENVSTEPITEM']._serialized_end=467
+  _globals['_ENVSTEPREQUEST']._serialized_start=469
+  _globals['_ENVSTEPREQUEST']._serialized_end=527
+  _globals['_ENVSTEPOUTCOME']._serialized_start=530
+  _globals['_ENVSTEPOUTCOME']._serialized_end=723
+  _globals['_ENVSTEPRESPONSE']._serialized_start=725
+  _globals['_ENVSTEPRESPONSE']._serialized_end=790
+  _globals['_SCOREITEM']._serialized_start=792
+  _globals['_SCOREITEM']._serialized_end=879
+  _globals['_SCOREREQUEST']._serialized_start=881
+  _globals['_SCOREREQUEST']._serialized_end=935
+  _globals['_SOURCESCORES']._serialized_start=937
+  _globals['_SOURCESCORES']._serialized_end=1003
+  _globals['_SCORERESPONSE']._serialized_start=1005
+  _globals['_SCORERESPONSE']._serialized_end=1119
+  _globals['_REWARDSERVICE']._serialized_start=1122
+  _globals['_REWARDSERVICE']._serialized_end=1421
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AgentItem(_message.Message):
+    __slots__ = ("base_url", "key", "prompt_json", "ground_truth", "extra_json")
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_JSON_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
+    base_url: str
+    key: str
+    prompt_json: str
+    ground_truth: str
+    extra_json: str
+    def __init__(self, base_url: _Optional[str] = ..., key: _Optional[str] = ..., prompt_json: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_json: _Optional[str] = ...) -> None: ...
+
+class RunAgentsRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[AgentItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[AgentItem, _Mapping]]] = ...) -> None: ...
+
+class AgentOutcome(_message.Message):
+    __slots__ = ("reward", "error")
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reward: float
+    error: str
+    def __init__(self, reward: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RunAgentsResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[AgentOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[AgentOutcome, _Mapping]]] = ...) -> None: ...
+
 class EnvStepItem(_message.Message):
     __slots__ = ("prompt", "ground_truth", "extra_json", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

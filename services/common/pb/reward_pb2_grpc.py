@@ -50,6 +50,11 @@ class RewardServiceStub:
                 request_serializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepRequest.SerializeToString,
                 response_deserializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepResponse.FromString,
                 _registered_method=True)
+        self.RunAgents = channel.unary_unary(
+                '/rolefleet.v1.RewardService/RunAgents',
+                request_serializer=rolefleet_dot_v1_dot_reward__pb2.RunAgentsRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_reward__pb2.RunAgentsResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -75,6 +80,14 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunAgents(self, request, context):
+        """Agent code (reward.agent) run for each item, driving its episode's session of the actor's
+        OpenAI-compatible endpoint; answers each episode's reward.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepRequest.FromString,
                     response_serializer=rolefleet_dot_v1_dot_reward__pb2.EnvStepResponse.SerializeToString,
+            ),
+            'RunAgents': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunAgents,
+                    request_deserializer=rolefleet_dot_v1_dot_reward__pb2.RunAgentsRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_reward__pb2.RunAgentsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class RewardService:
             '/rolefleet.v1.RewardService/Step',
             rolefleet_dot_v1_dot_reward__pb2.EnvStepRequest.SerializeToString,
             rolefleet_dot_v1_dot_reward__pb2.EnvStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunAgents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.RewardService/RunAgents',
+            rolefleet_dot_v1_dot_reward__pb2.RunAgentsRequest.SerializeToString,
+            rolefleet_dot_v1_dot_reward__pb2.RunAgentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,273 @@
+"""The actor's OpenAI-compatible Chat Completions endpoint (FastAPI, served by uvicorn in the actor
+server's loop; docs/environments.md, "Your own agent").
+
+Agent code written against the `openai` client drives an episode through its session's base URL,
+`<url>/sessions/<id>/v1`, with the session's key as its api_key (the coordinator opens the
+sessions and hands each agent its own: agent code never holds the run's token). The same routes
+under `/v1` answer requests outside any session (the run's token; nothing is recorded), or a
+session named in the `X-Session-Id` header.
+
+Errors are OpenAI error objects: 400 naming the field, 401 without a valid key, 404 for an unknown
+session, 409 for messages that do not extend the session's conversation (or a request while
+another of the session is in flight), 429 past a session's limits, 503 while the actor cannot
+generate.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any, Literal, Optional, Union
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rolefleet.actor.completions import CompletionBatcher
+from rolefleet.actor.sessions import Conflict, Session, SessionStore, UnknownSession, reply_message
+from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.common import metrics
+from rolefleet.common.config import MIN_TEMPERATURE
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded, Unavailable
+from rolefleet.rpc.http_server import HttpServer
+
+SESSION_HEADER = "X-Session-Id"
+MAX_N = 16
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The Chat Completions request. Fields an OpenAI client may send and that do not change what is
+    sampled (user, metadata, store, ...) are accepted and ignored; those that would (penalties, logit
+    bias, forced tool choice) are refused when set, never silently dropped."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field("policy", description="ignored: the policy answers")
+    messages: list[dict[str, Any]] = Field(min_length=1, max_length=4096)
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["auto", "none"], dict[str, Any], str]] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    stop: Optional[Union[str, list[str]]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=0, description="only 0: the sampled token's logprob")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = None
+    frequency_penalty: Optional[float] = Field(None, ge=0, le=0, description="only 0")
+    presence_penalty: Optional[float] = Field(None, ge=0, le=0, description="only 0")
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported")
+
+
+def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+            429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+    metrics.ENDPOINT_REQUESTS.labels("actor", str(status)).inc()
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+class Endpoint:
+    """The routes over a session store and a batcher of the rollout engine's calls."""
+
+    def __init__(self, store: SessionStore, batcher: CompletionBatcher, tokenizer: Any, token: str | None,
+                 model_name: str, max_new_tokens: int):
+        self.store, self.batcher, self.tokenizer = store, batcher, tokenizer
+        self.token, self.model_name, self.max_new_tokens = token, model_name, max_new_tokens
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="RoleFleet actor: OpenAI-compatible chat completions", version="1")
+        app.add_exception_handler(RequestValidationError, _invalid_request)
+        for refused in (_Refused, UnknownSession):  # raised by `caller` as a route's dependency
+            app.add_exception_handler(refused, lambda request, exc: _error_of(exc))
+        for prefix in ("/v1", "/sessions/{session_id}/v1"):
+            router = APIRouter(prefix=prefix)
+            router.add_api_route("/models", self.models, methods=["GET"], dependencies=[Depends(self.caller)])
+            router.add_api_route("/chat/completions", self.chat, methods=["POST"])
+            app.include_router(router)
+        app.add_api_route("/sessions/{session_id}/v1/reset", self.reset, methods=["POST"])
+        return app
+
+    async def caller(self, request: Request, session_id: Optional[str] = None,
+                     x_session_id: Optional[str] = Header(None, alias=SESSION_HEADER)) -> Optional[Session]:
+        """The session a request acts in (None: outside any), from its bearer: a session's own key,
+        or the run's token."""
+        presented = request.headers.get("authorization", "")
+        bearer = presented[7:] if presented.lower().startswith("bearer ") else None
+        run_token = self.token is None or (bearer is not None and secrets.compare_digest(bearer, self.token))
+        sid = session_id or x_session_id
+        if sid is None:
+            if not run_token:
+                raise _Refused(401, "requests outside a session need `Authorization: Bearer <the run's token>`")
+            return None
+        if bearer is None and not run_token:
+            raise _Refused(401, "a session's requests need `Authorization: Bearer <its key>`")
+        return self.store.session(sid, None if run_token else bearer)
+
+    async def reset(self, session_id: str, request: Request):
+        """The session's episode starts over (the agent runner calls it before an agent begins, so
+        that a repeated run of the same episodes starts from nothing)."""
+        try:
+            session = await self.caller(request, session_id, None)
+            self.store.reset(session)
+        except (_Refused, UnknownSession, Conflict) as exc:
+            return _error_of(exc)
+        return {"object": "session", "id": session_id, "turns": 0}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "rolefleet"}]}
+
+    async def chat(self, body: ChatRequest, request: Request, session_id: Optional[str] = None,
+                   x_session_id: Optional[str] = Header(None, alias=SESSION_HEADER)):
+        try:
+            session = await self.caller(request, session_id, x_session_id)
+            turn = self.store.begin(session, body.messages, _tools(body), _max_tokens(body), self._sampling(body, session))
+        except _Refused as r:
+            return error_body(r.status, r.message)
+        except (InvalidArgument, LimitExceeded, UnknownSession, Conflict, FailedPrecondition) as exc:
+            return _error_of(exc)
+        try:
+            samples = await self.batcher.complete(turn.context, turn.sampling, body.n if session is None else 1)
+        except Exception as exc:  # noqa: BLE001 - the session is as it was; the agent reads why
+            self.store.release(turn)
+            return _error_of(exc)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        choices = []
+        for i, s in enumerate(samples):
+            reply, calls = reply_message(s.response_text, parse_tools)
+            if i == 0:
+                self.store.record(turn, s, reply)
+            choices.append(self._choice(i, s, reply, bool(calls), body.logprobs))
+        completion = sum(len(s.response_ids) for s in samples)
+        usage = {"prompt_tokens": len(turn.context), "completion_tokens": completion,
+                 "total_tokens": len(turn.context) + completion}
+        metrics.ENDPOINT_REQUESTS.labels("actor", "200").inc()
+        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._events(ident, created, choices, usage if include_usage else None),
+                                     media_type="text/event-stream")
+        return {"id": ident, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": usage}
+
+    def _sampling(self, body: ChatRequest, session: Session | None) -> SamplingParams:
+        """A request outside a session samples as it asks; a session with the run's sampling (the
+        trainer's recompute and importance weights assume it), whatever the request says."""
+        stops = self._stop_ids(body.stop)
+        if session is not None:
+            return replace(session.sampling, stop_token_ids=tuple(sorted({*session.sampling.stop_token_ids, *stops})))
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise InvalidArgument("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
+        return SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                              max_new_tokens=self.max_new_tokens, seed=-1 if body.seed is None else body.seed,
+                              stop_token_ids=tuple(stops), stop_at_end_of_turn=True)
+
+    def _stop_ids(self, stop: str | list[str] | None) -> list[int]:
+        """Stop strings as token ids: each must be one token of the tokenizer (the engines stop at
+        ids; cutting text afterwards would return text that differs from the tokens trained)."""
+        ids = []
+        for i, text in enumerate([stop] if isinstance(stop, str) else stop or []):
+            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            if len(tokens) != 1:
+                raise InvalidArgument(f"stop[{i}]", f"{text!r} is {len(tokens)} tokens of the policy's tokenizer; "
+                                      "stop sequences must be single tokens")
+            ids.append(tokens[0])
+        return ids
+
+    def _choice(self, index: int, s: Sample, reply: dict, called: bool, logprobs: bool) -> dict:
+        finish = "tool_calls" if called else ("stop" if s.finish_reason == FinishReason.STOP else "length")
+        choice: dict[str, Any] = {"index": index, "message": reply, "finish_reason": finish, "logprobs": None}
+        if logprobs:
+            tokens = self.tokenizer.convert_ids_to_tokens(s.response_ids.tolist())
+            choice["logprobs"] = {"content": [
+                {"token": t, "logprob": float(lp), "bytes": list(t.encode("utf-8", "surrogatepass")), "top_logprobs": []}
+                for t, lp in zip(tokens, s.logprobs.tolist())]}
+        return choice
+
+    async def _events(self, ident: str, created: int, choices: list[dict], usage: dict | None) -> AsyncIterator[str]:
+        """The completion as server-sent events: each choice's whole message as one delta (the
+        engine returns finished sequences), then its finish reason, the usage if asked, [DONE]."""
+        head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        for c in choices:
+            delta = {k: v for k, v in c["message"].items() if v is not None}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
+            yield _event({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None,
+                                               "logprobs": c["logprobs"]}]})
+            yield _event({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
+        if usage is not None:
+            yield _event({**head, "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _tools(body: ChatRequest) -> list[dict] | None:
+    if body.tool_choice not in (None, "auto", "none"):
+        raise InvalidArgument("tool_choice", "only auto and none: the policy chooses whether to call a tool")
+    return [t.model_dump() for t in body.tools] if body.tools else None
+
+
+def _max_tokens(body: ChatRequest) -> int | None:
+    return body.max_completion_tokens or body.max_tokens
+
+
+def _error_of(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, _Refused):
+        return error_body(exc.status, exc.message)
+    if isinstance(exc, InvalidArgument):
+        return error_body(400, str(exc), exc.field)
+    if isinstance(exc, UnknownSession):
+        return error_body(404, str(exc))
+    if isinstance(exc, Conflict):
+        return error_body(409, str(exc))
+    if isinstance(exc, LimitExceeded):
+        return error_body(429, str(exc), exc.field)
+    if isinstance(exc, (FailedPrecondition, Unavailable)):
+        return error_body(503, str(exc))
+    return error_body(500, f"{type(exc).__name__}: {exc}")
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return error_body(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+
+async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> HttpServer:
+    """The endpoint of `core` (an ActorCore) served in this loop on actor.endpoint.host:port."""
+    ep = cfg.actor.endpoint
+    batcher = CompletionBatcher(lambda continuations, sampling: core.generate([], sampling, 0, continuations),
+                                cfg.actor.max_sequences_per_request)
+    endpoint = Endpoint(core.sessions, batcher, core.tokenizer, token, "policy", ep.max_new_tokens)
+    return HttpServer(endpoint.app(), ep.host, ep.port, tls, role="actor", name="openai-endpoint")
+

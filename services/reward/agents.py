@@ -1,0 +1,52 @@
+"""Agent code of the user's (`reward.agent`, docs/environments.md, "Your own agent"), run by the
+reward role: each episode's agent drives its session of the actor's OpenAI-compatible endpoint
+with an `openai.AsyncOpenAI` client and returns the episode's reward.
+
+Agents run in sandbox worker processes of their own pool (`sandbox.py`), many episodes at once in
+each worker's event loop (`reward.agent.concurrency`), each under a deadline
+(`reward.agent.timeout_s`) and each worker under an address-space limit. An agent that raises,
+hangs or returns no number costs its episode, which is not trained; the request still succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rolefleet.common import metrics
+from rolefleet.common.config import ConfigError
+from rolefleet.common.config.reward import AgentSection
+from rolefleet.reward.sandbox import LoadError, SandboxPool, Target, WorkerFailed
+from rolefleet.reward.types import AgentItem, AgentOutcome
+
+log = logging.getLogger(__name__)
+KEY = "agent"
+SECTION = "reward.agent"
+
+
+class Agents:
+    """`run(items)` -> one AgentOutcome per item, the agents run in the pool's workers."""
+
+    def __init__(self, cfg: AgentSection):
+        self.cfg = cfg
+        file, _, fn = cfg.path.rpartition(":")
+        try:
+            self.pool = SandboxPool({KEY: Target("file", str(Path(file).resolve()), fn)}, cfg.workers, cfg.timeout_s,
+                                    cfg.memory_mb, SECTION)
+        except LoadError as e:
+            raise ConfigError(f"{SECTION}.path: cannot load the agent: {e.errors[KEY]}") from None
+        except WorkerFailed as e:
+            raise ConfigError(f"{SECTION}: {e} ({SECTION}.memory_mb={cfg.memory_mb})") from None
+        metrics.REWARD_ERRORS.labels("reward", KEY)
+
+    def run(self, items: list[AgentItem]) -> list[AgentOutcome]:
+        rows = [(i.base_url, i.key, i.prompt, i.ground_truth, dict(i.extra)) for i in items]
+        outcomes = [AgentOutcome(error=o) if isinstance(o, str) else AgentOutcome(reward=o)
+                    for o in self.pool.agents(KEY, rows, self.cfg.concurrency, self.cfg.timeout_s)]
+        if failed := [o.error for o in outcomes if o.error]:
+            metrics.REWARD_ERRORS.labels("reward", KEY).inc(len(failed))
+            log.warning("the agent failed on %d of %d episodes; first: %s", len(failed), len(items), failed[0])
+        return outcomes
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,254 @@
+"""The actor's OpenAI-compatible endpoint (`actor/openai_api.py`, `actor/sessions.py`), in process:
+the official `openai` client over an ASGI transport (no socket), against a real ActorCore of the
+tiny chat model. Sessions keep the ids the model sampled (token in, token out), refuse what does not
+extend them, and answer bad requests with OpenAI error objects naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from rolefleet.actor.completions import CompletionBatcher
+from rolefleet.actor.core import ActorCore
+from rolefleet.actor.openai_api import Endpoint
+from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.common.config import parse_config
+from rolefleet.common.errors import InvalidArgument, LimitExceeded
+
+pytestmark = pytest.mark.multiturn
+TOKEN = "run-token"
+QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
+
+
+@pytest.fixture(scope="module")
+def actor(chat_model_dir):
+    cfg = parse_config({"model": {"model_name_or_path": chat_model_dir}},
+                       ["actor.num_threads=1", "actor.rollout.max_turns=4", "actor.rollout.max_total_tokens=512", "sampling.max_new_tokens=8",
+                        "actor.endpoint.max_sessions=8", "reward.env.name=feedback"])
+    return ActorCore(cfg.actor)
+
+
+class Scripted:
+    """A stand-in for the engine: each call answers the next scripted token ids (and records what
+    it was asked), so that a test decides what the model 'sampled'."""
+
+    def __init__(self, actor: ActorCore, replies: list[list[int]]):
+        self.actor, self.replies, self.asked = actor, list(replies), []
+
+    def __call__(self, continuations, sampling):
+        self.asked.append(([c.context_ids.clone() for c in continuations], sampling))
+        out = []
+        for i, c in enumerate(continuations):
+            ids = torch.tensor(self.replies.pop(0), dtype=torch.int64)
+            out.append(Sample(i, 0, c.context_ids, ids, torch.full((len(ids),), -0.5), FinishReason.STOP, 3,
+                              self.actor.tokenizer.decode(ids.tolist(), skip_special_tokens=True)))
+        return out
+
+
+def client_of(actor: ActorCore, generate, base: str = "/v1", key: str = TOKEN) -> openai.AsyncOpenAI:
+    batcher = CompletionBatcher(generate, 16)
+    app = Endpoint(actor.sessions, batcher, actor.tokenizer, TOKEN, "policy", 8).app()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://actor")
+    return openai.AsyncOpenAI(base_url=f"http://actor{base}", api_key=key, http_client=http, max_retries=0)
+
+
+def engine(actor: ActorCore):
+    return lambda continuations, sampling: actor.generate([], sampling, 0, continuations)
+
+
+def spelled_apart(tok) -> list[int]:
+    """Token ids whose text, tokenized again, is other ids: the characters of a token the tokenizer
+    has whole (a merge, or an added token such as `<tool_call>`), sampled one by one."""
+    for text, whole in sorted(tok.get_vocab().items(), key=lambda kv: -len(kv[0])):
+        piece = tok.convert_tokens_to_string([text])
+        if len(piece) < 2 or tok(piece, add_special_tokens=False)["input_ids"] != [whole]:
+            continue
+        chars = [tok(c, add_special_tokens=False)["input_ids"] for c in piece]
+        if all(len(c) == 1 for c in chars):
+            return [c[0] for c in chars]
+    raise AssertionError("the tokenizer has no token spelled by others")
+
+
+def test_the_trained_ids_are_the_sampled_ones_where_the_conversation_retokenizes_otherwise(actor):
+    tok = actor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    apart = spelled_apart(tok)
+    first, second = [*apart, end], [apart[0], *apart, end]
+    script = Scripted(actor, [first, second])
+    [key] = actor.open_sessions(["drift"], SamplingParams(temperature=1.0, max_new_tokens=8))
+    client = client_of(actor, script, "/sessions/drift/v1", key)
+
+    async def episode():
+        r1 = await client.chat.completions.create(model="policy", messages=QUESTION)
+        messages = [*QUESTION, r1.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "And times 2?"}]
+        r2 = await client.chat.completions.create(model="policy", messages=messages)
+        return messages, r2
+
+    messages, r2 = asyncio.run(episode())
+    [t] = actor.close_sessions(["drift"])
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    observation = actor.turns.observation_ids([{"role": "user", "content": "And times 2?"}], end, "o")
+    assert t.prompt_ids.tolist() == tok(prompt, add_special_tokens=False)["input_ids"]
+    assert t.response_ids.tolist() == first + observation + second
+    assert t.own.tolist() == [True] * len(first) + [False] * len(observation) + [True] * len(second)
+    assert t.logprobs[t.own].tolist() == [-0.5] * (len(first) + len(second)) and t.logprobs[~t.own].abs().sum() == 0
+    assert t.versions.tolist() == [3] * len(t.response_ids) and t.turns == 2
+    # The second request's context was the recorded ids, not the conversation rendered again ...
+    assert script.asked[1][0][0].tolist() == t.prompt_ids.tolist() + first + observation
+    # ... which here would be other ids: the sampled characters tokenize again as one token.
+    whole = [*messages, {"role": "assistant", "content": r2.choices[0].message.content}]
+    again = tok(tok.apply_chat_template(whole, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert again[:len(t.prompt_ids) + len(t.response_ids)] != t.prompt_ids.tolist() + t.response_ids.tolist()
+
+
+def test_a_session_samples_with_the_run_s_sampling_and_records_the_engine_s_tokens(actor):
+    [key] = actor.open_sessions(["real"], SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6))
+    seen = []
+
+    def spy(continuations, sampling):
+        seen.append(sampling)
+        return engine(actor)(continuations, sampling)
+
+    client = client_of(actor, spy, "/sessions/real/v1", key)
+    reply = asyncio.run(client.chat.completions.create(model="x", messages=QUESTION, temperature=0.2, max_tokens=4,
+                                                        logprobs=True))
+    [t] = actor.close_sessions(["real"])
+    assert seen[0].temperature == pytest.approx(0.7) and seen[0].top_p == pytest.approx(0.9)
+    assert seen[0].max_new_tokens == 4 and seen[0].stop_at_end_of_turn and seen[0].seed < 0
+    assert len(t.response_ids) == reply.usage.completion_tokens <= 4
+    assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(t.logprobs.tolist())
+
+
+def test_tool_calls_come_back_as_openai_function_calls_and_their_results_extend_the_session(actor):
+    tok = actor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    call = tok('<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>',
+               add_special_tokens=False)["input_ids"] + [end]
+    script = Scripted(actor, [call, tok("42", add_special_tokens=False)["input_ids"] + [end]])
+    [key] = actor.open_sessions(["tools"], SamplingParams(max_new_tokens=64))
+    client = client_of(actor, script, "/sessions/tools/v1", key)
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+    async def episode():
+        r1 = await client.chat.completions.create(model="policy", messages=QUESTION, tools=tools)
+        message = r1.choices[0].message
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "42"}
+        r2 = await client.chat.completions.create(model="policy", tools=tools,
+                                                  messages=[*QUESTION, message.model_dump(), result])
+        return r1, r2
+
+    r1, r2 = asyncio.run(episode())
+    assert r1.choices[0].finish_reason == "tool_calls"
+    fn = r1.choices[0].message.tool_calls[0].function
+    assert fn.name == "add" and json.loads(fn.arguments) == {"a": 12, "b": 30}
+    assert r2.choices[0].message.content == "42" and r2.choices[0].finish_reason == "stop"
+    # The tools were in the prompt the model saw (this template writes their names in a system message).
+    assert "tools: add" in tok.decode(script.asked[0][0][0].tolist()).split("<|im_start|>user")[0]
+    [t] = actor.close_sessions(["tools"])
+    assert t.turns == 2 and "<|im_start|>tool\n42" in tok.decode(t.response_ids[~t.own].tolist())
+
+
+def test_streaming_gives_the_same_completion_in_server_sent_events(actor):
+    end = actor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = actor.tokenizer("hello there", add_special_tokens=False)["input_ids"] + [end]
+    client = client_of(actor, Scripted(actor, [ids]))
+
+    async def chunks():
+        stream = await client.chat.completions.create(model="policy", messages=QUESTION, stream=True,
+                                                      stream_options={"include_usage": True})
+        return [c async for c in stream]
+
+    got = asyncio.run(chunks())
+    text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
+    assert text == "hello there"
+    assert [c.choices[0].finish_reason for c in got if c.choices][-1] == "stop"
+    assert got[-1].usage.completion_tokens == len(ids)
+
+
+def test_outside_a_session_n_samples_are_returned_and_nothing_is_recorded(actor):
+    client = client_of(actor, engine(actor))
+    open_before = len(actor.sessions)
+    reply = asyncio.run(client.chat.completions.create(model="policy", messages=QUESTION, n=3, max_tokens=3,
+                                                        seed=7))
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert 3 <= reply.usage.completion_tokens <= 9  # three completions of 1-3 tokens each
+    assert len(actor.sessions) == open_before
+    async def models():
+        return [m.id async for m in client.models.list()]
+
+    assert asyncio.run(models()) == ["policy"]
+
+
+def status_of(call) -> tuple[int, dict]:
+    try:
+        asyncio.run(call)
+    except openai.APIStatusError as e:
+        return e.status_code, e.body
+    raise AssertionError("the request succeeded")
+
+
+def test_bad_requests_get_openai_errors_naming_what_is_wrong_and_change_no_session(actor):
+    end = actor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    [key] = actor.open_sessions(["bad"], SamplingParams(max_new_tokens=8))
+    script = Scripted(actor, [[5, end]] * 8)
+    session = client_of(actor, script, "/sessions/bad/v1", key)
+    r1 = asyncio.run(session.chat.completions.create(model="p", messages=QUESTION))
+    before = actor.sessions.session("bad", None).ids.clone()
+    history = [*QUESTION, r1.choices[0].message.model_dump()]
+    create = session.chat.completions.create
+    cases = [
+        (create(model="p", messages=[*QUESTION, {"role": "assistant", "content": "other"},
+                                     {"role": "user", "content": "?"}]), 409, "messages[1]"),
+        (create(model="p", messages=QUESTION), 409, "add nothing"),
+        (create(model="p", messages=[*history, {"role": "user", "content": "?"}], tools=[
+            {"type": "function", "function": {"name": "f"}}]), 409, "tools differ"),
+        (create(model="p", messages=[*history, {"role": "user", "content": "?"}], n=0), 400, "n"),
+        (create(model="p", messages=[*history, {"role": "user", "content": "?"}], stop=["two words"]), 400, "stop[0]"),
+        (create(model="p", messages=[*history, {"role": "user", "content": "?"}], tool_choice="required"),
+         400, "tool_choice"),
+        (create(model="p", messages=[*history, {"role": "user", "content": "?"}], presence_penalty=1.0),
+         400, "presence_penalty"),
+        (create(model="p", messages=[*history, {"role": "user", "content": 3}]), 400, "messages[2].content"),
+        (create(model="p", messages=[*history, {"role": "assistant", "content": "x"}]), 400, "assistant"),
+        (create(model="p", messages=[]), 400, "messages"),
+    ]
+    for call, status, named in cases:
+        code, body = status_of(call)
+        assert code == status, (named, body)
+        assert named in json.dumps(body), (named, body)
+    assert torch.equal(actor.sessions.session("bad", None).ids, before)
+    # Without the session's key, or for a session that does not exist.
+    stranger = client_of(actor, script, "/sessions/bad/v1", "not-its-key")
+    assert status_of(stranger.chat.completions.create(model="p", messages=QUESTION))[0] == 404
+    nobody = client_of(actor, script, "/sessions/nobody/v1")
+    assert status_of(nobody.chat.completions.create(model="p", messages=QUESTION))[0] == 404
+    outside = client_of(actor, script, "/v1", "wrong")
+    assert status_of(outside.chat.completions.create(model="p", messages=QUESTION))[0] == 401
+    # Past the session's turns (actor.rollout.max_turns = 4): 429 naming the limit.
+    messages = history
+    for _ in range(3):
+        messages = [*messages, {"role": "user", "content": "again"}]
+        reply = asyncio.run(create(model="p", messages=messages))
+        messages = [*messages, reply.choices[0].message.model_dump()]
+    code, body = status_of(create(model="p", messages=[*messages, {"role": "user", "content": "more"}]))
+    assert code == 429 and "actor.rollout.max_turns" in body["message"]
+    assert actor.close_sessions(["bad"])[0].turns == 4
+
+
+def test_sessions_are_limited_and_an_unknown_one_closes_empty(actor):
+    open_before = len(actor.sessions)
+    with pytest.raises(LimitExceeded, match="actor.endpoint.max_sessions"):
+        actor.open_sessions([f"s{i}" for i in range(9)], SamplingParams())
+    assert len(actor.sessions) == open_before
+    with pytest.raises(InvalidArgument, match=r"session_ids\[0\]"):
+        actor.open_sessions(["no spaces"], SamplingParams())
+    [t] = actor.close_sessions(["never"])
+    assert t.turns == 0 and "no such session" in t.error
