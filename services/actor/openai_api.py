@@ -20,12 +20,14 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rolefleet.actor.completions import CompletionBatcher
 from rolefleet.actor.sessions import Conflict, Session, SessionStore, UnknownSession, reply_message
@@ -54,6 +56,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(BaseModel):
+    """A chat message: its role and text (or text parts), and the tool-call fields. Other fields an
+    OpenAI client writes (refusal, audio, annotations) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1, max_length=64)
+    content: Optional[Union[str, list[TextPart]]] = None
+    tool_calls: Optional[list[ToolCallMessage]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+
+
 class ChatRequest(BaseModel):
     """The Chat Completions request. Fields an OpenAI client may send and that do not change what is
     sampled (user, metadata, store, ...) are accepted and ignored; those that would (penalties, logit
@@ -61,7 +91,7 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str = Field("policy", description="ignored: the policy answers")
-    messages: list[dict[str, Any]] = Field(min_length=1, max_length=4096)
+    messages: list[Message] = Field(min_length=1, max_length=4096)
     tools: Optional[list[Tool]] = Field(None, max_length=128)
     tool_choice: Optional[Union[Literal["auto", "none"], dict[str, Any], str]] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -80,11 +110,34 @@ class ChatRequest(BaseModel):
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported")
 
 
-def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
+    (400, "a malformed request: `param` names the field"), (401, "no valid key (the session's, or the run's token)"),
+    (404, "no such session open"), (409, "messages that do not extend the session's conversation, or a request while "
+                                    "another of the session is in flight"),
+    (429, "past a session's limits"), (503, "the actor cannot generate now"))}
+BEARER = HTTPBearer(auto_error=False, description="a session's key, or the run's token")
+Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(BEARER)]
+SessionHeader = Annotated[Optional[str], Header(alias=SESSION_HEADER, description="the session a request under /v1 "
+                                                 "acts in (instead of the session's base URL)")]
+
+
+def error_body(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
     metrics.ENDPOINT_REQUESTS.labels("actor", str(status)).inc()
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status,
+                        headers=headers)
 
 
 class Endpoint:
@@ -98,22 +151,22 @@ class Endpoint:
     def app(self) -> FastAPI:
         app = FastAPI(title="RoleFleet actor: OpenAI-compatible chat completions", version="1")
         app.add_exception_handler(RequestValidationError, _invalid_request)
-        for refused in (_Refused, UnknownSession):  # raised by `caller` as a route's dependency
-            app.add_exception_handler(refused, lambda request, exc: _error_of(exc))
-        for prefix in ("/v1", "/sessions/{session_id}/v1"):
-            router = APIRouter(prefix=prefix)
-            router.add_api_route("/models", self.models, methods=["GET"], dependencies=[Depends(self.caller)])
-            router.add_api_route("/chat/completions", self.chat, methods=["POST"])
-            app.include_router(router)
-        app.add_api_route("/sessions/{session_id}/v1/reset", self.reset, methods=["POST"])
+        app.add_exception_handler(StarletteHTTPException, lambda request, exc: error_body(
+            exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+        router = APIRouter(responses=ERRORS)
+        router.add_api_route("/v1/models", self.models, methods=["GET"])
+        router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        router.add_api_route("/sessions/{session_id}/v1/models", self.session_models, methods=["GET"])
+        router.add_api_route("/sessions/{session_id}/v1/chat/completions", self.session_chat, methods=["POST"])
+        router.add_api_route("/sessions/{session_id}/v1/reset", self.reset, methods=["POST"])
+        app.include_router(router)
         return app
 
-    async def caller(self, request: Request, session_id: Optional[str] = None,
-                     x_session_id: Optional[str] = Header(None, alias=SESSION_HEADER)) -> Optional[Session]:
+    async def caller(self, session_id: Optional[str], x_session_id: Optional[str],
+                     credentials: Optional[HTTPAuthorizationCredentials]) -> Optional[Session]:
         """The session a request acts in (None: outside any), from its bearer: a session's own key,
         or the run's token."""
-        presented = request.headers.get("authorization", "")
-        bearer = presented[7:] if presented.lower().startswith("bearer ") else None
+        bearer = credentials.credentials if credentials is not None else None
         run_token = self.token is None or (bearer is not None and secrets.compare_digest(bearer, self.token))
         sid = session_id or x_session_id
         if sid is None:
@@ -124,25 +177,48 @@ class Endpoint:
             raise _Refused(401, "a session's requests need `Authorization: Bearer <its key>`")
         return self.store.session(sid, None if run_token else bearer)
 
-    async def reset(self, session_id: str, request: Request):
+    async def reset(self, session_id: str, credentials: Credentials = None):
         """The session's episode starts over (the agent runner calls it before an agent begins, so
         that a repeated run of the same episodes starts from nothing)."""
         try:
-            session = await self.caller(request, session_id, None)
+            session = await self.caller(session_id, None, credentials)
             self.store.reset(session)
         except (_Refused, UnknownSession, Conflict) as exc:
             return _error_of(exc)
         return {"object": "session", "id": session_id, "turns": 0}
 
-    async def models(self) -> dict:
+    async def models(self, x_session_id: SessionHeader = None, credentials: Credentials = None):
+        try:
+            await self.caller(None, x_session_id, credentials)
+        except (_Refused, UnknownSession) as exc:
+            return _error_of(exc)
+        return self._models()
+
+    async def session_models(self, session_id: str, credentials: Credentials = None):
+        try:
+            await self.caller(session_id, None, credentials)
+        except (_Refused, UnknownSession) as exc:
+            return _error_of(exc)
+        return self._models()
+
+    def _models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "rolefleet"}]}
 
-    async def chat(self, body: ChatRequest, request: Request, session_id: Optional[str] = None,
-                   x_session_id: Optional[str] = Header(None, alias=SESSION_HEADER)):
+    async def chat(self, body: ChatRequest, x_session_id: SessionHeader = None, credentials: Credentials = None):
+        """A completion outside any session, or in the one `X-Session-Id` names."""
+        return await self._chat(body, None, x_session_id, credentials)
+
+    async def session_chat(self, session_id: str, body: ChatRequest, credentials: Credentials = None):
+        """A completion of session `session_id` (the base URL its agent's client was given)."""
+        return await self._chat(body, session_id, None, credentials)
+
+    async def _chat(self, body: ChatRequest, session_id: Optional[str], x_session_id: Optional[str],
+                    credentials: Optional[HTTPAuthorizationCredentials]):
+        messages = [m.model_dump(exclude_unset=True) for m in body.messages]
         try:
-            session = await self.caller(request, session_id, x_session_id)
-            turn = self.store.begin(session, body.messages, _tools(body), _max_tokens(body), self._sampling(body, session))
+            session = await self.caller(session_id, x_session_id, credentials)
+            turn = self.store.begin(session, messages, _tools(body), _max_tokens(body), self._sampling(body, session))
         except _Refused as r:
             return error_body(r.status, r.message)
         except (InvalidArgument, LimitExceeded, UnknownSession, Conflict, FailedPrecondition) as exc:
@@ -259,8 +335,27 @@ def _error_of(exc: BaseException) -> JSONResponse:
 
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    param = _field(first.get("loc", ()))
     return error_body(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+
+def _field(loc: tuple) -> str | None:
+    """A validation error's location as the field's path (`messages[2].content`): list indexes in
+    brackets, without the body's root or the union member pydantic tried (`str`, `list[...]`)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).isidentifier() and str(part) not in _TYPE_TAGS:
+            out += f".{part}" if out else str(part)
+        else:
+            break
+    return out or None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> HttpServer:
