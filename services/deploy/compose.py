@@ -54,6 +54,7 @@ HOST_PORT_VARIABLES = {"http": "ROLEFLEET_HTTP_PORT", "grpc": "ROLEFLEET_GRPC_PO
 GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
 METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
 HTTP_PORT = 8080
+ENDPOINT_PORT = 8300  # the actor's OpenAI-compatible endpoint (actor.endpoint), where agents drive episodes
 PROMETHEUS_PORT = 9090
 GRAFANA_PORT = 3000
 # Container paths: run output and checkpoints on a named volume, models and configs bind-mounted.
@@ -211,6 +212,8 @@ def _healthcheck_tls(cfg: RoleFleetConfig, role: str, secrets: SecretMounts) -> 
 
 def _endpoint_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
     own = [f"{role}.host=0.0.0.0", f"{role}.port={GRPC_PORTS[role]}", f"{role}.metrics_port={METRICS_PORTS[role]}"]
+    if role == "actor" and cfg.actor.endpoint.enabled:  # the reward role's agents dial it over the project's network
+        own += ["actor.endpoint.host=0.0.0.0", f"actor.endpoint.port={ENDPOINT_PORT}"]
     if role != "coordinator":
         return own
     # The control plane listens on every interface of the container; the host publishes it on
@@ -219,6 +222,9 @@ def _endpoint_overrides(cfg: RoleFleetConfig, role: str) -> list[str]:
     if not cfg.coordinator.http_enabled:
         http = []
     dials = [f"{r}.address={r}:{GRPC_PORTS[r]}" for r in cfg.roles() if r != "coordinator"]
+    if cfg.actor.endpoint.enabled:
+        scheme = "https" if cfg.security.tls.enabled else "http"
+        dials.append(f"actor.endpoint.url={scheme}://actor:{ENDPOINT_PORT}")
     return own + http + dials
 
 
@@ -234,7 +240,8 @@ def _literal(word: str) -> str:
 
 def _owned_keys() -> set[str]:
     """Keys compose sets on every command line itself (what holds inside a container)."""
-    keys = {"run.output_dir", "checkpoint.snapshot.dir", "coordinator.http_host", "coordinator.http_port"}
+    keys = {"run.output_dir", "checkpoint.snapshot.dir", "coordinator.http_host", "coordinator.http_port",
+            "actor.endpoint.host", "actor.endpoint.port", "actor.endpoint.url"}
     for role in GRPC_PORTS:
         keys |= {f"{role}.host", f"{role}.port", f"{role}.metrics_port", f"{role}.address", f"{role}.rendezvous.host"}
     return keys

@@ -75,9 +75,15 @@ def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:
             inputs.append(Input(f"reward.sources.{i}.path", source.user_function()[0], "file"))
         elif source.options.get("tokenizer"):  # a built-in that counts tokens (length_penalty)
             inputs.append(Input(f"reward.sources.{i}.tokenizer", source.options["tokenizer"], "model"))
-    if cfg.reward.env.path:
-        inputs.append(Input("reward.env.path", cfg.reward.env.path.rpartition(":")[0], "file"))
+    for key, path in (("reward.env.path", cfg.reward.env.path), ("reward.agent.path", cfg.reward.agent.path)):
+        if path:
+            inputs.append(Input(key, path.rpartition(":")[0], "file"))
     return inputs
+
+
+def _get_path(cfg: RoleFleetConfig, key: str) -> str:
+    section, sub, field = key.split(".")
+    return getattr(getattr(getattr(cfg, section), sub), field)
 
 
 def _get(cfg: RoleFleetConfig, key: str) -> str:
@@ -96,8 +102,8 @@ def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
             sources[key] = path
         elif key.startswith("data.tools."):
             tools[int(key.rpartition(".")[2])] = path
-        elif key == "reward.env.path":
-            overrides.append(f"{key}={path}:{cfg.reward.env.path.rpartition(':')[2]}")
+        elif key in ("reward.env.path", "reward.agent.path"):  # code: its function stays
+            overrides.append(f"{key}={path}:{_get_path(cfg, key).rpartition(':')[2]}")
         else:
             overrides.append(f"{key}={path}")
     if tools:

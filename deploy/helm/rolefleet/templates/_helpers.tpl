@@ -335,10 +335,16 @@ and extraArgs are separate values so that a values file setting one keeps the ot
 {{- $args = append $args (printf "%s.rendezvous.host=%s" $role (include "rolefleet.rendezvousHost" .)) }}
 {{- $args = append $args (printf "%s.rendezvous.port=%v" $role $v.rendezvousPort) }}
 {{- end }}
+{{- if eq $role "actor" }}
+{{- /* The OpenAI-compatible endpoint (bound only where the config enables it: reward.agent). */}}
+{{- $args = append $args "actor.endpoint.host=0.0.0.0" }}
+{{- $args = append $args (printf "actor.endpoint.port=%v" $v.endpointPort) }}
+{{- end }}
 {{- if eq $role "coordinator" }}
 {{- range $server := include "rolefleet.serverRoles" $root | fromJsonArray }}
 {{- $args = append $args (printf "%s.address=%s" $server (include "rolefleet.dialAddress" (dict "root" $root "role" $server))) }}
 {{- end }}
+{{- $args = append $args (printf "actor.endpoint.url=%s://%s:%v" (ternary "https" "http" (ne (include "rolefleet.tlsSecret" $root) "")) (include "rolefleet.componentName" (dict "root" $root "role" "actor")) $root.Values.actor.endpointPort) }}
 {{- $args = append $args (printf "train.connect_timeout_s=%v" $v.connectTimeoutSeconds) }}
 {{- $args = append $args (printf "coordinator.http_enabled=%t" $v.http.enabled) }}
 {{- if $v.http.enabled }}
@@ -567,6 +573,11 @@ spec:
         {{- if and (eq $role "coordinator") $v.http.enabled }}
         - name: http
           containerPort: {{ $v.http.port }}
+          protocol: TCP
+        {{- end }}
+        {{- if eq $role "actor" }}
+        - name: endpoint
+          containerPort: {{ $v.endpointPort }}
           protocol: TCP
         {{- end }}
         {{- if include "rolefleet.spans" . }}
