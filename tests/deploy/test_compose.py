@@ -214,7 +214,8 @@ def read_in_container(service: dict, item: Input) -> Path | None:
     elif item.key.startswith("data.tools."):
         path = json.loads(values["data.tools"])[int(item.key.rpartition(".")[2])].rpartition(":")[0]
     else:
-        path = values[item.key].rpartition(":")[0] if item.key == "reward.env.path" else values[item.key]
+        path = values[item.key].rpartition(":")[0] if item.key in ("reward.env.path", "reward.agent.path") \
+            else values[item.key]
     return host_path(service, path)
 
 

@@ -221,7 +221,8 @@ def test_each_role_binds_all_interfaces_on_its_fixed_ports(default_docs):
         assert c["command"] == ["rolefleet"]
         assert c["args"][2:6] == ["serve", role, "--config", "/etc/rolefleet/config.yaml"]
         assert {p["name"]: p["containerPort"] for p in c["ports"]} == (
-            {"grpc": port, "metrics": METRICS_PORTS[role]} | ({"http": 8080} if role == "coordinator" else {}))
+            {"grpc": port, "metrics": METRICS_PORTS[role]} | ({"http": 8080} if role == "coordinator" else {})
+            | ({"endpoint": 8300} if role == "actor" else {}))
         o = overrides(default_docs, role)
         assert (o[f"{role}.host"], o[f"{role}.port"], o[f"{role}.metrics_port"]) == (
             "0.0.0.0", str(port), str(METRICS_PORTS[role]))

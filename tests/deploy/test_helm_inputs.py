@@ -32,6 +32,7 @@ DEPLOYABLE = {
     "2gpu_rollout.yaml": TO_POLICY,
     "8gpu.yaml": [],  # models/policy already
     "demo.yaml": TO_POLICY,
+    "demo_agent.yaml": [*TO_POLICY, "reward.agent.path=inputs/calculator_agent.py:agent"],
     "demo_grpo.yaml": TO_POLICY,
     "demo_tools.yaml": TO_POLICY,
     "gpu_1x.yaml": TO_POLICY,
@@ -53,6 +54,7 @@ def workdir(tmp_path, monkeypatch) -> Path:
     shutil.copy(REPO / "examples" / "gsm8k_sample.jsonl", tmp_path / "inputs" / "gsm8k_sample.jsonl")
     for name in ("train.jsonl", "eval.jsonl"):
         shutil.copy(REPO / "examples" / "gsm8k_sample.jsonl", tmp_path / "inputs" / name)
+    shutil.copy(REPO / "examples" / "agents" / "calculator_agent.py", tmp_path / "inputs" / "calculator_agent.py")
     (tmp_path / "inputs" / "rewards" / "exact.py").write_text("def score(response, answer):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     return tmp_path
