@@ -31,7 +31,7 @@ class Agents:
         self.cfg = cfg
         file, _, fn = cfg.path.rpartition(":")
         try:
-            self.pool = SandboxPool({KEY: Target("file", str(Path(file).resolve()), fn)}, cfg.workers, cfg.timeout_s,
+            self.pool = SandboxPool({KEY: Target("file", str(Path(file).resolve()), fn, dict(cfg.options))}, cfg.workers, cfg.timeout_s,
                                     cfg.memory_mb, SECTION)
         except LoadError as e:
             raise ConfigError(f"{SECTION}.path: cannot load the agent: {e.errors[KEY]}") from None

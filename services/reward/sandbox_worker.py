@@ -4,7 +4,8 @@ rolefleet.reward.sandbox, never by hand).
 It imports the reward functions it is given (user files, and built-ins such as `math` that must be
 killable), then answers calls over the connection FD until the server closes it. It runs under an
 address-space limit, so it imports the standard library only (no torch, no RoleFleet config; of
-RoleFleet, only the standard-library `common/orphans.py`): what it maps before the limit is set
+RoleFleet, only the standard-library `common/orphans.py` and `reward/stateful.py`): what it maps
+before the limit is set
 counts against it too.
 
 Protocol (pickled tuples over a multiprocessing Connection; each request gets its reply):
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from rolefleet.common.orphans import exit_with_parent
+from rolefleet.reward.stateful import drive, is_environment
 
 Outcome = Union[float, str]
 # Scores travel as float32: a larger magnitude would arrive as inf.
@@ -180,19 +182,25 @@ def call_step(fn: Callable, options: dict, row: tuple, memory_mb: int) -> Union[
 
 def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float, memory_mb: int) -> list[Outcome]:
     """Agent episodes, all at once in this worker's loop (they spend their time awaiting the
-    endpoint, which batches their turns): each gets an `openai.AsyncOpenAI` client of its session."""
-    if not inspect.iscoroutinefunction(fn):
-        return [f"reward.agent.path must name an `async def` (got {type(fn).__name__})"] * len(rows)
+    endpoint, which batches their turns): each gets an `openai.AsyncOpenAI` client of its session.
+    `fn` is the user's agent, or a stateful environment class that `stateful.drive` runs."""
+    environment = is_environment(fn)
+    if not environment and not inspect.iscoroutinefunction(fn):
+        return [f"reward.agent.path must name an `async def` agent or an environment class with reset and step "
+                f"(got {type(fn).__name__})"] * len(rows)
     # Imported here, in agent workers alone: the reward functions' workers never need it.
     import openai
 
     async def episode(row: tuple) -> Outcome:
         base_url, key, prompt, ground_truth, extra = row
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=2, timeout=timeout_s)
+        # No retries: the endpoint's refusals (409, 429) are final, and an actor that is gone fails the step.
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s)
         try:
             # From nothing: a repeated call of the same episodes (the role restarted) starts them again.
             await client.post("/reset", cast_to=object, body={})
-            return as_score(await asyncio.wait_for(fn(client, prompt, ground_truth, extra, **options), timeout_s))
+            run = drive(fn, options, client, prompt, ground_truth, extra, as_step) if environment \
+                else fn(client, prompt, ground_truth, extra, **options)
+            return as_score(await asyncio.wait_for(run, timeout_s))
         except asyncio.TimeoutError:
             return f"timed out after {timeout_s:g} s (reward.agent.timeout_s)"
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the agent's failure is this episode's outcome

@@ -66,3 +66,52 @@ def test_the_agent_s_return_is_the_reward_and_a_failing_agent_costs_its_episode_
         # fallback) for those that failed.
         assert 0.25 <= r["reward/env/mean"] <= 1.25 and r["reward/mean"] <= r["reward/env/mean"]
     assert any(r["reward/mean"] > 0 for r in records)
+
+
+def test_a_stateful_environment_keeps_its_episode_s_state_and_is_closed_at_its_end(tools_model, tmp_path):
+    """reward.agent.path naming a class: one object per episode, kept in its agent worker across the
+    episode's turns (here: the calculator calls it answered), closed when the episode ends."""
+    log = tmp_path / "closed.log"
+    (tmp_path / "calc_env.py").write_text(textwrap.dedent(f'''
+        import json
+        import re
+
+        TOOLS = [{{"type": "function", "function": {{"name": "calculator", "description": "a op b",
+                  "parameters": {{"type": "object", "properties": {{"expression": {{"type": "string"}}}}}}}}}}]
+
+
+        class Calculator:
+            tools = TOOLS
+
+            def reset(self, prompt, ground_truth, extra):
+                self.answer, self.calls = ground_truth, 0
+                return None  # the prompt as the data gave it
+
+            def step(self, message):
+                calls = message.get("tool_calls") or []
+                if not calls:
+                    numbers = re.findall(r"-?\\d+", message.get("content") or "")
+                    return {{"observation": [], "done": True, "reward": float(numbers[-1:] == [self.answer])}}
+                self.calls += len(calls)
+                results = []
+                for call in calls:
+                    try:
+                        a, op, b = json.loads(call["function"]["arguments"])["expression"].split()
+                        value = str({{"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}}[op])
+                    except Exception as exc:
+                        value = f"error: {{exc}}"
+                    results.append({{"role": "tool", "tool_call_id": call["id"], "content": value}})
+                return {{"observation": results, "done": False}}
+
+            def close(self):
+                with open({str(log)!r}, "a") as f:
+                    f.write(f"{{self.calls}}\\n")
+        '''))
+    _, records = run(tools_model, tmp_path / "run", f"reward.agent.path={tmp_path}/calc_env.py:Calculator",
+                     "sampling.temperature=0.05")
+    closed = log.read_text().splitlines()
+    assert len(closed) == 3 * 4 * 2  # every episode's environment closed once
+    assert sum(int(c) for c in closed) > 0  # and the calls it counted over the episode's turns
+    for r in records:
+        assert r["episode/turns/mean"] > 1.0 and r["episode/tool_calls/mean"] > 0, r
+        assert r["episode/env_errors"] == 0 and 0 < r["episode/masked_token_frac"] < 1

@@ -10,11 +10,12 @@ import textwrap
 import threading
 
 import pytest
+import torch
 
 from rolefleet.actor.completions import CompletionBatcher
 from rolefleet.actor.openai_api import Endpoint
 from rolefleet.actor.sessions import SessionLimits, SessionStore
-from rolefleet.actor.types import SamplingParams
+from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.config import ConfigError
 from rolefleet.common.config.reward import AgentSection
 from rolefleet.common.errors import FailedPrecondition
@@ -112,3 +113,103 @@ def test_a_reward_role_without_an_agent_refuses_to_run_one():
             core.run_agents([AgentItem("http://x/v1", "k", "p", "g")])
     finally:
         core.close()
+
+
+GUESS = '''
+import asyncio
+
+LOG = {log!r}
+
+
+def note(line):
+    with open(LOG, "a") as f:
+        f.write(line + "\\n")
+
+
+class Guess:
+    """Guess a secret number: state kept across the episode's turns (the secret, the attempts)."""
+
+    def __init__(self, hint="higher"):
+        self.hint, self.attempts, self.secret = hint, 0, None
+
+    def reset(self, prompt, ground_truth, extra):
+        self.secret = extra["secret"]
+        note(f"reset {{self.secret}}")
+        return [{{"role": "user", "content": "Guess my number."}}]
+
+    async def step(self, message):
+        self.attempts += 1
+        if self.secret == "slow":
+            await asyncio.sleep(60)
+        if self.secret == "broken":
+            raise RuntimeError("the environment broke")
+        guess = int(message["content"])
+        if guess == self.secret:
+            return {{"observation": [], "done": True, "reward": 1.0 / self.attempts}}
+        return {{"observation": self.hint if guess < self.secret else "lower", "done": False, "reward": 0.0}}
+
+    def close(self):
+        note(f"close {{self.secret}} after {{self.attempts}}")
+'''
+
+
+@pytest.fixture(scope="module")
+def chat_endpoint(chat_model_dir):
+    """An endpoint on loopback whose 'policy' answers 3, 5, 7, ... on its 1st, 2nd, 3rd turn."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(continuations, sampling):
+        out = []
+        for i, c in enumerate(continuations):
+            turn = tok.decode(c.context_ids.tolist()).count("<|im_start|>assistant")
+            ids = torch.tensor(tok(str(2 * turn + 1), add_special_tokens=False)["input_ids"] + [end])
+            out.append(Sample(i, 0, c.context_ids, ids, torch.zeros(len(ids)), FinishReason.STOP, 0, str(2 * turn + 1)))
+        return out
+
+    store = SessionStore(tok, SessionLimits(64, 512, 4, 3600), None)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def serve():
+        app = Endpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
+        return HttpServer(app, "127.0.0.1", 0, role="actor", name="endpoint")
+
+    server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
+    yield store, f"http://127.0.0.1:{server.port}"
+    asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_stateful_environment_lives_for_its_episode_and_is_closed_however_it_ends(chat_endpoint, tmp_path):
+    store, url = chat_endpoint
+    log = tmp_path / "env.log"
+    (tmp_path / "guess.py").write_text(textwrap.dedent(GUESS.format(log=str(log))))
+    agents = Agents(AgentSection(path=f"{tmp_path}/guess.py:Guess", workers=1, timeout_s=3.0,
+                                 options={"hint": "higher!"}))
+    try:
+        cases = [("", {"secret": 5}), ("", {"secret": 3}), ("", {"secret": 99}), ("", {"secret": "broken"}),
+                 ("", {"secret": "slow"})]
+        ids = [f"g{i}" for i in range(len(cases))]
+        keys = store.open(ids, SamplingParams(max_new_tokens=8))
+        outcomes = agents.run([AgentItem(f"{url}/sessions/{sid}/v1", key, prompt, "gt", extra)
+                               for sid, key, (prompt, extra) in zip(ids, keys, cases)])
+        trajectories = store.close(ids)
+    finally:
+        agents.close()
+    # 5: guessed on the 2nd turn (3, then 5), its state (the attempts) kept between the turns.
+    assert outcomes[0].reward == 0.5 and trajectories[0].turns == 2
+    assert outcomes[1].reward == 1.0 and trajectories[1].turns == 1
+    # 99: never guessed; the session's turns (4) run out and the episode ends there, rewarded 0.
+    assert outcomes[2].reward == 0.0 and not outcomes[2].error and trajectories[2].turns == 4
+    assert "RuntimeError: the environment broke" in outcomes[3].error
+    assert "timed out after 3 s" in outcomes[4].error
+    lines = sorted(log.read_text().splitlines())
+    # Each environment was made, reset and closed once, the failed and the timed-out too.
+    assert [line for line in lines if line.startswith("close")] == [
+        "close 3 after 1", "close 5 after 2", "close 99 after 4", "close broken after 1", "close slow after 1"]
+    assert len([line for line in lines if line.startswith("reset")]) == 5
+    # The environment's observation (with its option) is what the model read before its next turn.
+    assert "higher!" in store.tokenizer.decode(trajectories[0].response_ids.tolist())

@@ -72,9 +72,12 @@ class AgentSection(_Section):
     role in its own sandbox worker processes (docs/environments.md, "Your own agent")."""
 
     model_config = ConfigDict(extra="forbid")
-    path: Optional[ExpandedPath] = Field(None, description="path/to/file.py:function, `async def agent(client, "
+    path: Optional[ExpandedPath] = Field(None, description="path/to/file.py:name: an `async def agent(client, "
                                          "prompt, ground_truth, extra)` given an `openai.AsyncOpenAI` client of "
-                                         "its episode's session, returning the episode's reward (a number)")
+                                         "its episode's session, returning the episode's reward (a number); or a "
+                                         "stateful environment class (reset, step, close) kept for its episode's life")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the agent function, "
+                                    "or of the environment class's constructor")
     workers: int = Field(2, ge=1, description="worker processes running agents")
     concurrency: int = Field(64, ge=1, description="episodes one worker runs at once (its agents await the "
                              "endpoint together, so the actor generates their turns in one batch)")
