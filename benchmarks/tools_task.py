@@ -7,12 +7,16 @@ SmolLM2-135M-Instruct (`make real-model`) on `tool_arithmetic` (3-4 digit + - *)
    call the calculator (the others answer at once): the model learns the call format, and that
    it may answer without the tool (`app/tool_warm_start.py`).
 3. RL: GRPO through `rolefleet up configs/gpu_tools.yaml` from the warm-started model, evaluated
-   before its first step and every 10 steps (`eval/pass@1`, `eval/episode/tool_use_rate`).
+   before its first step and every 10 steps (`eval/pass@1`, `eval/episode/tool_use_rate`), once
+   for each of `--ways`: `env`, the reward role's built-in `tools` environment; `agent`, the same
+   task driven by an agent written against the `openai` client
+   (`examples/agents/calculator_agent.py`, the same calculator schema) through the actor's
+   OpenAI-compatible endpoint, scored by the same `math` reward.
 
-    python benchmarks/tools_task.py --model runs/smollm2-135m-instruct --out OUT
+    python benchmarks/tools_task.py --model runs/smollm2-135m-instruct --out OUT [--ways env agent]
 
-Writes OUT/tools_task.json: the three phases' tool-use rate and held-out accuracy, the RL run's eval
-curve and its median step time. Without CUDA it runs as a smoke test of itself (use a tiny chat
+Writes OUT/tools_task.json: the three phases' tool-use rate and held-out accuracy, each RL run's eval
+curve and median step time, and the agent's step time over the environment's. Without CUDA it runs as a smoke test of itself (use a tiny chat
 model and small --steps).
 """
 
@@ -29,6 +33,11 @@ import time
 from pathlib import Path
 
 CONFIG = "configs/gpu_tools.yaml"
+REPO = Path(__file__).resolve().parents[1]
+# The agent way: no environment of the reward role's; the example agent drives the episodes and
+# leaves the scoring to the config's `math` source, as the environment's runs do.
+WAYS = {"env": [], "agent": ["reward.env.name=null", f"reward.agent.path={REPO}/examples/agents/calculator_agent.py:agent",
+                             "reward.agent.options={score: false}", "reward.agent.workers=4"]}
 
 
 def settings(args, model: str) -> list[str]:
@@ -47,7 +56,7 @@ def evaluate(args, model: str) -> dict:
     from rolefleet.actor.core import ActorCore
     from rolefleet.common.config import load_config
     from rolefleet.coordinator.data import PromptDataset
-    from rolefleet.coordinator.episodes import Episodes
+    from rolefleet.coordinator.episodes import EpisodeStage
     from rolefleet.coordinator.evaluation import Evaluator
     from rolefleet.reward.client import InProcessRewardClient
     from rolefleet.reward.core import RewardCore
@@ -57,7 +66,7 @@ def evaluate(args, model: str) -> dict:
     try:
         actor, reward = InProcessActorClient(actor_core), InProcessRewardClient(reward_core)
         evaluator = Evaluator.for_run(cfg, PromptDataset.for_run(cfg))
-        episodes = Episodes(cfg, actor, reward)
+        episodes = EpisodeStage(cfg, actor, reward)
 
         async def generate(prompts, sampling, first_group_id=0):
             return await episodes.generate(evaluator.records, sampling, first_group_id)
@@ -91,9 +100,9 @@ def phase(record: dict) -> dict:
             "turns": record.get("eval/episode/turns/mean", 1.0), "tool_errors": record.get("eval/episode/tool_errors/mean", 0.0)}
 
 
-def run_rl(args, model: Path, out: Path) -> dict:
-    run_dir = out / "rl"
-    cmd = [sys.executable, "-m", "rolefleet.cli", "up", CONFIG, *settings(args, str(model)),
+def run_rl(args, model: Path, out: Path, way: str) -> dict:
+    run_dir = out / f"rl-{way}"
+    cmd = [sys.executable, "-m", "rolefleet.cli", "up", CONFIG, *settings(args, str(model)), *WAYS[way],
            f"run.output_dir={run_dir}", "checkpoint.at_end=false", "checkpoint.every_minutes=0"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -120,7 +129,9 @@ def main() -> None:
     p.add_argument("--warm-start-batch", type=int, default=32)
     p.add_argument("--warm-start-lr", type=float, default=1e-4)
     p.add_argument("--tool-share", type=float, default=0.3, help="warm-start conversations that call the tool")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides of the RL run")
+    p.add_argument("--ways", nargs="+", default=["env", "agent"], choices=sorted(WAYS),
+                   help="RL runs from the same warm start: the built-in environment, the openai-client agent")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides of the RL runs")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,11 +139,15 @@ def main() -> None:
     results = {"base": phase(evaluate(args, args.model))}
     print(json.dumps({"base": results["base"]}), flush=True)
     warm = warm_start(args, out)
-    rl = run_rl(args, warm, out)
-    results.update(warm_start=rl["before"], after_rl=rl["after"], curve=rl["curve"],
-                   train_tool_use_rate=rl["train_tool_use_rate"], step_s=rl["step_s"],
-                   wall_s=time.perf_counter() - start, settings=vars(args))
-    print(json.dumps({k: results[k] for k in ("warm_start", "after_rl", "step_s", "wall_s")}), flush=True)
+    for way in args.ways:
+        rl = run_rl(args, warm, out, way)
+        results[way] = {"warm_start": rl["before"], "after_rl": rl["after"], "curve": rl["curve"],
+                        "train_tool_use_rate": rl["train_tool_use_rate"], "step_s": rl["step_s"]}
+        print(json.dumps({way: {k: results[way][k] for k in ("warm_start", "after_rl", "step_s")}}), flush=True)
+    if "env" in results and "agent" in results:
+        results["agent_step_over_env"] = results["agent"]["step_s"] / results["env"]["step_s"]
+    results.update(wall_s=time.perf_counter() - start, settings=vars(args))
+    print(json.dumps({k: results.get(k) for k in ("agent_step_over_env", "wall_s")}), flush=True)
     (out / "tools_task.json").write_text(json.dumps(results, indent=2))
 
 

@@ -4,26 +4,35 @@ generation, `actor/openai_api.py`).
 Agents await their completions one request each; the engine is fastest with many sequences per
 call. Requests that arrive while a call runs wait for the next one and go together: each call takes
 every request then waiting (of the same sampling, at most `actor.max_sequences_per_request`), so a
-step's agents, awaiting the endpoint together, have their turns generated as one batch.
+step's agents, awaiting the endpoint together, have their turns generated as one batch. A call on
+an idle engine first waits while requests keep arriving (`actor.endpoint.batch_window_ms` after the
+last, at most ten times that): the agents of a step send their turns within milliseconds of each
+other, and a call that took only the first would leave the others a call of their own.
+
+Requests that differ only in how many tokens they may take (a session near its token limit) share
+a call: it generates up to the largest, and each sample is cut to its own request's limit (a
+prefix of a sample is a sample, its logprobs unchanged, ended by length).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from rolefleet.actor.types import Continuation, Sample, SamplingParams
+from rolefleet.actor.types import Continuation, FinishReason, Sample, SamplingParams
 
 Generate = Callable[[list[Continuation], SamplingParams], list[Sample]]
+Decode = Callable[[list[int]], str]
 
 
 @dataclass
 class _Request:
     context: torch.Tensor
     n: int
+    limit: int                       # its max_new_tokens
     done: asyncio.Future = field(repr=False)
 
 
@@ -31,9 +40,10 @@ class CompletionBatcher:
     """`complete(context, sampling, n)`: n samples after `context`, generated in an engine call with
     the other requests waiting at the time."""
 
-    def __init__(self, generate: Generate, max_sequences: int):
-        """`generate(continuations, sampling)`: blocking, one sample per continuation (run off the loop)."""
-        self.generate, self.max_sequences = generate, max_sequences
+    def __init__(self, generate: Generate, max_sequences: int, window_s: float = 0.0, decode: Decode | None = None):
+        """`generate(continuations, sampling)`: blocking, one sample per continuation (run off the loop);
+        `decode(ids)`: the text of a cut sample (the engines' decoding)."""
+        self.generate, self.max_sequences, self.window_s, self.decode = generate, max_sequences, window_s, decode
         self._waiting: dict[SamplingParams, list[_Request]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -41,8 +51,9 @@ class CompletionBatcher:
     async def complete(self, context: torch.Tensor, sampling: SamplingParams, n: int = 1) -> list[Sample]:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._serve(), name="endpoint-batcher")
-        request = _Request(context, n, asyncio.get_running_loop().create_future())
-        self._waiting.setdefault(sampling, []).append(request)
+        request = _Request(context, n, sampling.max_new_tokens, asyncio.get_running_loop().create_future())
+        key = sampling if self.decode is None else replace(sampling, max_new_tokens=1)
+        self._waiting.setdefault(key, []).append(request)
         self._wake.set()
         return await request.done
 
@@ -54,6 +65,7 @@ class CompletionBatcher:
     async def _serve(self) -> None:
         while True:
             await self._wake.wait()
+            await self._gathered()
             self._wake.clear()
             while self._waiting:
                 sampling, requests = next(iter(self._waiting.items()))
@@ -70,20 +82,45 @@ class CompletionBatcher:
                     del self._waiting[sampling]
                 await self._call(sampling, batch)
 
+    async def _gathered(self) -> None:
+        """Wait while requests keep arriving (the window after the last), at most ten windows."""
+        for _ in range(10 if self.window_s > 0 else 0):
+            seen = self._count()
+            await asyncio.sleep(self.window_s)
+            if self._count() == seen:
+                return
+
+    def _count(self) -> int:
+        return sum(r.n for requests in self._waiting.values() for r in requests)
+
     async def _call(self, sampling: SamplingParams, batch: list[_Request]) -> None:
-        # n samples of a request: n continuations of its context (a continuation is one sequence).
-        owner = [r for r in batch for _ in range(r.n)]
-        continuations = [Continuation(r.context, [], resume_from=len(r.context)) for r in owner]
+        """One engine call for `batch`; whatever fails fails its requests alone, never the batcher."""
         try:
-            samples = await asyncio.to_thread(self.generate, continuations, sampling)
+            answers = await self._generate(sampling, batch)
         except Exception as exc:  # noqa: BLE001 - each waiting request answers with the failure
             for r in batch:
                 if not r.done.done():
                     r.done.set_exception(exc)
             return
-        by_request: dict[int, list[Sample]] = {}
-        for s in sorted(samples, key=lambda s: s.prompt_index):
-            by_request.setdefault(id(owner[s.prompt_index]), []).append(s)
         for r in batch:
             if not r.done.done():
-                r.done.set_result(by_request.get(id(r), []))
+                r.done.set_result(answers.get(id(r), []))
+
+    async def _generate(self, sampling: SamplingParams, batch: list[_Request]) -> dict[int, list[Sample]]:
+        # n samples of a request: n continuations of its context (a continuation is one sequence).
+        owner = [r for r in batch for _ in range(r.n)]
+        continuations = [Continuation(r.context, [], resume_from=len(r.context)) for r in owner]
+        sampling = replace(sampling, max_new_tokens=max(r.limit for r in batch))
+        samples = await asyncio.to_thread(self.generate, continuations, sampling)
+        answers: dict[int, list[Sample]] = {}
+        for s in sorted(samples, key=lambda s: s.prompt_index):
+            r = owner[s.prompt_index]
+            answers.setdefault(id(r), []).append(self._cut(s, r.limit))
+        return answers
+
+    def _cut(self, s: Sample, limit: int) -> Sample:
+        if len(s.response_ids) <= limit or self.decode is None:  # without decode, requests share no call
+            return s
+        ids = s.response_ids[:limit]
+        return replace(s, response_ids=ids, logprobs=s.logprobs[:limit], finish_reason=FinishReason.LENGTH,
+                       response_text=self.decode(ids.tolist()))

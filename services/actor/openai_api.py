@@ -126,6 +126,9 @@ ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
     (404, "no such session open"), (409, "messages that do not extend the session's conversation, or a request while "
                                     "another of the session is in flight"),
     (429, "past a session's limits"), (503, "the actor cannot generate now"))}
+# `stream: true` answers server-sent events (chat.completion.chunk objects, then [DONE]).
+STREAMED = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {}}},
+                  "description": "a chat.completion, or with `stream` its chunks as server-sent events"}}
 BEARER = HTTPBearer(auto_error=False, description="a session's key, or the run's token")
 Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(BEARER)]
 SessionHeader = Annotated[Optional[str], Header(alias=SESSION_HEADER, description="the session a request under /v1 "
@@ -155,9 +158,10 @@ class Endpoint:
             exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
         router = APIRouter(responses=ERRORS)
         router.add_api_route("/v1/models", self.models, methods=["GET"])
-        router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+        router.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], responses=STREAMED)
         router.add_api_route("/sessions/{session_id}/v1/models", self.session_models, methods=["GET"])
-        router.add_api_route("/sessions/{session_id}/v1/chat/completions", self.session_chat, methods=["POST"])
+        router.add_api_route("/sessions/{session_id}/v1/chat/completions", self.session_chat, methods=["POST"],
+                             responses=STREAMED)
         router.add_api_route("/sessions/{session_id}/v1/reset", self.reset, methods=["POST"])
         app.include_router(router)
         return app
@@ -218,15 +222,19 @@ class Endpoint:
         messages = [m.model_dump(exclude_unset=True) for m in body.messages]
         try:
             session = await self.caller(session_id, x_session_id, credentials)
+            if session is not None and body.n != 1:
+                raise InvalidArgument("n", f"a session is one conversation: n must be 1, got {body.n} (open n sessions)")
             turn = self.store.begin(session, messages, _tools(body), _max_tokens(body), self._sampling(body, session))
         except _Refused as r:
             return error_body(r.status, r.message)
         except (InvalidArgument, LimitExceeded, UnknownSession, Conflict, FailedPrecondition) as exc:
             return _error_of(exc)
         try:
-            samples = await self.batcher.complete(turn.context, turn.sampling, body.n if session is None else 1)
-        except Exception as exc:  # noqa: BLE001 - the session is as it was; the agent reads why
+            samples = await self.batcher.complete(turn.context, turn.sampling, body.n)
+        except BaseException as exc:  # the session is as it was; the agent reads why (a client gone: cancelled)
             self.store.release(turn)
+            if not isinstance(exc, Exception):
+                raise
             return _error_of(exc)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         choices = []
@@ -362,7 +370,8 @@ async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> Ht
     """The endpoint of `core` (an ActorCore) served in this loop on actor.endpoint.host:port."""
     ep = cfg.actor.endpoint
     batcher = CompletionBatcher(lambda continuations, sampling: core.generate([], sampling, 0, continuations),
-                                cfg.actor.max_sequences_per_request)
+                                cfg.actor.max_sequences_per_request, ep.batch_window_ms / 1000,
+                                lambda ids: core.tokenizer.decode(ids, skip_special_tokens=True))
     endpoint = Endpoint(core.sessions, batcher, core.tokenizer, token, "policy", ep.max_new_tokens)
     return HttpServer(endpoint.app(), ep.host, ep.port, tls, role="actor", name="openai-endpoint")
 

@@ -7,8 +7,8 @@ For a batch's prompts:
 1. actor.OpenSessions: one session of the actor's OpenAI-compatible endpoint per sample, sampling
    with the batch's sampling (the run's temperature: what the trainer's recompute assumes);
 2. reward.RunAgents: each sample's agent drives its session (an `openai` client of its own key)
-   and returns the episode's reward; with `stream`, a group at a time, so that async mode scores
-   groups as they end;
+   and returns the episode's reward; with `stream`, in parts of whole groups (one per agent
+   worker), so that async mode scores groups as their part ends;
 3. actor.CloseSessions: each session's trajectory (the exact ids the model saw and sampled, with
    their logprobs and policy versions; rendered messages masked out) becomes its episode, done.
 
@@ -51,6 +51,7 @@ class AgentStage:
             raise ConfigError("actor.endpoint.url: the base URL agents dial the actor's endpoint at is unknown; "
                               "set it (http://actor:8300 in compose) or a fixed actor.endpoint.port")
         self.max_total = cfg.episode_cap
+        self.workers, self.concurrency = cfg.reward.agent.workers, cfg.reward.agent.concurrency
         self.env_s = 0.0  # seconds spent waiting for the agents (the step's timing/env_s)
 
     @property
@@ -63,11 +64,14 @@ class AgentStage:
     async def start(self, records: list[PromptRecord], sampling: SamplingParams, first_group_id: int,
                     allowance: int | None, stream: bool = False, on_finished=None, prefix: str = "s") -> list[Episode]:
         """1-3 for `records`: their episodes, ended (`allowance` does not apply: see the module);
-        `stream`: handed to `on_finished` a group at a time, as each group's agents return."""
+        `stream`: handed to `on_finished` a part of whole groups at a time, as its agents return."""
         start = time.perf_counter()
         groups = [[(p, i) for i in range(sampling.n)] for p in range(len(records))]
-        if not stream:
-            groups = [[pair for g in groups for pair in g]]
+        # Streamed: a part of whole groups per agent worker (each RunAgents call runs in one worker
+        # at a time), so that every worker runs agents and groups are handed on as their part ends.
+        per_part = len(records) if not stream else max(1, min(self.concurrency // sampling.n,
+                                                              -(-len(records) // self.workers)))
+        groups = [[pair for g in groups[k:k + per_part] for pair in g] for k in range(0, len(groups), per_part)]
 
         async def run(group: list[tuple[int, int]]) -> list[Episode]:
             episodes = await self._episodes(records, group, sampling, first_group_id, prefix)

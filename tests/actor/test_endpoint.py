@@ -51,8 +51,8 @@ class Scripted:
 
 
 def client_of(actor: ActorCore, generate, base: str = "/v1", key: str = TOKEN) -> openai.AsyncOpenAI:
-    batcher = CompletionBatcher(generate, 16)
-    app = Endpoint(actor.sessions, batcher, actor.tokenizer, TOKEN, "policy", 8).app()
+    batcher = CompletionBatcher(generate, 16, decode=actor.tokenizer.decode)
+    app = Endpoint(actor.sessions, batcher, actor.tokenizer, TOKEN, "policy", 32).app()
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://actor")
     return openai.AsyncOpenAI(base_url=f"http://actor{base}", api_key=key, http_client=http, max_retries=0)
 
@@ -80,7 +80,7 @@ def test_the_trained_ids_are_the_sampled_ones_where_the_conversation_retokenizes
     apart = spelled_apart(tok)
     first, second = [*apart, end], [apart[0], *apart, end]
     script = Scripted(actor, [first, second])
-    [key] = actor.open_sessions(["drift"], SamplingParams(temperature=1.0, max_new_tokens=8))
+    [key] = actor.open_sessions(["drift"], SamplingParams(temperature=1.0, max_new_tokens=64))
     client = client_of(actor, script, "/sessions/drift/v1", key)
 
     async def episode():
@@ -211,6 +211,7 @@ def test_bad_requests_get_openai_errors_naming_what_is_wrong_and_change_no_sessi
         (create(model="p", messages=[*history, {"role": "user", "content": "?"}], tools=[
             {"type": "function", "function": {"name": "f"}}]), 409, "tools differ"),
         (create(model="p", messages=[*history, {"role": "user", "content": "?"}], n=0), 400, "n"),
+        (create(model="p", messages=[*history, {"role": "user", "content": "?"}], n=2), 400, "n must be 1"),
         (create(model="p", messages=[*history, {"role": "user", "content": "?"}], stop=["two words"]), 400, "stop[0]"),
         (create(model="p", messages=[*history, {"role": "user", "content": "?"}], tool_choice="required"),
          400, "tool_choice"),
@@ -279,9 +280,39 @@ def test_schemathesis_finds_no_server_error_no_answer_outside_the_schema_and_no_
         proc = subprocess.run(
             [tool("schemathesis"), "run", f"http://127.0.0.1:{server.port}/openapi.json", "--checks", "all",
              "--exclude-checks", "positive_data_acceptance",
-             "--max-examples", "25", "--seed", "1", "--request-timeout", "20", "--max-failures", "5",
+             "--max-examples", "15", "--seed", "1", "--request-timeout", "20", "--max-failures", "5",
              "-H", f"Authorization: Bearer {TOKEN}"], capture_output=True, text=True, timeout=200, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_requests_arriving_together_share_one_engine_call_each_cut_to_its_own_limit():
+    calls = []
+
+    def generate(continuations, sampling):
+        calls.append((len(continuations), sampling.max_new_tokens))
+        return [Sample(i, 0, c.context_ids, torch.arange(10, 10 + sampling.max_new_tokens),
+                       torch.full((sampling.max_new_tokens,), -1.0), FinishReason.STOP, 0, "whole")
+                for i, c in enumerate(continuations)]
+
+    async def agents():
+        batcher = CompletionBatcher(generate, 16, window_s=0.02, decode=lambda ids: f"cut to {len(ids)}")
+
+        async def one(delay, limit):
+            await asyncio.sleep(delay)
+            return await batcher.complete(torch.tensor([1, 2]), SamplingParams(max_new_tokens=limit))
+
+        # Arrivals a few ms apart, within the window of each other: one call for all four.
+        out = await asyncio.gather(one(0, 6), one(0.005, 3), one(0.01, 6), one(0.015, 1))
+        await batcher.close()
+        return out
+
+    out = asyncio.run(agents())
+    assert calls == [(4, 6)]
+    assert [len(s.response_ids) for [s] in out] == [6, 3, 6, 1]
+    assert [s.finish_reason for [s] in out] == [FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP,
+                                                FinishReason.LENGTH]
+    assert out[1][0].response_text == "cut to 3" and out[1][0].logprobs.tolist() == [-1.0] * 3
+    assert out[1][0].response_ids.tolist() == [10, 11, 12]

@@ -109,6 +109,7 @@ def test_streamed_groups_are_handed_on_as_their_agents_return_and_evaluation_has
     actor, reward = Actor(), Reward()
     handed = []
     asyncio.run(stage(actor, reward).start(RECORDS, SAMPLING, 0, None, stream=True, on_finished=handed.append))
+    # Two agent workers (the default): a part of whole groups each, handed on as each part ends.
     assert sorted(len(h) for h in handed) == [2, 2] and len(reward.calls) == 2
     samples = asyncio.run(stage(actor, reward).generate(RECORDS, SAMPLING))
     assert len(samples) == 4 and all(sid.startswith("e") for sid in actor.opened[-1][0])
