@@ -12,6 +12,7 @@ import grpc
 from rolefleet.actor import wire
 from rolefleet.actor.types import (
     ActorUpdateResult,
+    AgentTask,
     Continuation,
     LogProbs,
     PolicyTargets,
@@ -45,8 +46,13 @@ class ActorClient(Protocol):
     async def update(self, step: int, policy_version: int, batch: SequenceBatch, targets: PolicyTargets,
                      temperature: float) -> ActorUpdateResult: ...
     async def status(self, include_digest: bool = False) -> RoleStatus: ...
-    async def open_sessions(self, ids: list[str], sampling: SamplingParams) -> list[str]:
-        """Sessions of the OpenAI-compatible endpoint, one per agent-driven episode; their keys."""
+    async def open_sessions(self, ids: list[str], sampling: SamplingParams,
+                            tasks: list[AgentTask] | None = None) -> list[str]:
+        """Sessions of the OpenAI-compatible endpoint, one per agent-driven episode; their keys.
+        `tasks`: for agents outside the cluster to claim."""
+        ...
+    async def session_rewards(self, ids: list[str]) -> list[float | None]:
+        """The rewards agents outside the cluster posted for the sessions (None: not yet)."""
         ...
     async def close_sessions(self, ids: list[str]) -> list[Trajectory]:
         """The sessions' trajectories, in order; the sessions are gone afterwards."""
@@ -73,8 +79,11 @@ class InProcessActorClient(InProcessTrainerClient):
     async def update(self, step, policy_version, batch, targets, temperature):
         return await asyncio.to_thread(self.core.update, step, policy_version, batch, targets, temperature)
 
-    async def open_sessions(self, ids, sampling):
-        return self.core.open_sessions(ids, sampling)
+    async def open_sessions(self, ids, sampling, tasks=None):
+        return self.core.open_sessions(ids, sampling, tasks)
+
+    async def session_rewards(self, ids):
+        return self.core.session_rewards(ids)
 
     async def close_sessions(self, ids):
         return self.core.close_sessions(ids)
@@ -108,9 +117,15 @@ class GrpcActorClient(GrpcTrainerClient):
                                                temperature=temperature, **wire.policy_targets_to_proto(targets))
         return wire.update_result_from_proto(await call(self.stub.Update(request, timeout=self.timeout_s)))
 
-    async def open_sessions(self, ids, sampling):
-        request = actor_pb2.OpenSessionsRequest(session_ids=ids, sampling=wire.sampling_to_proto(sampling))
+    async def open_sessions(self, ids, sampling, tasks=None):
+        request = actor_pb2.OpenSessionsRequest(session_ids=ids, sampling=wire.sampling_to_proto(sampling),
+                                                tasks=[wire.task_to_proto(t) for t in tasks or []])
         return list((await call(self.stub.OpenSessions(request, timeout=self.timeout_s))).keys)
+
+    async def session_rewards(self, ids):
+        response = await call(self.stub.SessionRewards(actor_pb2.SessionRewardsRequest(session_ids=ids),
+                                                       timeout=self.timeout_s))
+        return [r.reward if r.posted else None for r in response.rewards]
 
     async def close_sessions(self, ids):
         response = await call(self.stub.CloseSessions(actor_pb2.CloseSessionsRequest(session_ids=ids),

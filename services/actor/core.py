@@ -18,6 +18,7 @@ from rolefleet.actor.turns import TurnRenderer, check_observation, whole_respons
 from rolefleet.actor.types import (
     SAMPLES_PER_GROUP_LIMIT,
     ActorUpdateResult,
+    AgentTask,
     Continuation,
     LogProbs,
     PolicyTargets,
@@ -77,12 +78,16 @@ class ActorCore(TrainerRole):
 
     # --- the endpoint's sessions ---------------------------------------------------------------------
 
-    def open_sessions(self, ids: list[str], sampling: SamplingParams) -> list[str]:
+    def open_sessions(self, ids: list[str], sampling: SamplingParams, tasks: list[AgentTask] | None = None) -> list[str]:
         """Sessions for agent-driven episodes, sampling with the run's `sampling` (every turn ends at
-        the chat template's end-of-turn token); their keys."""
+        the chat template's end-of-turn token); their keys. `tasks`: for agents outside the cluster
+        to claim."""
         if not ids:
             raise InvalidArgument("session_ids", "no sessions given")
-        return self.sessions.open(ids, replace(sampling, n=1, seed=-1, stop_at_end_of_turn=True))
+        return self.sessions.open(ids, replace(sampling, n=1, seed=-1, stop_at_end_of_turn=True), tasks)
+
+    def session_rewards(self, ids: list[str]) -> list[float | None]:
+        return self.sessions.rewards(ids)
 
     def close_sessions(self, ids: list[str]) -> list[Trajectory]:
         return self.sessions.close(ids)

@@ -135,6 +135,11 @@ SessionHeader = Annotated[Optional[str], Header(alias=SESSION_HEADER, descriptio
                                                  "acts in (instead of the session's base URL)")]
 
 
+class Reward(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+    reward: float = Field(description="the episode's reward (finite)")
+
+
 def error_body(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
@@ -163,6 +168,8 @@ class Endpoint:
         router.add_api_route("/sessions/{session_id}/v1/chat/completions", self.session_chat, methods=["POST"],
                              responses=STREAMED)
         router.add_api_route("/sessions/{session_id}/v1/reset", self.reset, methods=["POST"])
+        router.add_api_route("/v1/episodes", self.claim, methods=["POST"])
+        router.add_api_route("/v1/episodes/{session_id}/reward", self.post_reward, methods=["POST"])
         app.include_router(router)
         return app
 
@@ -180,6 +187,29 @@ class Endpoint:
         if bearer is None and not run_token:
             raise _Refused(401, "a session's requests need `Authorization: Bearer <its key>`")
         return self.store.session(sid, None if run_token else bearer)
+
+    async def claim(self, request: Request, credentials: Credentials = None):
+        """An episode waiting for an agent outside the cluster (reward.agent.external): its session's
+        base URL and key, and its task. 404 while none waits (ask again)."""
+        try:
+            await self.caller(None, None, credentials)
+        except _Refused as exc:
+            return _error_of(exc)
+        s = self.store.claim()
+        if s is None:
+            return error_body(404, "no episode is waiting to be claimed (the run opens a step's episodes as it "
+                                   "begins the step): ask again")
+        return {"id": s.id, "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{s.id}/v1", "key": s.key,
+                "prompt": s.task.prompt, "ground_truth": s.task.ground_truth, "extra": s.task.extra}
+
+    async def post_reward(self, session_id: str, body: Reward, credentials: Credentials = None):
+        """The reward of a claimed episode, once its agent outside the cluster drove it to its end."""
+        try:
+            session = await self.caller(session_id, None, credentials)
+            self.store.post_reward(session, body.reward)
+        except (_Refused, UnknownSession, Conflict) as exc:
+            return _error_of(exc)
+        return {"id": session_id, "reward": body.reward}
 
     async def reset(self, session_id: str, credentials: Credentials = None):
         """The session's episode starts over (the agent runner calls it before an agent begins, so

@@ -60,8 +60,15 @@ class ActorServicer(TrainerServicer, actor_pb2_grpc.ActorServiceServicer):
     async def OpenSessions(self, request: actor_pb2.OpenSessionsRequest, context):
         if not request.HasField("sampling"):
             raise InvalidArgument("sampling", "required")
-        keys = self.core.open_sessions(list(request.session_ids), wire.sampling_from_proto(request.sampling))
+        keys = self.core.open_sessions(list(request.session_ids), wire.sampling_from_proto(request.sampling),
+                                       wire.tasks_from_proto(request.tasks))
         return actor_pb2.OpenSessionsResponse(keys=keys)
+
+    @rpc
+    async def SessionRewards(self, request: actor_pb2.SessionRewardsRequest, context):
+        rewards = self.core.session_rewards(list(request.session_ids))
+        return actor_pb2.SessionRewardsResponse(rewards=[
+            actor_pb2.SessionReward(posted=r is not None, reward=r or 0.0) for r in rewards])
 
     @rpc
     async def CloseSessions(self, request: actor_pb2.CloseSessionsRequest, context):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rolefleet.actor.turns import MAX_OBSERVATION_MESSAGES, TurnRenderer
-from rolefleet.actor.types import FinishReason, Sample, SamplingParams, Trajectory
+from rolefleet.actor.types import AgentTask, FinishReason, Sample, SamplingParams, Trajectory
 from rolefleet.common import metrics
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded, RoleFleetError
 from rolefleet.reward.env_tools import ToolCall, parse_tool_calls
@@ -70,6 +70,9 @@ class Session:
     last_text: str = ""
     tool_calls: int = 0
     busy: bool = False
+    task: AgentTask | None = None       # for an agent outside the cluster to claim (reward.agent.external)
+    claimed: bool = False
+    reward: float | None = None         # what that agent posted
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,12 @@ class SessionStore:
 
     # --- opened and closed by the coordinator ---------------------------------------------------
 
-    def open(self, ids: list[str], sampling: SamplingParams) -> list[str]:
+    def open(self, ids: list[str], sampling: SamplingParams, tasks: list[AgentTask] | None = None) -> list[str]:
         """New sessions (an id that is open already starts over: a retried step repeats its ids);
-        their keys, in order."""
+        their keys, in order. `tasks` (one per id): the sessions wait to be claimed by agents
+        outside the cluster (`claim`)."""
+        if tasks and len(tasks) != len(ids):
+            raise InvalidArgument("tasks", f"{len(tasks)} tasks for {len(ids)} sessions: give one per session, or none")
         for i, sid in enumerate(ids):
             if not sid or len(sid) > MAX_SESSION_ID_CHARS or not sid.replace("-", "").replace("_", "").isalnum():
                 raise InvalidArgument(f"session_ids[{i}]", f"must be 1-{MAX_SESSION_ID_CHARS} letters, digits, - or _")
@@ -114,8 +120,10 @@ class SessionStore:
                 raise LimitExceeded("session_ids", f"{len(self._sessions)} open sessions and {fresh} more exceed "
                                     f"actor.endpoint.max_sessions={self.limits.max_sessions}")
             now = time.monotonic()
-            for sid in ids:
-                self._sessions[sid] = Session(sid, secrets.token_urlsafe(24), sampling, now)
+            for k, sid in enumerate(ids):
+                self._sessions.pop(sid, None)  # a reopened id goes to the back of the claim order
+                self._sessions[sid] = Session(sid, secrets.token_urlsafe(24), sampling, now,
+                                              task=tasks[k] if tasks else None)
             metrics.ENDPOINT_SESSIONS.labels("actor").set(len(self._sessions))
             return [self._sessions[sid].key for sid in ids]
 
@@ -142,12 +150,33 @@ class SessionStore:
             raise UnknownSession(f"no open session {sid!r} for this key")
         return s
 
+    def claim(self) -> Session | None:
+        """The longest-waiting unclaimed session with a task, now claimed; None when none waits."""
+        with self._lock:
+            self._expire()
+            s = next((s for s in self._sessions.values() if s.task is not None and not s.claimed), None)
+            if s is not None:
+                s.claimed = True
+            return s
+
+    def post_reward(self, s: Session, reward: float) -> None:
+        """The episode's reward, from the agent outside the cluster that drove it (once)."""
+        with self._lock:
+            if s.reward is not None:
+                raise Conflict(f"session {s.id!r} has its reward already ({s.reward})")
+            s.reward = float(reward)
+
+    def rewards(self, ids: list[str]) -> list[float | None]:
+        """The posted reward of each session (None: not posted, or no such session)."""
+        with self._lock:
+            return [s.reward if (s := self._sessions.get(sid)) is not None else None for sid in ids]
+
     def reset(self, s: Session) -> None:
         """The session back to no conversation (its agent starts the episode again: a retried call)."""
         with self._lock:
             if s.busy:
                 raise Conflict(f"session {s.id!r} has a request in flight")
-            fresh = Session(s.id, s.key, s.sampling, s.opened)
+            fresh = Session(s.id, s.key, s.sampling, s.opened, task=s.task, claimed=s.claimed)
             s.__dict__.update(fresh.__dict__)
 
     def begin(self, s: Session | None, messages: list[dict], tools: list[dict] | None, max_tokens: int | None,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from typing import Any
 
 import torch
 
@@ -154,3 +155,13 @@ class Trajectory:
     last_text: str                      # the text of its last completion
     error: str = ""                     # why there is nothing to train ("" when there is)
     tool_calls: int = 0                 # function calls its completions made
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    """An episode's task for an agent outside the cluster that claims it (`reward.agent.external`)."""
+
+    prompt: Any                         # as the dataset gave it: text, or chat messages
+    ground_truth: str
+    extra: dict = field(default_factory=dict)
+

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from rolefleet.actor.types import (
     ActorUpdateResult,
+    AgentTask,
     Continuation,
     FinishReason,
     LogProbs,
@@ -16,6 +19,7 @@ from rolefleet.actor.types import (
 )
 from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
+from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import actor_pb2, common_pb2
 
 
@@ -139,3 +143,22 @@ def trajectory_from_proto(m: actor_pb2.Trajectory) -> Trajectory:
         codec.decode_as(m.own, f"{field}.own", torch.bool, 1),
         FinishReason(m.finish_reason) if m.finish_reason else FinishReason.LENGTH, m.turns, m.last_text, m.error,
         m.tool_calls)
+
+
+def task_to_proto(t: AgentTask) -> actor_pb2.AgentTask:
+    return actor_pb2.AgentTask(prompt_json=json.dumps(t.prompt), ground_truth=t.ground_truth,
+                               extra_json=json.dumps(t.extra) if t.extra else "")
+
+
+def tasks_from_proto(messages) -> list[AgentTask]:
+    tasks = []
+    for i, m in enumerate(messages):
+        try:
+            prompt, extra = json.loads(m.prompt_json), json.loads(m.extra_json) if m.extra_json else {}
+        except (ValueError, RecursionError):
+            raise InvalidArgument(f"tasks[{i}]", "prompt_json and extra_json must be JSON") from None
+        if not isinstance(extra, dict):
+            raise InvalidArgument(f"tasks[{i}].extra_json", "must be a JSON object")
+        tasks.append(AgentTask(prompt, m.ground_truth, extra))
+    return tasks
+

@@ -8,7 +8,9 @@ For a batch's prompts:
    with the batch's sampling (the run's temperature: what the trainer's recompute assumes);
 2. reward.RunAgents: each sample's agent drives its session (an `openai` client of its own key)
    and returns the episode's reward; with `stream`, in parts of whole groups (one per agent
-   worker), so that async mode scores groups as their part ends;
+   worker), so that async mode scores groups as their part ends. With `reward.agent.external`,
+   agents outside the cluster claim the sessions (their tasks were opened with them) and post
+   their rewards, which actor.SessionRewards is asked for until all are in or the deadline passed;
 3. actor.CloseSessions: each session's trajectory (the exact ids the model saw and sampled, with
    their logprobs and policy versions; rendered messages masked out) becomes its episode, done.
 
@@ -29,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from rolefleet.actor.client import ActorClient
-from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, Sample, SamplingParams, Trajectory
+from rolefleet.actor.types import SAMPLES_PER_GROUP_LIMIT, AgentTask, Sample, SamplingParams, Trajectory
 from rolefleet.common import metrics
 from rolefleet.common.config import ConfigError, RoleFleetConfig
 from rolefleet.common.errors import FailedPrecondition
@@ -37,6 +39,8 @@ from rolefleet.coordinator.episodes import Episode
 from rolefleet.reward.client import RewardClient
 from rolefleet.reward.types import AgentItem, AgentOutcome
 from rolefleet.tasks import PromptRecord
+
+POLL_S = 0.2  # how often the rewards of agents outside the cluster are asked for
 
 
 class AgentStage:
@@ -47,11 +51,13 @@ class AgentStage:
     def __init__(self, cfg: RoleFleetConfig, actor: ActorClient, reward: RewardClient):
         self.actor, self.reward = actor, reward
         self.url = (cfg.actor.endpoint.url or "").rstrip("/")
-        if not self.url:
+        if not self.url and not cfg.reward.agent.external:  # external agents are told where they dialled
             raise ConfigError("actor.endpoint.url: the base URL agents dial the actor's endpoint at is unknown; "
                               "set it (http://actor:8300 in compose) or a fixed actor.endpoint.port")
         self.max_total = cfg.episode_cap
-        self.workers, self.concurrency = cfg.reward.agent.workers, cfg.reward.agent.concurrency
+        agent = cfg.reward.agent
+        self.workers, self.concurrency, self.timeout_s = agent.workers, agent.concurrency, agent.timeout_s
+        self.external = agent.external  # agents outside the cluster claim the episodes and post their rewards
         self.env_s = 0.0  # seconds spent waiting for the agents (the step's timing/env_s)
 
     @property
@@ -71,15 +77,15 @@ class AgentStage:
         # at a time), so that every worker runs agents and groups are handed on as their part ends.
         per_part = len(records) if not stream else max(1, min(self.concurrency // sampling.n,
                                                               -(-len(records) // self.workers)))
-        groups = [[pair for g in groups[k:k + per_part] for pair in g] for k in range(0, len(groups), per_part)]
+        parts = [[pair for g in groups[k:k + per_part] for pair in g] for k in range(0, len(groups), per_part)]
 
-        async def run(group: list[tuple[int, int]]) -> list[Episode]:
-            episodes = await self._episodes(records, group, sampling, first_group_id, prefix)
+        async def run(part: list[tuple[int, int]]) -> list[Episode]:
+            episodes = await self._episodes(records, part, sampling, first_group_id, prefix)
             if on_finished is not None:
                 on_finished(episodes)
             return episodes
 
-        episodes = [e for part in await asyncio.gather(*(run(g) for g in groups)) for e in part]
+        episodes = [e for done in await asyncio.gather(*(run(part) for part in parts)) for e in done]
         seconds = time.perf_counter() - start
         self.env_s += seconds
         metrics.STAGE_SECONDS.labels("coordinator", "environment").inc(seconds)
@@ -99,16 +105,31 @@ class AgentStage:
     async def _episodes(self, records: list[PromptRecord], pairs: list[tuple[int, int]], sampling: SamplingParams,
                         first_group_id: int, prefix: str) -> list[Episode]:
         ids = [f"{prefix}{(first_group_id + p) * SAMPLES_PER_GROUP_LIMIT + i}" for p, i in pairs]
-        keys = await self.actor.open_sessions(ids, replace(sampling, n=1))
         try:
-            outcomes = await self.reward.run_agents([
-                AgentItem(f"{self.url}/sessions/{sid}/v1", key, records[p].given, records[p].ground_truth,
-                          records[p].extra) for sid, key, (p, _) in zip(ids, keys, pairs)])
+            if self.external:
+                tasks = [AgentTask(records[p].given, records[p].ground_truth, records[p].extra) for p, _ in pairs]
+                await self.actor.open_sessions(ids, replace(sampling, n=1), tasks)
+                outcomes = await self._posted(ids)
+            else:
+                keys = await self.actor.open_sessions(ids, replace(sampling, n=1))
+                outcomes = await self.reward.run_agents([
+                    AgentItem(f"{self.url}/sessions/{sid}/v1", key, records[p].given, records[p].ground_truth,
+                              records[p].extra) for sid, key, (p, _) in zip(ids, keys, pairs)])
         finally:
             trajectories = await self.actor.close_sessions(ids)
         stand_ins = await self._stand_ins(records, pairs, trajectories, sampling)
         return [self._episode(records, p, i, first_group_id, t, o, stand_ins.get(k), sampling)
                 for k, ((p, i), t, o) in enumerate(zip(pairs, trajectories, outcomes))]
+
+    async def _posted(self, ids: list[str]) -> list[AgentOutcome]:
+        """The rewards agents outside the cluster post for `ids`, waited for until every one is
+        posted or `reward.agent.timeout_s` has passed (those then fail)."""
+        deadline = time.monotonic() + self.timeout_s
+        while None in (rewards := await self.actor.session_rewards(ids)) and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        return [AgentOutcome(reward=r) if r is not None else AgentOutcome(
+            error=f"no reward posted within reward.agent.timeout_s={self.timeout_s:g} (POST /v1/episodes/<id>/reward)")
+            for r in rewards]
 
     async def _stand_ins(self, records: list[PromptRecord], pairs: list[tuple[int, int]],
                          trajectories: list[Trajectory], sampling: SamplingParams) -> dict[int, Sample]:

@@ -41,7 +41,7 @@ class RewardCore:
         try:
             # Multi-turn rollouts' environment: its own worker pool, limits and metrics.
             self.env = Environment(cfg.env) if cfg.env.enabled else None
-            self.agents = Agents(cfg.agent) if cfg.agent.enabled else None
+            self.agents = Agents(cfg.agent) if cfg.agent.path else None
         except BaseException:
             self._close_sources()
             raise

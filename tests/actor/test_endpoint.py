@@ -316,3 +316,44 @@ def test_requests_arriving_together_share_one_engine_call_each_cut_to_its_own_li
                                                 FinishReason.LENGTH]
     assert out[1][0].response_text == "cut to 3" and out[1][0].logprobs.tolist() == [-1.0] * 3
     assert out[1][0].response_ids.tolist() == [10, 11, 12]
+
+
+def test_agents_outside_the_cluster_claim_episodes_drive_them_and_post_their_rewards(actor):
+    from rolefleet.actor.types import AgentTask
+
+    end = actor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    script = Scripted(actor, [[5, end]] * 4)
+    batcher = CompletionBatcher(script, 16, decode=actor.tokenizer.decode)
+    app = Endpoint(actor.sessions, batcher, actor.tokenizer, TOKEN, "policy", 32).app()
+    actor.open_sessions(["x1", "x2"], SamplingParams(max_new_tokens=8),
+                        [AgentTask(QUESTION, "42", {"id": 1}), AgentTask("plain text", "7", {})])
+
+    async def outside():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://actor") as http:
+            run = {"Authorization": f"Bearer {TOKEN}"}
+            first = (await http.post("/v1/episodes", headers=run)).json()
+            second = (await http.post("/v1/episodes", headers=run)).json()
+            none = await http.post("/v1/episodes", headers=run)
+            refused = await http.post("/v1/episodes", headers={"Authorization": "Bearer nope"})
+            client = openai.AsyncOpenAI(base_url=first["base_url"], api_key=first["key"], http_client=http,
+                                        max_retries=0)
+            await client.chat.completions.create(model="policy", messages=first["prompt"])
+            own = {"Authorization": f"Bearer {first['key']}"}
+            posted = await http.post(f"/v1/episodes/{first['id']}/reward", headers=own, json={"reward": 0.5})
+            again = await http.post(f"/v1/episodes/{first['id']}/reward", headers=own, json={"reward": 1.0})
+            nan = await http.post(f"/v1/episodes/{second['id']}/reward", headers=run, content=b'{"reward": NaN}',
+                                  )
+            other = await http.post(f"/v1/episodes/{second['id']}/reward", headers=own, json={"reward": 1.0})
+            return first, second, none, refused, posted, again, nan, other
+
+    first, second, none, refused, posted, again, nan, other = asyncio.run(outside())
+    # Claimed in the order the run opened them, each with its task and its own session.
+    assert (first["id"], first["prompt"], first["ground_truth"], first["extra"]) == ("x1", QUESTION, "42", {"id": 1})
+    assert first["base_url"] == "http://actor/sessions/x1/v1" and second["prompt"] == "plain text"
+    assert none.status_code == 404 and "no episode is waiting" in none.json()["error"]["message"]
+    assert refused.status_code == 401
+    assert posted.status_code == 200 and again.status_code == 409 and nan.status_code == 400
+    assert other.status_code == 404  # one session's key posts for no other
+    assert actor.session_rewards(["x1", "x2", "nobody"]) == [0.5, None, None]
+    [t1, t2] = actor.close_sessions(["x1", "x2"])
+    assert t1.turns == 1 and t2.turns == 0

@@ -125,3 +125,38 @@ def test_an_agent_needs_the_url_of_the_actor_s_endpoint():
                       "reward": {"agent": {"path": "a.py:agent"}, "env": {"name": "feedback"}}})
     with pytest.raises(ConfigError, match="path/to/file.py:function"):
         parse_config({"model": {"model_name_or_path": "m"}, "reward": {"agent": {"path": "agent.py"}}})
+
+
+class OutsideActor(Actor):
+    """Agents outside the cluster: the rewards of all but `never` are posted on the second poll."""
+
+    def __init__(self, never: set[str] = frozenset()):
+        super().__init__()
+        self.polls, self.tasks, self.never = 0, [], never
+
+    async def open_sessions(self, ids, sampling, tasks=None):
+        self.tasks.append(tasks)
+        return await super().open_sessions(ids, sampling)
+
+    async def session_rewards(self, ids):
+        self.polls += 1
+        return [None if self.polls < 2 or sid in self.never else 0.75 for sid in ids]
+
+
+def test_agents_outside_the_cluster_get_the_tasks_and_their_posted_rewards_are_the_episodes(monkeypatch):
+    import rolefleet.coordinator.agents as agents
+
+    monkeypatch.setattr(agents, "POLL_S", 0.01)
+    cfg = parse_config({"model": {"model_name_or_path": "m"}, "reward": {"agent": {"external": True, "timeout_s": 0.3}}})
+    never = f"s{10 * 2**20 + 1}"
+    actor, reward = OutsideActor(never={never}), Reward()
+    episodes = asyncio.run(AgentStage(cfg, actor, reward).start(RECORDS, SAMPLING, 10, None))
+    assert reward.calls == []  # the reward role runs no agent
+    tasks = actor.tasks[0]
+    assert [(t.prompt, t.ground_truth, t.extra) for t in tasks[:2]] == [(RECORDS[0].given, "1", {"k": 0})] * 2
+    assert actor.polls >= 2 and len(actor.closed) == 1
+    assert [e.env_reward for e in episodes] == [0.75, None, 0.75, 0.75]
+    assert "no reward posted within reward.agent.timeout_s=0.3" in episodes[1].env_error
+    assert not episodes[1].sample().loss_mask.any()
+    with pytest.raises(ConfigError, match="set one or the other"):
+        parse_config({"model": {"model_name_or_path": "m"}, "reward": {"agent": {"external": True, "path": "a.py:f"}}})

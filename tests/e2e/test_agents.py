@@ -115,3 +115,67 @@ def test_a_stateful_environment_keeps_its_episode_s_state_and_is_closed_at_its_e
     for r in records:
         assert r["episode/turns/mean"] > 1.0 and r["episode/tool_calls/mean"] > 0, r
         assert r["episode/env_errors"] == 0 and 0 < r["episode/masked_token_frac"] < 1
+
+
+def test_agents_outside_the_cluster_drive_the_episodes_through_the_endpoint(tools_model, tmp_path):
+    """reward.agent.external: no agent runs in the cluster; a client of the test's (another thread,
+    over loopback HTTP) claims each episode from the actor's endpoint with the run's token, drives it
+    with the openai client, and posts its reward; the run trains those episodes and rewards."""
+    import json
+    import socket
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    proc = rolefleet("up", "configs/demo_agent.yaml", f"model.model_name_or_path={tools_model}", f"run.output_dir={out}",
+                     "train.total_steps=2", "train.prompts_per_step=2", "train.samples_per_prompt=2",
+                     "actor.num_threads=1", "reward.agent.path=null", "reward.agent.external=true",
+                     f"actor.endpoint.port={port}", "reward.agent.timeout_s=120")
+    claimed, stop = [], threading.Event()
+
+    def outside_agent():
+        base = f"http://127.0.0.1:{port}"
+        while not stop.is_set():
+            token_file = out / "token"
+            if not token_file.exists():
+                time.sleep(0.1)
+                continue
+            token = token_file.read_text().strip()
+            request = urllib.request.Request(f"{base}/v1/episodes", method="POST",
+                                             headers={"Authorization": f"Bearer {token}"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    episode = json.load(reply)
+            except (urllib.error.URLError, ConnectionError):  # not serving yet, or none waiting (404)
+                time.sleep(0.05)
+                continue
+            client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["key"], max_retries=0)
+            completion = client.chat.completions.create(model="policy", messages=episode["prompt"], max_tokens=16)
+            reward = 1.0 if episode["ground_truth"] in (completion.choices[0].message.content or "") else 0.25
+            posted = urllib.request.Request(f"{base}/v1/episodes/{episode['id']}/reward", method="POST",
+                                            data=json.dumps({"reward": reward}).encode(),
+                                            headers={"Authorization": f"Bearer {episode['key']}",
+                                                     "Content-Type": "application/json"})
+            urllib.request.urlopen(posted, timeout=10).close()
+            claimed.append((episode["id"], reward))
+
+    thread = threading.Thread(target=outside_agent, daemon=True)
+    thread.start()
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert proc.returncode == 0, output[-4000:]
+    assert "ended FINISHED after step 2/2" in output
+    assert len(claimed) == 2 * 2 * 2  # every episode of both steps, claimed once
+    records = read_metrics(out / "metrics.jsonl")
+    for r in records:
+        assert r["episode/env_errors"] == 0 and r["reward/env/mean"] >= 0.25, r

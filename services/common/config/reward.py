@@ -78,6 +78,10 @@ class AgentSection(_Section):
                                          "stateful environment class (reset, step, close) kept for its episode's life")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the agent function, "
                                     "or of the environment class's constructor")
+    external: bool = Field(False, description="agents outside the cluster drive the episodes instead: each claims "
+                           "one from the actor's endpoint (POST /v1/episodes, the run's token), drives its session "
+                           "and posts its reward (POST /v1/episodes/{id}/reward); an episode without a reward "
+                           "within timeout_s of its opening fails")
     workers: int = Field(2, ge=1, description="worker processes running agents")
     concurrency: int = Field(64, ge=1, description="episodes one worker runs at once (its agents await the "
                              "endpoint together, so the actor generates their turns in one batch)")
@@ -94,9 +98,16 @@ class AgentSection(_Section):
                 raise ValueError(f"reward.agent.path {v!r} is not of the form path/to/file.py:function")
         return v
 
+    @model_validator(mode="after")
+    def _one_way(self) -> AgentSection:
+        if self.external and self.path:
+            raise ValueError("reward.agent.external: agents outside the cluster drive the episodes, so "
+                             "reward.agent.path runs none: set one or the other")
+        return self
+
     @property
     def enabled(self) -> bool:
-        return bool(self.path)
+        return bool(self.path) or self.external
 
 
 class RewardSection(Endpoint):

@@ -25,41 +25,49 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rolefleet/v1/actor.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"Z\n\x13OpenSessionsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.rolefleet.v1.SamplingParams\"$\n\x14OpenSessionsResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"+\n\x14\x43loseSessionsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"\xe1\x02\n\nTrajectory\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08logprobs\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08versions\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12!\n\x03own\x18\x06 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.rolefleet.v1.FinishReason\x12\r\n\x05turns\x18\x08 \x01(\x05\x12\x11\n\tlast_text\x18\t \x01(\t\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x12\n\ntool_calls\x18\x0b \x01(\x05\"G\n\x15\x43loseSessionsResponse\x12.\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x18.rolefleet.v1.Trajectory\"\xa9\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x1b\n\x13stop_at_end_of_turn\x18\x08 \x01(\x08\"~\n\x0c\x43ontinuation\x12)\n\x0b\x63ontext_ids\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x0bobservation\x18\x02 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\x12\x13\n\x0bresume_from\x18\x03 \x01(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.rolefleet.v1.SamplingParams\x12\x16\n\x0e\x66irst_group_id\x18\x03 \x01(\x03\x12\x31\n\rcontinuations\x18\x04 \x03(\x0b\x32\x1a.rolefleet.v1.Continuation\"\xc3\x02\n\x10GenerateResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12(\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.rolefleet.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x15\n\rresponse_text\x18\x08 \x01(\t\x12\x10\n\x08group_id\x18\t \x01(\x03\x12\x11\n\tsample_id\x18\n \x01(\x03\"\x8c\x01\n\x16\x43omputeLogProbsRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12\x19\n\x11include_reference\x18\x02 \x01(\x08\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x16\n\x0ereference_only\x18\x04 \x01(\x08\"\xac\x01\n\x17\x43omputeLogProbsResponse\x12&\n\x08logprobs\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cref_logprobs\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"\xad\x02\n\x12\x41\x63torUpdateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12(\n\nadvantages\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cold_logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12*\n\x0cref_logprobs\x18\x07 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x10rollout_logprobs\x18\x08 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"\xb3\x01\n\x13\x41\x63torUpdateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.rolefleet.v1.TrainStats\x12&\n\x08logprobs\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb4\x05\n\x0c\x41\x63torService\x12K\n\x08Generate\x12\x1d.rolefleet.v1.GenerateRequest\x1a\x1e.rolefleet.v1.GenerateResponse0\x01\x12^\n\x0f\x43omputeLogProbs\x12$.rolefleet.v1.ComputeLogProbsRequest\x1a%.rolefleet.v1.ComputeLogProbsResponse\x12M\n\x06Update\x12 .rolefleet.v1.ActorUpdateRequest\x1a!.rolefleet.v1.ActorUpdateResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12W\n\x0eSaveCheckpoint\x12#.rolefleet.v1.SaveCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12W\n\x0eLoadCheckpoint\x12#.rolefleet.v1.LoadCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12U\n\x0cOpenSessions\x12!.rolefleet.v1.OpenSessionsRequest\x1a\".rolefleet.v1.OpenSessionsResponse\x12X\n\rCloseSessions\x12\".rolefleet.v1.CloseSessionsRequest\x1a#.rolefleet.v1.CloseSessionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rolefleet/v1/actor.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"J\n\tAgentTask\x12\x13\n\x0bprompt_json\x18\x01 \x01(\t\x12\x14\n\x0cground_truth\x18\x02 \x01(\t\x12\x12\n\nextra_json\x18\x03 \x01(\t\"\x82\x01\n\x13OpenSessionsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.rolefleet.v1.SamplingParams\x12&\n\x05tasks\x18\x03 \x03(\x0b\x32\x17.rolefleet.v1.AgentTask\",\n\x15SessionRewardsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"/\n\rSessionReward\x12\x0e\n\x06posted\x18\x01 \x01(\x08\x12\x0e\n\x06reward\x18\x02 \x01(\x02\"F\n\x16SessionRewardsResponse\x12,\n\x07rewards\x18\x01 \x03(\x0b\x32\x1b.rolefleet.v1.SessionReward\"$\n\x14OpenSessionsResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"+\n\x14\x43loseSessionsRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"\xe1\x02\n\nTrajectory\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\nprompt_ids\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08logprobs\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08versions\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12!\n\x03own\x18\x06 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.rolefleet.v1.FinishReason\x12\r\n\x05turns\x18\x08 \x01(\x05\x12\x11\n\tlast_text\x18\t \x01(\t\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x12\n\ntool_calls\x18\x0b \x01(\x05\"G\n\x15\x43loseSessionsResponse\x12.\n\x0ctrajectories\x18\x01 \x03(\x0b\x32\x18.rolefleet.v1.Trajectory\"\xa9\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\t\n\x01n\x18\x05 \x01(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x1b\n\x13stop_at_end_of_turn\x18\x08 \x01(\x08\"~\n\x0c\x43ontinuation\x12)\n\x0b\x63ontext_ids\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x0bobservation\x18\x02 \x03(\x0b\x32\x19.rolefleet.v1.ChatMessage\x12\x13\n\x0bresume_from\x18\x03 \x01(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.rolefleet.v1.SamplingParams\x12\x16\n\x0e\x66irst_group_id\x18\x03 \x01(\x03\x12\x31\n\rcontinuations\x18\x04 \x03(\x0b\x32\x1a.rolefleet.v1.Continuation\"\xc3\x02\n\x10GenerateResponse\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12(\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cresponse_ids\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12&\n\x08logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.rolefleet.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x15\n\rresponse_text\x18\x08 \x01(\t\x12\x10\n\x08group_id\x18\t \x01(\x03\x12\x11\n\tsample_id\x18\n \x01(\x03\"\x8c\x01\n\x16\x43omputeLogProbsRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12\x19\n\x11include_reference\x18\x02 \x01(\x08\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x16\n\x0ereference_only\x18\x04 \x01(\x08\"\xac\x01\n\x17\x43omputeLogProbsResponse\x12&\n\x08logprobs\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cref_logprobs\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\"\xad\x02\n\x12\x41\x63torUpdateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12*\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12(\n\nadvantages\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0cold_logprobs\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12*\n\x0cref_logprobs\x18\x07 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12.\n\x10rollout_logprobs\x18\x08 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\"\xb3\x01\n\x13\x41\x63torUpdateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.rolefleet.v1.TrainStats\x12&\n\x08logprobs\x18\x04 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07\x65ntropy\x18\x05 \x01(\x0b\x32\x14.rolefleet.v1.Tensor*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x91\x06\n\x0c\x41\x63torService\x12K\n\x08Generate\x12\x1d.rolefleet.v1.GenerateRequest\x1a\x1e.rolefleet.v1.GenerateResponse0\x01\x12^\n\x0f\x43omputeLogProbs\x12$.rolefleet.v1.ComputeLogProbsRequest\x1a%.rolefleet.v1.ComputeLogProbsResponse\x12M\n\x06Update\x12 .rolefleet.v1.ActorUpdateRequest\x1a!.rolefleet.v1.ActorUpdateResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatus\x12W\n\x0eSaveCheckpoint\x12#.rolefleet.v1.SaveCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12W\n\x0eLoadCheckpoint\x12#.rolefleet.v1.LoadCheckpointRequest\x1a .rolefleet.v1.CheckpointResponse\x12U\n\x0cOpenSessions\x12!.rolefleet.v1.OpenSessionsRequest\x1a\".rolefleet.v1.OpenSessionsResponse\x12X\n\rCloseSessions\x12\".rolefleet.v1.CloseSessionsRequest\x1a#.rolefleet.v1.CloseSessionsResponse\x12[\n\x0eSessionRewards\x12#.rolefleet.v1.SessionRewardsRequest\x1a$.rolefleet.v1.SessionRewardsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.actor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2263
-  _globals['_FINISHREASON']._serialized_end=2358
-  _globals['_OPENSESSIONSREQUEST']._serialized_start=69
-  _globals['_OPENSESSIONSREQUEST']._serialized_end=159
-  _globals['_OPENSESSIONSRESPONSE']._serialized_start=161
-  _globals['_OPENSESSIONSRESPONSE']._serialized_end=197
-  _globals['_CLOSESESSIONSREQUEST']._serialized_start=199
-  _globals['_CLOSESESSIONSREQUEST']._serialized_end=242
-  _globals['_TRAJECTORY']._serialized_start=245
-  _globals['_TRAJECTORY']._serialized_end=598
-  _globals['_CLOSESESSIONSRESPONSE']._serialized_start=600
-  _globals['_CLOSESESSIONSRESPONSE']._serialized_end=671
-  _globals['_SAMPLINGPARAMS']._serialized_start=674
-  _globals['_SAMPLINGPARAMS']._serialized_end=843
-  _globals['_CONTINUATION']._serialized_start=845
-  _globals['_CONTINUATION']._serialized_end=971
-  _globals['_GENERATEREQUEST']._serialized_start=974
-  _globals['_GENERATEREQUEST']._serialized_end=1131
-  _globals['_GENERATERESPONSE']._serialized_start=1134
-  _globals['_GENERATERESPONSE']._serialized_end=1457
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1460
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1600
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1603
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1775
-  _globals['_ACTORUPDATEREQUEST']._serialized_start=1778
-  _globals['_ACTORUPDATEREQUEST']._serialized_end=2079
-  _globals['_ACTORUPDATERESPONSE']._serialized_start=2082
-  _globals['_ACTORUPDATERESPONSE']._serialized_end=2261
-  _globals['_ACTORSERVICE']._serialized_start=2361
-  _globals['_ACTORSERVICE']._serialized_end=3053
+  _globals['_FINISHREASON']._serialized_start=2547
+  _globals['_FINISHREASON']._serialized_end=2642
+  _globals['_AGENTTASK']._serialized_start=69
+  _globals['_AGENTTASK']._serialized_end=143
+  _globals['_OPENSESSIONSREQUEST']._serialized_start=146
+  _globals['_OPENSESSIONSREQUEST']._serialized_end=276
+  _globals['_SESSIONREWARDSREQUEST']._serialized_start=278
+  _globals['_SESSIONREWARDSREQUEST']._serialized_end=322
+  _globals['_SESSIONREWARD']._serialized_start=324
+  _globals['_SESSIONREWARD']._serialized_end=371
+  _globals['_SESSIONREWARDSRESPONSE']._serialized_start=373
+  _globals['_SESSIONREWARDSRESPONSE']._serialized_end=443
+  _globals['_OPENSESSIONSRESPONSE']._serialized_start=445
+  _globals['_OPENSESSIONSRESPONSE']._serialized_end=481
+  _globals['_CLOSESESSIONSREQUEST']._serialized_start=483
+  _globals['_CLOSESESSIONSREQUEST']._serialized_end=526
+  _globals['_TRAJECTORY']._serialized_start=529
+  _globals['_TRAJECTORY']._serialized_end=882
+  _globals['_CLOSESESSIONSRESPONSE']._serialized_start=884
+  _globals['_CLOSESESSIONSRESPONSE']._serialized_end=955
+  _globals['_SAMPLINGPARAMS']._serialized_start=958
+  _globals['_SAMPLINGPARAMS']._serialized_end=1127
+  _globals['_CONTINUATION']._serialized_start=1129
+  _globals['_CONTINUATION']._serialized_end=1255
+  _globals['_GENERATEREQUEST']._serialized_start=1258
+  _globals['_GENERATEREQUEST']._serialized_end=1415
+  _globals['_GENERATERESPONSE']._serialized_start=1418
+  _globals['_GENERATERESPONSE']._serialized_end=1741
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1744
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1884
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1887
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=2059
+  _globals['_ACTORUPDATEREQUEST']._serialized_start=2062
+  _globals['_ACTORUPDATEREQUEST']._serialized_end=2363
+  _globals['_ACTORUPDATERESPONSE']._serialized_start=2366
+  _globals['_ACTORUPDATERESPONSE']._serialized_end=2545
+  _globals['_ACTORSERVICE']._serialized_start=2645
+  _globals['_ACTORSERVICE']._serialized_end=3430
 # @@protoc_insertion_point(module_scope)

@@ -17,13 +17,45 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class AgentTask(_message.Message):
+    __slots__ = ("prompt_json", "ground_truth", "extra_json")
+    PROMPT_JSON_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_JSON_FIELD_NUMBER: _ClassVar[int]
+    prompt_json: str
+    ground_truth: str
+    extra_json: str
+    def __init__(self, prompt_json: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_json: _Optional[str] = ...) -> None: ...
+
 class OpenSessionsRequest(_message.Message):
-    __slots__ = ("session_ids", "sampling")
+    __slots__ = ("session_ids", "sampling", "tasks")
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     sampling: SamplingParams
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    tasks: _containers.RepeatedCompositeFieldContainer[AgentTask]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[AgentTask, _Mapping]]] = ...) -> None: ...
+
+class SessionRewardsRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionReward(_message.Message):
+    __slots__ = ("posted", "reward")
+    POSTED_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    posted: bool
+    reward: float
+    def __init__(self, posted: _Optional[bool] = ..., reward: _Optional[float] = ...) -> None: ...
+
+class SessionRewardsResponse(_message.Message):
+    __slots__ = ("rewards",)
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    rewards: _containers.RepeatedCompositeFieldContainer[SessionReward]
+    def __init__(self, rewards: _Optional[_Iterable[_Union[SessionReward, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionsResponse(_message.Message):
     __slots__ = ("keys",)

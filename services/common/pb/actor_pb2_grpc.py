@@ -75,6 +75,11 @@ class ActorServiceStub:
                 request_serializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsRequest.SerializeToString,
                 response_deserializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsResponse.FromString,
                 _registered_method=True)
+        self.SessionRewards = channel.unary_unary(
+                '/rolefleet.v1.ActorService/SessionRewards',
+                request_serializer=rolefleet_dot_v1_dot_actor__pb2.SessionRewardsRequest.SerializeToString,
+                response_deserializer=rolefleet_dot_v1_dot_actor__pb2.SessionRewardsResponse.FromString,
+                _registered_method=True)
 
 
 class ActorServiceServicer:
@@ -135,6 +140,13 @@ class ActorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SessionRewards(self, request, context):
+        """The rewards agents outside the cluster posted for their episodes so far (reward.agent.external).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ActorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +189,11 @@ def add_ActorServiceServicer_to_server(servicer, server):
                     servicer.CloseSessions,
                     request_deserializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsRequest.FromString,
                     response_serializer=rolefleet_dot_v1_dot_actor__pb2.CloseSessionsResponse.SerializeToString,
+            ),
+            'SessionRewards': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionRewards,
+                    request_deserializer=rolefleet_dot_v1_dot_actor__pb2.SessionRewardsRequest.FromString,
+                    response_serializer=rolefleet_dot_v1_dot_actor__pb2.SessionRewardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +412,33 @@ class ActorService:
             '/rolefleet.v1.ActorService/CloseSessions',
             rolefleet_dot_v1_dot_actor__pb2.CloseSessionsRequest.SerializeToString,
             rolefleet_dot_v1_dot_actor__pb2.CloseSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SessionRewards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rolefleet.v1.ActorService/SessionRewards',
+            rolefleet_dot_v1_dot_actor__pb2.SessionRewardsRequest.SerializeToString,
+            rolefleet_dot_v1_dot_actor__pb2.SessionRewardsResponse.FromString,
             options,
             channel_credentials,
             insecure,
