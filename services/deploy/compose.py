@@ -48,7 +48,7 @@ IMAGE = f"${{ROLEFLEET_IMAGE:-rolefleet:{__version__}}}"
 DOCKERFILE = "deploy/Dockerfile"
 PROMETHEUS_IMAGE = "${PROMETHEUS_IMAGE:-prom/prometheus:v3.5.0}"
 GRAFANA_IMAGE = "${GRAFANA_IMAGE:-grafana/grafana:11.6.1}"
-HOST_PORT_VARIABLES = {"http": "ROLEFLEET_HTTP_PORT", "grpc": "ROLEFLEET_GRPC_PORT",
+HOST_PORT_VARIABLES = {"http": "ROLEFLEET_HTTP_PORT", "grpc": "ROLEFLEET_GRPC_PORT", "endpoint": "ROLEFLEET_ENDPOINT_PORT",
                        "prometheus": "PROMETHEUS_PORT", "grafana": "GRAFANA_PORT"}
 # The port convention of every deployment (compose, Helm): one gRPC and one /metrics port per role.
 GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
@@ -175,6 +175,8 @@ def _role_service(cfg: RoleFleetConfig, role: str, gpus: list[str], config_name:
         "stop_grace_period": COORDINATOR_STOP_GRACE if role == "coordinator" else ROLE_STOP_GRACE,
         "volumes": volumes,
     })
+    if role == "actor" and cfg.reward.agent.external:  # agents outside the project claim episodes there
+        service["ports"] = [_published("endpoint", ENDPOINT_PORT)]
     if role == "coordinator":
         service["ports"] = ([_published("http", HTTP_PORT)] if cfg.coordinator.http_enabled else []) + [
             _published("grpc", GRPC_PORTS["coordinator"])]
