@@ -188,9 +188,11 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
     if not environment and not inspect.iscoroutinefunction(fn):
         return [f"reward.agent.path must name an `async def` agent or an environment class with reset and step "
                 f"(got {type(fn).__name__})"] * len(rows)
-    # Imported here, in agent workers alone: the reward functions' workers never need them.
-    import httpx
+    # Imported here, in agent workers alone: the reward functions' workers never need it.
     import openai
+
+    client_class = openai.DefaultAsyncHttpxClient  # over the HTTP library this openai version uses
+    http_library = importlib.import_module(client_class.__mro__[1].__module__.partition(".")[0])
 
     async def episode(row: tuple, http: Any) -> Outcome:
         base_url, key, prompt, ground_truth, extra = row
@@ -207,7 +209,7 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - the agent's failure is this episode's outcome
             return _raised(exc, memory_mb)
 
-    class Shared(httpx.AsyncClient):
+    class Shared(client_class):
         """One connection pool for every episode's client: a client of its own costs each episode
         ~20 ms of this loop (its transport, its TLS context) before it asks for anything. An agent
         that closes its client (`async with client:`) leaves the pool to the others."""
@@ -219,7 +221,8 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
             await super().aclose()
 
     async def every() -> list[Outcome]:
-        http = Shared(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=timeout_s)
+        http = Shared(limits=http_library.Limits(max_connections=None, max_keepalive_connections=None),
+                      timeout=timeout_s)
         try:
             return list(await asyncio.gather(*(episode(row, http) for row in rows)))
         finally:
