@@ -357,3 +357,16 @@ def test_agents_outside_the_cluster_claim_episodes_drive_them_and_post_their_rew
     assert actor.session_rewards(["x1", "x2", "nobody"]) == [0.5, None, None]
     [t1, t2] = actor.close_sessions(["x1", "x2"])
     assert t1.turns == 1 and t2.turns == 0
+
+
+def test_a_session_named_in_the_header_is_the_session_of_its_base_url(actor):
+    """`X-Session-Id` under /v1 (the run's token): the same session as its own base URL, recorded alike."""
+    end = actor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    actor.open_sessions(["hdr"], SamplingParams(max_new_tokens=8))
+    client = client_of(actor, Scripted(actor, [[5, end]]))
+    asyncio.run(client.chat.completions.create(model="policy", messages=QUESTION, extra_headers={"X-Session-Id": "hdr"}))
+    [t] = actor.close_sessions(["hdr"])
+    assert t.turns == 1 and t.response_ids.tolist() == [5, end]
+    code, _ = status_of(client.chat.completions.create(model="policy", messages=QUESTION,
+                                                       extra_headers={"X-Session-Id": "hdr"}))
+    assert code == 404  # closed
