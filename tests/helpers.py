@@ -67,3 +67,26 @@ def save_after_one_update_over_two_workers(cfg, path: str, background: bool = Fa
         return saved, digest, batch, targets
     finally:
         group.stop()
+
+
+@contextlib.contextmanager
+def served_on_loopback(app):
+    """A FastAPI `app` served by the role servers' uvicorn wrapper in an event loop of its own (a
+    thread), as a role serves it: its base URL while the block runs."""
+    import asyncio
+    import threading
+
+    from rolefleet.rpc.http_server import HttpServer
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def serve():
+        return HttpServer(app, "127.0.0.1", 0, role="actor", name="endpoint")
+
+    server = asyncio.run_coroutine_threadsafe(serve(), loop).result(10)
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)

@@ -34,6 +34,7 @@ from rolefleet.reward.env_tools import ToolCall, parse_tool_calls
 from rolefleet.tasks.render import template_shows_tools, with_tools_described
 
 MAX_SESSION_ID_CHARS = 128
+EXPIRY_SCAN_S = 1.0
 
 
 class UnknownSession(RoleFleetError):
@@ -95,6 +96,7 @@ class SessionStore:
         self.turns = TurnRenderer(tokenizer)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self._expired_at = float("-inf")
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -291,8 +293,12 @@ class SessionStore:
         return replace(sampling, max_new_tokens=room)
 
     def _expire(self) -> None:
-        """Drop sessions past their life (caller holds the lock)."""
-        limit = time.monotonic() - self.limits.timeout_s
+        """Drop sessions past their life (caller holds the lock), at most once a second: every
+        request asks, and a scan of thousands of sessions per request would cost a step's turns."""
+        now = time.monotonic()
+        if now - self._expired_at < EXPIRY_SCAN_S:
+            return
+        self._expired_at, limit = now, now - self.limits.timeout_s
         for sid in [sid for sid, s in self._sessions.items() if s.opened < limit]:
             del self._sessions[sid]
 

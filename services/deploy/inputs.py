@@ -9,6 +9,7 @@ every role reads them, and each deployment has its own secret mechanism for them
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -81,14 +82,8 @@ def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:
     return inputs
 
 
-def _get_path(cfg: RoleFleetConfig, key: str) -> str:
-    section, sub, field = key.split(".")
-    return getattr(getattr(getattr(cfg, section), sub), field)
-
-
 def _get(cfg: RoleFleetConfig, key: str) -> str:
-    section, field = key.split(".")
-    return getattr(getattr(cfg, section), field)
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
@@ -103,7 +98,7 @@ def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
         elif key.startswith("data.tools."):
             tools[int(key.rpartition(".")[2])] = path
         elif key in ("reward.env.path", "reward.agent.path"):  # code: its function stays
-            overrides.append(f"{key}={path}:{_get_path(cfg, key).rpartition(':')[2]}")
+            overrides.append(f"{key}={path}:{_get(cfg, key).rpartition(':')[2]}")
         else:
             overrides.append(f"{key}={path}")
     if tools:

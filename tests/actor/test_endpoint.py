@@ -263,29 +263,18 @@ def test_schemathesis_finds_no_server_error_no_answer_outside_the_schema_and_no_
     Every check but `positive_data_acceptance`: a request the schema admits may still be refused
     400 for what no schema says (its last message the assistant's, a role the chat template refuses)."""
     import subprocess
-    import threading
 
-    from rolefleet.rpc.http_server import HttpServer
     from tests.deploy.tools import tool
+    from tests.helpers import served_on_loopback
 
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-
-    async def serve():
-        app = Endpoint(actor.sessions, CompletionBatcher(engine(actor), 16), actor.tokenizer, TOKEN, "policy", 8).app()
-        return HttpServer(app, "127.0.0.1", 0, role="actor", name="endpoint")
-
-    server = asyncio.run_coroutine_threadsafe(serve(), loop).result(10)
-    try:
+    app = Endpoint(actor.sessions, CompletionBatcher(engine(actor), 16), actor.tokenizer, TOKEN, "policy", 8).app()
+    with served_on_loopback(app) as url:
         proc = subprocess.run(
-            [tool("schemathesis"), "run", f"http://127.0.0.1:{server.port}/openapi.json", "--checks", "all",
+            [tool("schemathesis"), "run", f"{url}/openapi.json", "--checks", "all",
              "--exclude-checks", "positive_data_acceptance",
              "--max-examples", "15", "--seed", "1", "--request-timeout", "20", "--max-failures", "5",
              "-H", f"Authorization: Bearer {TOKEN}"], capture_output=True, text=True, timeout=200, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_requests_arriving_together_share_one_engine_call_each_cut_to_its_own_limit():

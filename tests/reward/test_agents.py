@@ -5,9 +5,7 @@ number costs its own episode alone."""
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
-import threading
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from rolefleet.common.errors import FailedPrecondition
 from rolefleet.reward.agents import Agents
 from rolefleet.reward.core import RewardCore
 from rolefleet.reward.types import AgentItem
-from rolefleet.rpc.http_server import HttpServer
+from tests.helpers import served_on_loopback
 
 pytestmark = pytest.mark.procs
 
@@ -49,18 +47,9 @@ def not_async(client, prompt, ground_truth, extra):
 def endpoint():
     """An endpoint on loopback with no model (the agents here ask for no completion)."""
     store = SessionStore(None, SessionLimits(64, 64, 4, 3600), None)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def serve():
-        app = Endpoint(store, CompletionBatcher(lambda c, s: [], 8), None, "run-token", "policy", 8).app()
-        return HttpServer(app, "127.0.0.1", 0, role="actor", name="endpoint")
-
-    server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
-    yield store, f"http://127.0.0.1:{server.port}"
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
+    app = Endpoint(store, CompletionBatcher(lambda c, s: [], 8), None, "run-token", "policy", 8).app()
+    with served_on_loopback(app) as url:
+        yield store, url
 
 
 def items(store, url, cases: list[tuple[str, dict]]) -> list[AgentItem]:
@@ -170,17 +159,9 @@ def chat_endpoint(chat_model_dir):
         return out
 
     store = SessionStore(tok, SessionLimits(64, 512, 4, 3600), None)
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-
-    async def serve():
-        app = Endpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
-        return HttpServer(app, "127.0.0.1", 0, role="actor", name="endpoint")
-
-    server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
-    yield store, f"http://127.0.0.1:{server.port}"
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
+    app = Endpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
+    with served_on_loopback(app) as url:
+        yield store, url
 
 
 def test_a_stateful_environment_lives_for_its_episode_and_is_closed_however_it_ends(chat_endpoint, tmp_path):
