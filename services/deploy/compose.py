@@ -297,17 +297,17 @@ class InputMounts:
         path = PurePosixPath(item.path)
         if not path.name or path.name in (".", ".."):
             raise ValueError(f"{item.key}: {item.path!r} names no file")
-        host_dir = _host_dir(path)
+        # The file's directory, or the one it needs whole (its package's parent), mounted.
+        host_dir = _host_dir(PurePosixPath(item.root, "-") if item.root else path)
         self.dirs.setdefault(host_dir, f"{INPUTS_DIR}/{len(self.dirs)}")
-        return f"{self.dirs[host_dir]}/{path.name}"
+        return f"{self.dirs[host_dir]}/{path.relative_to(item.root) if item.root else path.name}"
 
     def _mount_of(self, container_path: str) -> str:
         if container_path.startswith(MODELS_DIR + "/"):
             return f"./{HOST_MODELS_DIR}:{MODELS_DIR}:ro"
         if container_path.startswith(CONFIGS_DIR + "/"):
             return f"{self.config_dir}:{CONFIGS_DIR}:ro"
-        target = str(PurePosixPath(container_path).parent)
-        host = next(h for h, t in self.dirs.items() if t == target)
+        host, target = next((h, t) for h, t in self.dirs.items() if container_path.startswith(t + "/"))
         return f"{host}:{target}:ro"
 
 

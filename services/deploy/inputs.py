@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from rolefleet.app.preflight import MODEL_KEYS
@@ -37,6 +37,9 @@ class Input:
     key: str
     path: str
     kind: Literal["model", "file"]
+    # A directory the file needs whole (the package an OpenEnv environment's module belongs to, for
+    # its relative imports): a deployment mounts it and sees the file under it; "" the file's own.
+    root: str = ""
 
 
 def role_inputs(cfg: RoleFleetConfig, role: str) -> list[Input]:
@@ -79,7 +82,23 @@ def _reward_inputs(cfg: RoleFleetConfig) -> list[Input]:
     for key, path in (("reward.env.path", cfg.reward.env.path), ("reward.agent.path", cfg.reward.agent.path)):
         if path:
             inputs.append(Input(key, path.rpartition(":")[0], "file"))
+    if cfg.reward.agent.openenv and (file := cfg.reward.agent.openenv.environment_file):
+        inputs.append(Input(CODE_KEYS[-1], file, "file", _package_root(file)))
     return inputs
+
+
+# Code keys (path/to/file.py:name): a deployment rewrites the file's path and keeps the name.
+CODE_KEYS = ("reward.env.path", "reward.agent.path", "reward.agent.openenv.environment")
+
+
+def _package_root(file: str) -> str:
+    """The directory above the outermost package holding `file` (as the agent workers import it:
+    reward/openenv_env.py), or "" where the file is in no package."""
+    path = PurePosixPath(file)
+    root = path.parent
+    while Path(root, "__init__.py").is_file():
+        root = root.parent
+    return "" if root == path.parent else str(root)
 
 
 def _get(cfg: RoleFleetConfig, key: str) -> str:
@@ -97,7 +116,7 @@ def path_overrides(cfg: RoleFleetConfig, inside: dict[str, str]) -> list[str]:
             sources[key] = path
         elif key.startswith("data.tools."):
             tools[int(key.rpartition(".")[2])] = path
-        elif key in ("reward.env.path", "reward.agent.path"):  # code: its function stays
+        elif key in CODE_KEYS:  # code: its function stays
             overrides.append(f"{key}={path}:{_get(cfg, key).rpartition(':')[2]}")
         else:
             overrides.append(f"{key}={path}")

@@ -29,12 +29,16 @@ class Agents:
 
     def __init__(self, cfg: AgentSection):
         self.cfg = cfg
-        file, _, fn = cfg.path.rpartition(":")
+        if cfg.openenv is not None:  # a built-in stateful environment over the OpenEnv one
+            key, target = f"{SECTION}.openenv", Target("module", "rolefleet.reward.openenv_env", "OpenEnvEpisode",
+                                                       cfg.openenv.model_dump(mode="json"))
+        else:
+            file, _, fn = cfg.path.rpartition(":")
+            key, target = f"{SECTION}.path", Target("file", str(Path(file).resolve()), fn, dict(cfg.options))
         try:
-            self.pool = SandboxPool({KEY: Target("file", str(Path(file).resolve()), fn, dict(cfg.options))}, cfg.workers, cfg.timeout_s,
-                                    cfg.memory_mb, SECTION)
+            self.pool = SandboxPool({KEY: target}, cfg.workers, cfg.timeout_s, cfg.memory_mb, SECTION)
         except LoadError as e:
-            raise ConfigError(f"{SECTION}.path: cannot load the agent: {e.errors[KEY]}") from None
+            raise ConfigError(f"{key}: cannot load the agent: {e.errors[KEY]}") from None
         except WorkerFailed as e:
             raise ConfigError(f"{SECTION}: {e} ({SECTION}.memory_mb={cfg.memory_mb})") from None
         metrics.REWARD_ERRORS.labels("reward", KEY)

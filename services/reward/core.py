@@ -41,7 +41,7 @@ class RewardCore:
         try:
             # Multi-turn rollouts' environment: its own worker pool, limits and metrics.
             self.env = Environment(cfg.env) if cfg.env.enabled else None
-            self.agents = Agents(cfg.agent) if cfg.agent.path else None
+            self.agents = Agents(cfg.agent) if cfg.agent.in_cluster else None
         except BaseException:
             self._close_sources()
             raise
@@ -79,7 +79,7 @@ class RewardCore:
     def run_agents(self, items: list[AgentItem]) -> list[AgentOutcome]:
         """Each episode's agent run to its end (`reward.agent`): its reward, or why it has none."""
         if self.agents is None:
-            raise FailedPrecondition("this reward server runs no agent: set reward.agent.path")
+            raise FailedPrecondition("this reward server runs no agent: set reward.agent.path or reward.agent.openenv")
         self._check_sizes(items)
         for i, item in enumerate(items):
             if not item.base_url.startswith(("http://", "https://")):

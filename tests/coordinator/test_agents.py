@@ -158,5 +158,5 @@ def test_agents_outside_the_cluster_get_the_tasks_and_their_posted_rewards_are_t
     assert [e.env_reward for e in episodes] == [0.75, None, 0.75, 0.75]
     assert "no reward posted within reward.agent.timeout_s=0.3" in episodes[1].env_error
     assert not episodes[1].sample().loss_mask.any()
-    with pytest.raises(ConfigError, match="set one or the other"):
+    with pytest.raises(ConfigError, match="each drives the episodes alone"):
         parse_config({"model": {"model_name_or_path": "m"}, "reward": {"agent": {"external": True, "path": "a.py:f"}}})

@@ -67,6 +67,49 @@ class EnvSection(_Section):
         return self
 
 
+class OpenEnvSection(_Section):
+    """An OpenEnv environment driving each episode (docs/environments.md, "OpenEnv environments"):
+    the model's replies are its actions, its observations the model's next messages, the sum of its
+    rewards the episode's reward."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: Optional[str] = Field(None, description="a running OpenEnv server (its container, a Space, `uvicorn "
+                               "server.app:app`): one WebSocket session per episode; an episode the server has "
+                               "no room for waits for one, within reward.agent.timeout_s")
+    environment: Optional[ExpandedPath] = Field(None, description="an Environment class run in the agent workers "
+                                                "instead, one object per episode: path/to/env.py:Class (a file "
+                                                "inside a package is imported as part of it) or package.module:Class")
+    action_field: Optional[str] = Field(None, description="the action's field the model's reply text fills; "
+                                        "default its only text field")
+    observation_field: Optional[str] = Field(None, description="the observation's field shown to the model; "
+                                             "default its only text field, else its fields as JSON")
+    prompt: Literal["both", "data", "environment"] = Field("both", description="the episode's first message: "
+                                                            "the data's prompt followed by the reset "
+                                                            "observation (both), or one of them")
+    reset: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of reset (seed, task "
+                                  "options); a prompt record's own `reset` field adds to them")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> OpenEnvSection:
+        if bool(self.url) == bool(self.environment):
+            raise ValueError("reward.agent.openenv: set url (a running server) or environment (a class run "
+                             "in the agent workers), one of them")
+        if self.url and not re.match(r"^(https?|wss?)://[^/\s]+", self.url):
+            raise ValueError(f"reward.agent.openenv.url {self.url!r} is not an http(s):// or ws(s):// URL")
+        if self.environment:
+            where, _, name = self.environment.rpartition(":")
+            if not where or not name.isidentifier():
+                raise ValueError(f"reward.agent.openenv.environment {self.environment!r} is not of the form "
+                                 "path/to/env.py:Class or package.module:Class")
+        return self
+
+    @property
+    def environment_file(self) -> Optional[str]:
+        """The file of `environment` where it names one (not a module to import)."""
+        where = (self.environment or "").rpartition(":")[0]
+        return where if where.endswith(".py") or "/" in where else None
+
+
 class AgentSection(_Section):
     """Agent code driving episodes through the actor's OpenAI-compatible endpoint, run by the reward
     role in its own sandbox worker processes (docs/environments.md, "Your own agent")."""
@@ -88,6 +131,8 @@ class AgentSection(_Section):
     timeout_s: float = Field(600.0, gt=0, description="deadline of one episode; past it the episode ends with "
                              "an error (counted) and what it generated is not trained")
     memory_mb: int = Field(4096, ge=0, description="address-space limit of each agent worker (RLIMIT_AS); 0: none")
+    openenv: Optional[OpenEnvSection] = Field(None, description="an OpenEnv environment drives the episodes "
+                                              "instead of agent code of your own")
 
     @field_validator("path")
     @classmethod
@@ -100,14 +145,19 @@ class AgentSection(_Section):
 
     @model_validator(mode="after")
     def _one_way(self) -> AgentSection:
-        if self.external and self.path:
-            raise ValueError("reward.agent.external: agents outside the cluster drive the episodes, so "
-                             "reward.agent.path runs none: set one or the other")
+        if sum((bool(self.path), self.external, self.openenv is not None)) > 1:
+            raise ValueError("reward.agent: set one of path (agent code of yours), external (agents outside the "
+                             "cluster) and openenv (an OpenEnv environment): each drives the episodes alone")
         return self
 
     @property
     def enabled(self) -> bool:
-        return bool(self.path) or self.external
+        return bool(self.path) or self.external or self.openenv is not None
+
+    @property
+    def in_cluster(self) -> bool:
+        """Whether the reward role runs the episodes' drivers (agent code, an OpenEnv environment)."""
+        return bool(self.path) or self.openenv is not None
 
 
 class RewardSection(Endpoint):
