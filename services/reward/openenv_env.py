@@ -57,7 +57,11 @@ class OpenEnvEpisode:
         """Called once per worker as it loads: a class in `environment` is imported and its action's
         fields checked now, so that a wrong key fails the role's start, not each episode. A server
         (`url`) may not be up yet: its schema is read by the first episode."""
-        import openenv.core  # noqa: F401 - missing: the role's start names the extra to install
+        try:
+            import openenv.core  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"{SECTION} needs the openenv package: pip install 'rolefleet[openenv]' (an image: "
+                              f"--build-arg EXTRAS=openenv, with vllm where it has it) ({e})") from None
 
         if options.get("environment"):
             cls._spec_of(options)

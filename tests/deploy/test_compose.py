@@ -27,7 +27,7 @@ from rolefleet.app.preflight import MODEL_KEYS
 from rolefleet.certs import make_certs
 from rolefleet.common.config import Endpoint, RewardSection, load_config
 from rolefleet.deploy.compose import SECRETS_DIR, TOKEN_MISSING, render_compose
-from rolefleet.deploy.inputs import Input, role_inputs
+from rolefleet.deploy.inputs import CODE_KEYS, Input, role_inputs
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
 from rolefleet.rpc.server import start_server
@@ -214,8 +214,7 @@ def read_in_container(service: dict, item: Input) -> Path | None:
     elif item.key.startswith("data.tools."):
         path = json.loads(values["data.tools"])[int(item.key.rpartition(".")[2])].rpartition(":")[0]
     else:
-        path = values[item.key].rpartition(":")[0] if item.key in ("reward.env.path", "reward.agent.path") \
-            else values[item.key]
+        path = values[item.key].rpartition(":")[0] if item.key in CODE_KEYS else values[item.key]
     return host_path(service, path)
 
 
@@ -233,6 +232,23 @@ def test_every_shipped_config_gives_each_role_what_it_reads(name):
     for role in cfg.roles():
         for item in role_inputs(cfg, role):
             assert read_in_container(services[role], item) == (REPO / item.path).resolve(), (role, item)
+
+
+def test_an_openenv_environment_s_whole_package_is_mounted_for_its_relative_imports(tmp_path):
+    """An environment file as `openenv init` writes it (server/env.py importing ..models): the
+    reward role mounts the directory above its package and reads the file under it."""
+    package = tmp_path / "envs" / "echo_task"
+    (package / "server").mkdir(parents=True)
+    for name in ("__init__.py", "models.py", "server/__init__.py", "server/env.py"):
+        (package / name).write_text("")
+    overrides = [f"reward.agent.openenv.environment={package}/server/env.py:EchoEnv"]
+    cfg = load_config(REPO / "configs" / "demo_openenv.yaml", [*overrides, "model.model_name_or_path=models/policy"])
+    services = yaml.safe_load(render_compose(cfg, "configs/demo_openenv.yaml", overrides))["services"]
+    reward = services["reward"]
+    assert f"{tmp_path}/envs:/inputs/0:ro" in reward["volumes"]
+    assert command_values(reward)["reward.agent.openenv.environment"] == "/inputs/0/echo_task/server/env.py:EchoEnv"
+    assert host_path(reward, "/inputs/0/echo_task/models.py") == package / "models.py"  # its package beside it
+    assert not any("/inputs/" in v for v in services["actor"]["volumes"])
 
 
 def test_models_data_eval_and_code_reach_only_the_roles_that_read_them(tmp_path):

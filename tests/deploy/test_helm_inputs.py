@@ -34,6 +34,7 @@ DEPLOYABLE = {
     "demo.yaml": TO_POLICY,
     "demo_agent.yaml": [*TO_POLICY, "reward.agent.path=inputs/calculator_agent.py:agent"],
     "demo_grpo.yaml": TO_POLICY,
+    "demo_openenv.yaml": [*TO_POLICY, "reward.agent.openenv.environment=inputs/echo_task/server/env.py:EchoEnv"],
     "demo_tools.yaml": TO_POLICY,
     "gpu_1x.yaml": TO_POLICY,
     "gpu_7b.yaml": TO_POLICY,
