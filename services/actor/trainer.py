@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from rolefleet.actor.types import LogProbs, PolicyTargets
 from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, aggregation_weight
 from rolefleet.algos.functional import masked_mean
+from rolefleet.common import packed_attention
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.modeling import compile_decoder_layers, compute_dtype, decoder_layers, lm_logprobs
@@ -36,15 +37,16 @@ class LogprobModule(torch.nn.Module):
     time). One module, so that sharded (FSDP) its root unit's forward hook gathers the embeddings
     and the head, which calling the backbone and the head separately would skip."""
 
-    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool, compile: bool):
+    def __init__(self, model: PreTrainedModel, chunk_tokens: int, packed: bool, compile: bool, attention: str):
         super().__init__()
         # Not `self.compile`: that is nn.Module's method.
         self.model, self.chunk_tokens, self.packed, self.compile_head = model, chunk_tokens, packed, compile
+        self.attention = attention  # of packed micro-batches (packed_attention.resolve)
 
     def forward(self, batch: SequenceBatch, device: torch.device, temperature: float, with_entropy: bool,
                 entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed,
-                           entropy_grad, self.compile_head)
+                           entropy_grad, self.compile_head, self.attention)
 
 
 class PolicyTrainer(Trainer):
@@ -61,7 +63,8 @@ class PolicyTrainer(Trainer):
             self.adapters = Adapters(model, cfg.lora, frozen_dtype)
         elif ref_model is None:
             raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself")
-        policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers)
+        attention = packed_attention.resolve(cfg.packed_attention, device)
+        policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers, attention)
         super().__init__(model, policy, model, cfg, device, ranks, seed)
         self.policy, self.ref_model = policy, ref_model
         self.reference = policy
@@ -70,7 +73,8 @@ class PolicyTrainer(Trainer):
         if ref_model is not None and cfg.ref_offload and not self.sharded:
             self._ref_host = HostResident(ref_model, pin=device.type == "cuda")
         if ref_model is not None:
-            self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers)
+            self.reference = LogprobModule(ref_model, cfg.logprob_chunk_tokens, self.packed, cfg.compile_layers,
+                                           attention)
             if self.sharded:
                 shard(self.reference, decoder_layers(ref_model), device, self.dtype, ranks, offload=cfg.ref_offload)
             if cfg.compile_layers:

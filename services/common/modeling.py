@@ -24,6 +24,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.model_paths import model_problem
+from rolefleet.common.packed_attention import document_block_mask, flex_attention_on
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +157,19 @@ def split_lm(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: torch.device,
-                    packed: bool = False) -> torch.Tensor:
+                    packed: bool = False, attention: str = "sdpa") -> torch.Tensor:
     """Hidden states [N, H] at the positions that predict each packed response token; `packed`:
-    the sequences as one row without padding (`SequenceBatch.packed_inputs`)."""
+    the sequences as one row without padding (`SequenceBatch.packed_inputs`), their attention by
+    `attention` (`packed_attention.resolve`: sdpa's dense block-diagonal mask, or flex)."""
     if packed:
         input_ids, position_ids = batch.packed_inputs()
-        out = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False)
+        inputs = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "use_cache": False}
+        if attention == "flex":
+            lengths = batch.prompt_lengths + batch.response_lengths
+            with flex_attention_on(backbone):
+                out = backbone(**inputs, attention_mask=document_block_mask(lengths, device))
+        else:
+            out = backbone(**inputs)
         return out.last_hidden_state[0, batch.packed_response_positions().to(device)]
     input_ids, attention_mask = batch.model_inputs()
     out = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
@@ -259,11 +267,11 @@ def compiled(fn):
 
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
                 chunk_tokens: int, with_entropy: bool, packed: bool = False, entropy_grad: bool = True,
-                compile: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                compile: bool = False, attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
     backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
     backbone, head = split_lm(model)
-    hidden = response_hidden(backbone, batch, device, packed)
+    hidden = response_hidden(backbone, batch, device, packed, attention)
     return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy,
                          entropy_grad, compile)
 

@@ -31,10 +31,12 @@ class ValueModel(torch.nn.Module):
     def vocab_size(self) -> int:
         return self.backbone.get_input_embeddings().num_embeddings
 
-    def forward(self, batch: SequenceBatch, device: torch.device, packed: bool = False) -> torch.Tensor:
+    def forward(self, batch: SequenceBatch, device: torch.device, packed: bool = False,
+                attention: str = "sdpa") -> torch.Tensor:
         """V(state before each response token), packed [N] fp32: read at the position that predicts it.
-        Callers call the module (not a part of it): sharded, its forward hook gathers the root's weights."""
-        hidden = response_hidden(self.backbone, batch, device, packed)
+        Callers call the module (not a part of it): sharded, its forward hook gathers the root's weights.
+        `attention`: of packed micro-batches (`packed_attention.resolve`)."""
+        hidden = response_hidden(self.backbone, batch, device, packed, attention)
         # The scalar head in fp32 even under bf16 autocast (sharded, it is its own fp32 unit): a
         # value rounded to bf16 is off by ~0.4%.
         with torch.autocast(device.type, enabled=False):

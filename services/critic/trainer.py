@@ -36,7 +36,7 @@ class ValueTrainer(Trainer):
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N], each rank its share of the micro-batches, gathered in token order."""
-        (values,) = self.map_micro_batches(batch, lambda mb: (self.model(mb, self.device, self.packed),))
+        (values,) = self.map_micro_batches(batch, lambda mb: (self.model(mb, self.device, self.packed, self.attention),))
         return values
 
     def update(self, batch: SequenceBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict[str, float]:
@@ -48,7 +48,7 @@ class ValueTrainer(Trainer):
         def micro_loss(rows: torch.Tensor, real: bool) -> tuple[torch.Tensor, dict]:
             tokens = mb.token_index(rows)
             with self.autocast():
-                values = self.model(mb.select(rows), self.device, self.packed)
+                values = self.model(mb.select(rows), self.device, self.packed, self.attention)
             # Observation tokens of a multi-turn response are no state of the model's: not fitted.
             fitted = torch.ones_like(values, dtype=torch.bool) if own is None else own[tokens].to(self.device)
             loss, stats = self.value_loss(values, old_values[tokens].to(self.device), returns[tokens].to(self.device),

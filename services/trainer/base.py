@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.common import packed_attention
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.modeling import (
     autocast,
@@ -56,6 +57,7 @@ class Trainer:
         checkpointing and compiling; `full_precision`: parts kept in fp32 when sharded (a value head)."""
         self.model, self.root, self.cfg, self.device, self.ranks = model, root, cfg, device, ranks
         self.packed = cfg.sequence_packing  # micro-batches as one row each (see SequenceBatch.packed_inputs)
+        self.attention = packed_attention.resolve(cfg.packed_attention, device)  # ... and their attention
         self.dtype = compute_dtype(device, cfg.compute_dtype)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(backbone)
