@@ -26,6 +26,7 @@ from the previous step's updates' end (async: what the run's throughput is made 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
@@ -47,10 +48,12 @@ from rolefleet.coordinator.rollout import Rollout, score_items
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.source import RolloutSource, trains_at
 from rolefleet.coordinator.state import RunStatus
-from rolefleet.coordinator.step_metrics import step_record
+from rolefleet.coordinator.step_metrics import late_compile, step_record
 from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets, truncated
 from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
+
+_log = logging.getLogger(__name__)
 
 
 class Schedule:
@@ -167,6 +170,8 @@ class StepBody:
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
                              seconds)
         record["kl_coef"] = kl_coef
+        if (warning := late_compile(record)) is not None:
+            _log.warning(warning)
         if self.source.stage.multi_turn:
             record.update(episode_metrics(samples))
             record["timing/env_s"] = rollout.env_s

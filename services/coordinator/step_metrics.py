@@ -19,6 +19,20 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
 
 
+# Steps whose compiles are expected: the first shapes of each pass (update, logprob passes, value
+# passes). A compile after them is a recompile: a shape no graph covers, seconds of a stalled step.
+COMPILE_WARMUP_STEPS = 3
+
+
+def late_compile(record: dict) -> str | None:
+    """The warning for a step that compiled after warm-up, or None."""
+    if record["step"] <= COMPILE_WARMUP_STEPS or not record.get("compile/graphs"):
+        return None
+    return (f"step {record['step']}: the trainers compiled {record['compile/graphs']:g} graph(s) in "
+            f"{record['compile/seconds']:.1f} s after warm-up (a micro-batch shape no graph covered: "
+            "TORCH_LOGS=recompiles in the trainer names the guard that failed)")
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns): how much of the return variance the critic explains."""
     var = returns.var()
@@ -57,6 +71,10 @@ def step_record(step: int, actor: UpdateResult, critic: Optional[UpdateResult], 
         record.update({f"critic/{k}": v for k, v in critic.stats.items()})
         record.update(_stats("value", values))
         record["critic/vf_explained_var"] = explained_variance(values, targets.returns)
+    trainers = [actor.stats] + ([critic.stats] if critic is not None else [])
+    # torch.compile in the trainers this step (they update side by side: the longest compile counts).
+    record["compile/graphs"] = sum(s.get("compiled_graphs", 0) for s in trainers)
+    record["compile/seconds"] = max(s.get("compile_seconds", 0.0) for s in trainers)
     record.update({f"timing/{phase}_s": s for phase, s in seconds.items()})
     record["throughput/tokens_per_s"] = batch.num_response_tokens / seconds["step"]
     return record

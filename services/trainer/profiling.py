@@ -49,6 +49,13 @@ def compiled_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process so far (tracing, lowering,
+    codegen; 0 before anything imported it)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return float(sum(utils.compilation_time_metrics.get("_compile.compile_inner", ()))) if utils is not None else 0.0
+
+
 class NewGraphs:
     """The graphs torch.compile made since the last `take` (a trainer's: its update's and the
     logprob passes' before it), in this process and, from `take_over_ranks`, in all of the role's
@@ -57,19 +64,25 @@ class NewGraphs:
     first update's compiling is over."""
 
     def __init__(self, role: str) -> None:
-        self.role, self.seen, self.takes = role, compiled_graphs(), 0
+        self.role, self.seen, self.seconds, self.takes = role, compiled_graphs(), compile_seconds(), 0
 
-    def take(self) -> int:
-        now = compiled_graphs()
-        new, self.seen = now - self.seen, now
+    def take(self) -> tuple[int, float]:
+        """(graphs, seconds compiling) since the last take."""
+        now, seconds = compiled_graphs(), compile_seconds()
+        new, spent = now - self.seen, seconds - self.seconds
+        self.seen, self.seconds = now, seconds
         self.takes += 1
         if new and self.takes > 1:
-            log.info("%s: torch.compile made %d graph(s) since the last update (a new shape or mode; "
-                     "TORCH_LOGS=recompiles names the guard that failed)", self.role, new)
-        return new
+            log.info("%s: torch.compile made %d graph(s) in %.1f s since the last update (a new shape or mode; "
+                     "TORCH_LOGS=recompiles names the guard that failed)", self.role, new, spent)
+        return new, spent
 
-    def take_over_ranks(self, ranks: Ranks) -> int:
-        """`take` summed over `ranks` (collective: every rank of the part calls it). A rank
-        compiles alone when only its share of the micro-batches has a new shape (no padding, more
-        tokens past an Inductor size heuristic): rank 0's count alone would miss it."""
-        return int(ranks.sum_stats({"graphs": self.take()})["graphs"])
+    def take_over_ranks(self, ranks: Ranks) -> dict[str, float]:
+        """`take` over `ranks` (collective: every rank of the part calls it): {compiled_graphs: summed,
+        compile_seconds: the most any rank spent (they compile side by side)}. A rank compiles alone
+        when only its share of the micro-batches has a new shape (no padding, more tokens past an
+        Inductor size heuristic): rank 0's count alone would miss it."""
+        graphs, seconds = self.take()
+        gathered = ranks.all_gather({"graphs": graphs, "seconds": seconds})
+        return {"compiled_graphs": sum(int(g["graphs"]) for g in gathered),
+                "compile_seconds": max(float(g["seconds"]) for g in gathered)}

@@ -42,11 +42,12 @@ class TrainingWorker:
 
     def profiled_update(self, train: Callable[[], tuple[dict, T]]) -> tuple[dict, T]:
         """`train()` (statistics and anything else) under the profiler when this update is one of
-        `<role>.profile_updates`; adds `compiled_graphs`, summed over the training ranks."""
+        `<role>.profile_updates`; adds `compiled_graphs` (summed over the training ranks) and
+        `compile_seconds` (the most a rank spent compiling)."""
         self.updates_run += 1
         with profiled(self.role, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, self.rank):
             stats, extra = train()
-        stats["compiled_graphs"] = self.new_graphs.take_over_ranks(self.ranks)
+        stats.update(self.new_graphs.take_over_ranks(self.ranks))
         return stats, extra
 
     @collective("trainers")

@@ -204,4 +204,4 @@ def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_
     with caplog.at_level("INFO", logger="rolefleet.trainer.profiling"):
         assert core.update(2, 1, batch, targets, 1.0).stats["compiled_graphs"] == 2
     assert counted() == before + 2
-    assert "made 2 graph(s) since the last update" in caplog.text
+    assert "made 2 graph(s) in 0.0 s since the last update" in caplog.text

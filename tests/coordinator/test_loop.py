@@ -85,6 +85,7 @@ def test_two_ppo_steps_in_process(make_config):
     assert critic.model_version == 2 and critic.digest() != critic_digest
     assert [r["step"] for r in records] == [1, 2] and [r["policy_version"] for r in records] == [1, 2]
     assert all(REQUIRED_KEYS <= set(r) for r in records)
+    assert all(r["compile/graphs"] == 0 and r["compile/seconds"] == 0.0 for r in records)  # eager trainers
     # The logged reward is what the reward role returned for that step's samples.
     assert [r["reward/mean"] for r in records] == pytest.approx([s.mean().item() for s in reward.returned])
     assert all(len(s) == cfg.train.prompts_per_step for s in reward.returned)
@@ -260,3 +261,13 @@ def test_critic_warmup_config_errors(make_config, overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         make_config("train.critic_warmup_steps=2", *overrides)
+
+
+def test_a_step_that_compiles_after_warm_up_is_warned_about():
+    from rolefleet.coordinator.step_metrics import COMPILE_WARMUP_STEPS, late_compile
+
+    first = {"step": 1, "compile/graphs": 12, "compile/seconds": 40.0}
+    assert late_compile(first) is None  # warm-up compiles are expected
+    assert late_compile({"step": COMPILE_WARMUP_STEPS + 1, "compile/graphs": 0, "compile/seconds": 0.0}) is None
+    warning = late_compile({"step": 17, "compile/graphs": 2, "compile/seconds": 9.9})
+    assert warning.startswith("step 17: the trainers compiled 2 graph(s) in 9.9 s after warm-up")
