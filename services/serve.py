@@ -67,9 +67,17 @@ def _critic(cfg: RoleFleetConfig, group=None):
     return core, functools.partial(server.add_to_server, core)
 
 
+def _teacher(cfg: RoleFleetConfig, group=None):
+    from rolefleet.teacher import server  # role core: as in _actor
+    from rolefleet.teacher.core import TeacherCore  # role core: as in _actor
+
+    core = TeacherCore.from_config(cfg)
+    return core, functools.partial(server.add_to_server, core)
+
+
 # Model-serving roles: build the core (load models) first, then open the port, so that SERVING
 # means ready. The coordinator is different (it runs the loop): see rolefleet.coordinator.server.
-ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic}
+ROLE_BUILDERS = {"actor": _actor, "reward": _reward, "critic": _critic, "teacher": _teacher}
 NODE_RANK_ENV = "ROLEFLEET_NODE_RANK"  # `--node-rank` from the environment (a pod's index)
 POD_NAME_ENV = "ROLEFLEET_POD_NAME"  # else the ordinal a StatefulSet's pod name ends with
 

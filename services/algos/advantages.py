@@ -127,3 +127,18 @@ def reinforce_pp_baseline(token_rewards: torch.Tensor, mask: torch.Tensor,
     total, size, _ = _group_stats(scores, group_ids, valid)
     centred = _broadcast(scores - total / size.clamp(min=1), m)
     return masked_whiten(centred, m), centred
+
+
+@ADVANTAGE_ESTIMATORS.register("distill")
+def distill(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+            mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation: each token the student sampled is credited with
+    log pi_teacher(x_t) - log pi_student(x_t), minus the per-token estimate (k1) of the reverse KL
+    KL(student || teacher) on the student's own samples, and with nothing of the tokens after it (no
+    discount, no baseline: the teacher grades every token, so none is needed). A policy-gradient step
+    on it lowers the reverse KL: the student moves toward the teacher where it samples. Also the term
+    `train.distill_coef` adds to another estimator's advantages (the mixed form)."""
+    check_inputs(logprobs=logprobs, teacher_logprobs=teacher_logprobs, mask=mask)
+    m = mask.bool()
+    adv = torch.where(m, upcast(teacher_logprobs) - upcast(logprobs), 0)
+    return adv, adv

@@ -14,6 +14,7 @@ class AlgorithmPreset:
     loss_agg_mode: str             # default of actor.loss_agg_mode
     norm_adv_by_std: bool = True   # default of train.norm_adv_by_std (group estimators)
     grouped: bool = False          # needs several samples per prompt
+    uses_teacher: bool = False     # needs the teacher role's logprobs (on-policy distillation)
 
 
 ALGORITHMS: dict[str, AlgorithmPreset] = {
@@ -27,6 +28,9 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
                             grouped=True),
     "reinforce_pp": AlgorithmPreset("reinforce_pp", uses_critic=False, whiten_advantages=False,
                                     loss_agg_mode="token-mean"),
+    # On-policy distillation: the student samples, the teacher grades every sampled token (`distill`).
+    "distill": AlgorithmPreset("distill", uses_critic=False, whiten_advantages=False, loss_agg_mode="token-mean",
+                               uses_teacher=True),
     "reinforce_pp_baseline": AlgorithmPreset("reinforce_pp_baseline", uses_critic=False, whiten_advantages=False,
                                              loss_agg_mode="token-mean", grouped=True),
 }

@@ -38,8 +38,10 @@ from rolefleet.trainer.nodes import layout_for, worker_count
 log = logging.getLogger(__name__)
 COMMANDS = ("up", "serve", "train")
 MODEL_KEYS = {"actor": ("actor.model_name_or_path", "actor.ref_model_name_or_path"),
-              "critic": ("critic.model_name_or_path",)}
-GPU_ROLES = ("actor", "reward", "critic")
+              "critic": ("critic.model_name_or_path",),
+              # The teacher's model, and the student's (its tokenizer, which the teacher's must equal).
+              "teacher": ("teacher.model_name_or_path", "actor.model_name_or_path")}
+GPU_ROLES = ("actor", "reward", "critic", "teacher")
 
 
 def preflight(cfg: RoleFleetConfig, roles: list[str], *, command: str, node: int = 0) -> None:

@@ -33,6 +33,7 @@ WEIGHT_SYNC_SECONDS = Histogram(
     ["role"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+TEACHER_TOKENS = Counter("rolefleet_teacher_tokens", "Sampled tokens the teacher role computed logprobs of")
 SAMPLES_SCORED = Counter("rolefleet_samples_scored", "Samples scored by the reward role", ["role"])
 REWARD_ERRORS = Counter("rolefleet_reward_errors", "Samples a reward source could not score (an exception, a "
                         "timeout, a crashed worker, a non-number, NaN or inf): they got reward.fallback_score",

@@ -40,11 +40,13 @@ from rolefleet.common.role_types import RoleStatus
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.critic.client import CriticClient
 from rolefleet.reward.client import RewardClient
+from rolefleet.teacher.client import TeacherClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TRAINERS = ("actor", "critic")
-STATELESS_KEY = {"reward": "reward.restart_wait_s"}  # the roles without training state, and their bound's key
+# The roles without training state, and the key bounding how long a call to one is repeated.
+STATELESS_KEY = {"reward": "reward.restart_wait_s", "teacher": "reward.restart_wait_s"}
 SAME_PROCESS_EVERY_S = 1.0  # below the time any trainer takes to restart (`Retries._same_process`)
 POLL_S = 0.5  # between looks at a role that is away: a restart under `rolefleet up` takes seconds
 
@@ -67,6 +69,7 @@ class Roles:
     actor: ActorClient
     reward: RewardClient
     critic: Optional[CriticClient]
+    teacher: Optional[TeacherClient] = None  # on-policy distillation (cfg.uses_teacher)
 
 
 class Retries:

@@ -33,6 +33,7 @@ from rolefleet.rpc.server import (
     warn_if_exposed,
     write_ready_file,
 )
+from rolefleet.teacher.client import GrpcTeacherClient
 
 
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -100,6 +101,8 @@ async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status:
         # It holds no training state: a call it loses to a restart is repeated (`calls.Retries`).
         reward=ReplicatedRewardClient([GrpcRewardClient(a, timeout) for a in rewards], labels=rewards),
         critic=GrpcCriticClient(addresses["critic"], timeout) if cfg.preset.uses_critic else None,
+        # Frozen, as the reward role: a call it loses to a restart is repeated.
+        teacher=GrpcTeacherClient(addresses["teacher"], timeout) if cfg.uses_teacher else None,
     )
 
 

@@ -48,7 +48,7 @@ from rolefleet.coordinator.rollout import Rollout, score_items
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.source import RolloutSource, trains_at
 from rolefleet.coordinator.state import RunStatus
-from rolefleet.coordinator.step_metrics import late_compile, step_record
+from rolefleet.coordinator.step_metrics import distill_metrics, late_compile, step_record
 from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets, truncated
 from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
@@ -131,7 +131,7 @@ class StepBody:
         # 2. Scores, values and logprobs at once: the three roles do not wait on each other.
         start = time.perf_counter()
         scorers = await self._reward_replicas_now()
-        reward, critic_values, logprobs = await self._scored(rollout, one_pass)
+        reward, critic_values, logprobs, teacher = await self._scored(rollout, one_pass)
         reward = with_env_rewards(reward, samples)  # multi-turn: what the environment rewarded
         score_s = rollout.score_s + time.perf_counter() - start
         values = critic_values.values if critic_values else torch.zeros(batch.num_response_tokens)
@@ -142,7 +142,8 @@ class StepBody:
             scores, trained, shaping = shaped_scores(t, self.cfg.episode_cap, batch, reward.total,
                                                      truncated(samples))
             targets = step_targets(self.cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
-                                   logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t)
+                                   logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t,
+                                   teacher=teacher, rollout_logprobs=torch.cat([smp.logprobs for smp in samples]))
             policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
         kl_coef = self.state.kl_coef
         own = batch.packed_train_mask()  # multi-turn: the model's tokens (observations have no KL)
@@ -170,6 +171,8 @@ class StepBody:
         record = step_record(step, actor_result, critic_result, batch, samples, reward, values, logprobs, targets,
                              seconds)
         record["kl_coef"] = kl_coef
+        if teacher is not None:
+            record.update(distill_metrics(batch, logprobs.logprobs, samples, teacher))
         if (warning := late_compile(record)) is not None:
             _log.warning(warning)
         if self.source.stage.multi_turn:
@@ -209,10 +212,12 @@ class StepBody:
             await self.checkpointer.snapshot(self.roles, s, self._actor_step(s), log)
         return record
 
-    async def _scored(self, rollout: Rollout, one_pass: bool) -> tuple[ScoreResult, CriticValues | None, LogProbs]:
-        """The rollout's scores, values and logprobs: those it came with, the others asked for now.
-        A one-pass update takes the policy's logprobs from its own forward, so only the reference's
-        are asked for then (during the critic's warm-up the actor makes no forward: its come from here)."""
+    async def _scored(self, rollout: Rollout,
+                      one_pass: bool) -> tuple[ScoreResult, CriticValues | None, LogProbs, torch.Tensor | None]:
+        """The rollout's scores, values, logprobs and (distilling) the teacher's logprobs: those it
+        came with, the others asked for now. A one-pass update takes the policy's logprobs from its
+        own forward, so only the reference's are asked for then (during the critic's warm-up the
+        actor makes no forward: its come from here)."""
         r, roles = rollout, self.roles
         return await asyncio.gather(
             roles.reward.score(score_items(r.records, r.samples)) if r.reward is None else _given(r.reward),
@@ -223,6 +228,7 @@ class StepBody:
             roles.actor.compute_logprobs(r.batch, self.cfg.sampling.temperature, include_reference=True,
                                          reference_only=one_pass)
             if r.logprobs is None or (not one_pass and r.logprobs.logprobs is None) else _given(r.logprobs),
+            roles.teacher.compute_logprobs(r.batch, self.cfg.sampling.temperature) if roles.teacher else _given(None),
         )
 
     async def _updates(self, step: int, rollout: Rollout, policy_batch: SequenceBatch, policy: PolicyTargets,

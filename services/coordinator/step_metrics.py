@@ -33,6 +33,17 @@ def late_compile(record: dict) -> str | None:
             "TORCH_LOGS=recompiles in the trainer names the guard that failed)")
 
 
+def distill_metrics(batch: SequenceBatch, logprobs: torch.Tensor | None, samples: list[Sample],
+                    teacher: torch.Tensor) -> dict[str, float]:
+    """How far the student is from its teacher where it samples: the mean per-token reverse KL
+    estimate (student minus teacher logprob, k1) over the model's own tokens, and the teacher's
+    mean logprob of them."""
+    own = batch.packed_train_mask()
+    student = logprobs if logprobs is not None else torch.cat([s.logprobs for s in samples])
+    return {"distill/reverse_kl": (student - teacher)[own].mean().item(),
+            "distill/teacher_logprob": teacher[own].mean().item()}
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns): how much of the return variance the critic explains."""
     var = returns.var()

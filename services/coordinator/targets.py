@@ -45,10 +45,13 @@ def shaped_scores(train: TrainSection, max_new_tokens: int, batch: SequenceBatch
 
 def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, values: torch.Tensor,
                  logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor, group_ids: torch.Tensor, kl_coef: float,
-                 train: TrainSection) -> Targets:
+                 train: TrainSection, teacher: torch.Tensor | None = None,
+                 rollout_logprobs: torch.Tensor | None = None) -> Targets:
     """scores [B]; values, logprobs, ref_logprobs packed [N]; group_ids [B]. Without the policy's
     logprobs (a one-pass update computes them; `RoleFleetConfig.one_pass_update` asks for no KL
-    penalty) the KL is 0 until `after_one_pass` fills it in."""
+    penalty) the KL is 0 until `after_one_pass` fills it in. `teacher`: the teacher's logprobs of
+    the sampled tokens (packed [N]; on-policy distillation), graded against the student's: the
+    policy's recomputed ones where there are, else `rollout_logprobs` (what the engine sampled with)."""
     kl = torch.zeros_like(ref_logprobs) if logprobs is None else kl_to_reference(train, logprobs, ref_logprobs)
     if batch.loss_mask is not None:
         kl = kl * batch.loss_mask  # an observation token is no action of the policy: no KL, no reward
@@ -64,13 +67,22 @@ def step_targets(estimator: str, batch: SequenceBatch, scores: torch.Tensor, val
         return x if order is None else x.gather(1, order)
 
     own = gathered(mask)
+    distilling = {}
+    if teacher is not None:
+        student = logprobs if logprobs is not None else rollout_logprobs
+        distilling = {"logprobs": gathered(batch.pad_responses(student)),
+                      "teacher_logprobs": gathered(batch.pad_responses(teacher))}
     # Each estimator takes the inputs its signature declares from these.
     advantages, returns = ADVANTAGE_ESTIMATORS.call(
         estimator, token_rewards=gathered(token_rewards), values=gathered(batch.pad_responses(values)), mask=own,
-        group_ids=group_ids, gamma=train.gamma, lam=train.lam, norm_by_std=train.norm_adv_by_std,
+        group_ids=group_ids, gamma=train.gamma, lam=train.lam, norm_by_std=train.norm_adv_by_std, **distilling,
     )
     if train.whiten_advantages:
         advantages = masked_whiten(advantages, own)
+    if train.distill_coef and distilling:
+        # The mixed form: the teacher's grade of each token beside the algorithm's own advantage
+        # (after its normalisation, so that distill_coef weighs it against advantages of unit scale).
+        advantages = advantages + train.distill_coef * ADVANTAGE_ESTIMATORS.call("distill", mask=own, **distilling)[0]
     if order is not None:
         advantages, returns = (torch.zeros_like(x).scatter(1, order, torch.where(own, x, 0))
                                for x in (advantages, returns))

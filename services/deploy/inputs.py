@@ -20,7 +20,7 @@ from rolefleet.common.config import RoleFleetConfig
 from rolefleet.tasks.files import source_format
 from rolefleet.tasks.hf import local_copy_hint
 
-ALL_ROLES = ("actor", "reward", "critic", "coordinator")
+ALL_ROLES = ("actor", "reward", "critic", "teacher", "coordinator")
 # Where a deployment's containers see what a run reads: the models directory (./models beside the
 # deploy files, the Helm chart's model volume) at /models and, in the chart, the other files
 # (./inputs, the chart's inputs volume) at /inputs. Compose mounts a file's own directory at

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rolefleet.common.errors import Unavailable, error_from_rpc
-from rolefleet.common.pb import actor_pb2_grpc, common_pb2, critic_pb2_grpc, reward_pb2_grpc
+from rolefleet.common.pb import actor_pb2_grpc, common_pb2, critic_pb2_grpc, reward_pb2_grpc, teacher_pb2_grpc
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
 from rolefleet.rpc.auth import client_interceptors
 from rolefleet.rpc.channels import client_options
@@ -90,7 +90,7 @@ class InProcessTrainerClient:
 
 def _status_stubs() -> dict[str, type]:
     return {"actor": actor_pb2_grpc.ActorServiceStub, "critic": critic_pb2_grpc.CriticServiceStub,
-            "reward": reward_pb2_grpc.RewardServiceStub}
+            "reward": reward_pb2_grpc.RewardServiceStub, "teacher": teacher_pb2_grpc.TeacherServiceStub}
 
 
 async def fetch_status(role: str, address: str, timeout_s: float, include_digest: bool = False) -> RoleStatus:

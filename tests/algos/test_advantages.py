@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolefleet.algos import ADVANTAGE_ESTIMATORS, discounted_returns
-from rolefleet.algos.advantages import gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo
+from rolefleet.algos.advantages import distill, gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from rolefleet.algos.functional import masked_mean, masked_whiten
 from tests.algos import refs
 from tests.algos.conftest import pad, unpad
@@ -160,8 +160,32 @@ def test_masked_whiten_and_mean():
 
 def test_registry_lists_valid_names():
     assert ADVANTAGE_ESTIMATORS.get("gae") is gae
-    with pytest.raises(KeyError, match="valid: gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
+    with pytest.raises(KeyError, match="valid: distill, gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo"):
         ADVANTAGE_ESTIMATORS.get("nope")
+
+
+# --- on-policy distillation -------------------------------------------------------------------------
+
+def test_distill_credits_each_token_with_the_teacher_s_logprob_minus_the_student_s():
+    student = torch.tensor([[-0.5, -2.0, -1.0], [-0.1, -9.0, -9.0]])
+    teacher = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, 7.0, 7.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    adv, ret = distill(student, teacher, mask)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, 1.5, 0.0], [-0.2, 0.0, 0.0]]))  # padding: 0
+    assert torch.equal(adv, ret)
+
+
+def test_distill_s_expected_advantage_is_minus_the_reverse_kl():
+    """Over the student's own samples, E[teacher - student] = -KL(student || teacher): the advantage
+    is the k1 estimate of the reverse KL per token, negated, and 0 exactly where they agree."""
+    torch.manual_seed(0)
+    student_logits, teacher_logits = torch.randn(16), torch.randn(16)
+    student, teacher = student_logits.log_softmax(-1), teacher_logits.log_softmax(-1)
+    tokens = torch.multinomial(student.exp(), 200_000, replacement=True)[None]
+    adv, _ = distill(student[tokens], teacher[tokens], torch.ones_like(tokens, dtype=torch.bool))
+    reverse_kl = (student.exp() * (student - teacher)).sum()
+    assert adv.mean().item() == pytest.approx(-reverse_kl.item(), abs=0.02)
+    assert not distill(student[tokens], student[tokens], torch.ones_like(tokens, dtype=torch.bool))[0].any()
 
 
 # --- edge inputs (property-based) ---------------------------------------------------------------------
@@ -189,7 +213,14 @@ def _returns_case(fn):
     return build
 
 
+def _distill_case(draw, mask):
+    return Case(lambda x: distill(x["logprobs"], x["teacher_logprobs"], x["mask"]),
+                {"logprobs": tensor(draw, REWARD, mask.shape), "teacher_logprobs": tensor(draw, REWARD, mask.shape)},
+                mask)
+
+
 ESTIMATOR_CASES = {
+    "distill": _distill_case,
     "gae": _gae_case,
     "grpo": _outcome_case(grpo),
     "rloo": _outcome_case(rloo),

@@ -47,6 +47,7 @@ def test_every_estimator_runs_on_what_the_coordinator_offers(name):
     rewards = torch.tensor([[0.0, 1.0], [0.5, 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
     offered = dict(token_rewards=rewards, values=torch.zeros(2, 2), mask=mask, group_ids=torch.tensor([0, 0]),
-                   gamma=1.0, lam=0.95, norm_by_std=True)
+                   gamma=1.0, lam=0.95, norm_by_std=True, logprobs=-torch.ones(2, 2),
+                   teacher_logprobs=-2 * torch.ones(2, 2))
     advantages, returns = ADVANTAGE_ESTIMATORS.call(name, **offered)
     assert advantages.shape == returns.shape == (2, 2) and torch.all(advantages[~mask] == 0)

@@ -180,6 +180,25 @@ def test_ppo_targets_put_the_score_on_the_last_token_and_penalise_kl():
     assert torch.equal(t.advantages, t.returns)
 
 
+def test_distillation_targets_alone_and_mixed_with_another_algorithm_s():
+    batch = SequenceBatch.from_lists([torch.tensor([5, 6]), torch.tensor([7])], [torch.tensor([8, 9]), torch.tensor([3])])
+    student, rollout = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.1, -2.1, -0.6])
+    teacher = torch.tensor([-0.5, -3.0, -0.5])
+    pure = step_targets("distill", batch, torch.tensor([1.0, 0.0]), torch.zeros(3), student, student,
+                        torch.tensor([0, 1]), kl_coef=0.0, train=TrainSection(whiten_advantages=False), teacher=teacher)
+    assert pure.advantages.tolist() == pytest.approx([0.5, -1.0, 0.0])  # each token: teacher - student
+    # A one-pass update has no recomputed logprobs yet: the student's are the rollout's.
+    one_pass = step_targets("distill", batch, torch.tensor([1.0, 0.0]), torch.zeros(3), None, student,
+                            torch.tensor([0, 1]), kl_coef=0.0, train=TrainSection(whiten_advantages=False),
+                            teacher=teacher, rollout_logprobs=rollout)
+    assert one_pass.advantages.tolist() == pytest.approx([0.6, -0.9, 0.1])
+    # Mixed: RLOO's advantage (score - the other's: +1, -1) plus 0.5 x the teacher's grade.
+    train = TrainSection(whiten_advantages=False, distill_coef=0.5)
+    mixed = step_targets("rloo", batch, torch.tensor([1.0, 0.0]), torch.zeros(3), student, student,
+                         torch.tensor([0, 0]), kl_coef=0.0, train=train, teacher=teacher)
+    assert mixed.advantages.tolist() == pytest.approx([1.25, 0.5, -1.0])
+
+
 def test_dataset_batches_are_deterministic_and_cover_each_epoch():
     data = PromptDataset.from_config(DataSection(task="addition", size=10), seed=3)
     assert data.batch(2, 4) == PromptDataset.from_config(DataSection(task="addition", size=10), seed=3).batch(2, 4)

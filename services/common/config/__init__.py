@@ -41,6 +41,7 @@ from rolefleet.common.config.run import (
     TlsSection,
     TrackingSection,
 )
+from rolefleet.common.config.teacher import TeacherSection
 from rolefleet.common.config.trainers import (
     CLIP_DEFAULTS,
     ActorSection,
@@ -55,7 +56,7 @@ __all__ = [
     "ActorSection", "CheckpointSection", "ConfigError", "CoordinatorSection", "CriticSection", "DataSection",
     "DeviceList", "DevicesSection", "Endpoint", "EvalSection", "ExpandedPath", "ModelSection", "PipelineSection",
     "RewardSection", "RoleFleetConfig", "RolloutSection", "RunSection", "SamplingSection", "SecuritySection",
-    "TlsSection", "TrackingSection", "TrainSection", "VllmSection",
+    "TeacherSection", "TlsSection", "TrackingSection", "TrainSection", "VllmSection",
     "apply_override", "dial_host", "dump_config", "expand_path", "load_config", "overridden", "parse_config",
     "split_device",
 ]

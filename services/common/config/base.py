@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rolefleet.algos.registry import Registry
 
-ROLES = ("actor", "reward", "critic", "coordinator")
+ROLES = ("actor", "reward", "critic", "teacher", "coordinator")
 # Logits are divided by the temperature: below this the sampling distribution is one-hot in bf16 and
 # fp32 alike, logprob ratios blow up, and a subnormal value would divide by ~0 (NaN logprobs).
 MIN_TEMPERATURE = 1e-2

@@ -96,8 +96,10 @@ class DevicesSection(_Section):
     actor: DeviceList = Field(default_factory=list, description="the actor's GPUs (one worker each); empty: CPU")
     reward: DeviceList = Field(default_factory=list, description="the reward's GPUs (a reward model); empty: CPU")
     critic: DeviceList = Field(default_factory=list, description="the critic's GPUs (one worker each); empty: CPU")
+    teacher: DeviceList = Field(default_factory=list, description="the teacher's GPUs (one process; a model too "
+                                "big for one GPU is split over them by layers); empty: CPU")
     rollout: DeviceList = Field(default_factory=list, description="subset of the actor's GPUs")
-    colocate: list[list[Literal["actor", "reward", "critic"]]] = Field(
+    colocate: list[list[Literal["actor", "reward", "critic", "teacher"]]] = Field(
         default_factory=list, description="sets of roles that share GPUs on purpose, e.g. [[actor, critic]]; "
         "groups that overlap otherwise are a config error")
 
@@ -135,9 +137,9 @@ class DevicesSection(_Section):
     @property
     def is_cpu(self) -> bool:
         """No role has a GPU (`devices: cpu`, or an unresolved `auto`)."""
-        return not (self.actor or self.reward or self.critic)
+        return not (self.actor or self.reward or self.critic or self.teacher)
 
-    @field_validator("actor", "reward", "critic", "rollout")
+    @field_validator("actor", "reward", "critic", "teacher", "rollout")
     @classmethod
     def _entries(cls, value: DeviceList) -> DeviceList:
         for entry in value:
@@ -149,7 +151,7 @@ class DevicesSection(_Section):
             raise ValueError(f"duplicate GPUs in {value}")
         return value
 
-    @field_validator("actor", "reward", "critic", "rollout")
+    @field_validator("actor", "reward", "critic", "teacher", "rollout")
     @classmethod
     def _nodes_together(cls, value: DeviceList) -> DeviceList:
         """Ranks are numbered in entry order, node by node: a node's entries must form one run, and
@@ -178,7 +180,7 @@ class DevicesSection(_Section):
     def _overlaps_declared(self) -> DevicesSection:
         """Two roles on one GPU split its memory and time: fine when meant (one-GPU runs), a slip
         otherwise (a typo in an 8-GPU map). Overlaps must be listed in `colocate`."""
-        roles = ("actor", "reward", "critic")
+        roles = ("actor", "reward", "critic", "teacher")
         for i, a in enumerate(roles):
             for b in roles[i + 1:]:
                 shared = [d for d in getattr(self, a) if str(d) in map(str, getattr(self, b))]

@@ -13,6 +13,7 @@ from rolefleet.common.config.cluster import CoordinatorSection, DevicesSection, 
 from rolefleet.common.config.data import DataSection, EvalSection, ModelSection, SamplingSection
 from rolefleet.common.config.reward import RewardSection
 from rolefleet.common.config.run import CheckpointSection, RunSection, SecuritySection, TrackingSection
+from rolefleet.common.config.teacher import TeacherSection
 from rolefleet.common.config.trainers import ActorSection, CriticSection, TrainSection
 
 # actor.is_correction where updates may train on an older policy's samples (pipeline.lagged) and
@@ -31,6 +32,8 @@ class RoleFleetConfig(_Section):
     actor: ActorSection = Field(default_factory=ActorSection)
     critic: CriticSection = Field(default_factory=CriticSection)
     reward: RewardSection = Field(default_factory=RewardSection)
+    teacher: TeacherSection = Field(default_factory=TeacherSection, description="the teacher role (on-policy "
+                                    "distillation): started where the algorithm or train.distill_coef needs it")
     coordinator: CoordinatorSection = Field(default_factory=CoordinatorSection)
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
@@ -56,6 +59,8 @@ class RoleFleetConfig(_Section):
                 section.trust_remote_code = self.model.trust_remote_code
         if self.actor.ref_model_name_or_path is None:
             self.actor.ref_model_name_or_path = self.actor.model_name_or_path
+        if self.teacher.trust_remote_code is None:
+            self.teacher.trust_remote_code = self.model.trust_remote_code
         if self.actor.model_name_or_path is None:
             raise ValueError("set model.model_name_or_path (or actor.model_name_or_path)")
         preset = ALGORITHMS[self.algorithm]
@@ -115,6 +120,12 @@ class RoleFleetConfig(_Section):
             if partial.token_budget >= self.sampling.max_new_tokens:
                 raise ValueError(f"pipeline.partial_rollouts.token_budget={partial.token_budget} cuts nothing below "
                                  f"sampling.max_new_tokens={self.sampling.max_new_tokens}")
+        if self.uses_teacher and not self.teacher.model_name_or_path:
+            raise ValueError(f"teacher.model_name_or_path: {'algorithm distill' if preset.uses_teacher else 'train.distill_coef'} "
+                             "distils from a teacher: set the teacher model (its tokenizer the student's)")
+        if preset.uses_teacher and self.train.distill_coef:
+            raise ValueError("train.distill_coef weighs the teacher's term beside another algorithm's advantages; "
+                             "algorithm distill is that term alone: leave train.distill_coef at 0")
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")
@@ -140,11 +151,20 @@ class RoleFleetConfig(_Section):
         if len(reward_nodes) > 1:
             raise ValueError(f"devices.reward: entries on nodes {', '.join(reward_nodes)}: the reward role is one "
                              "process on one node (more reward servers are replicas: reward.replicas)")
+        teacher_nodes = [node for node, _ in self.devices.by_node("teacher")]
+        if len(teacher_nodes) > 1:
+            raise ValueError(f"devices.teacher: entries on nodes {', '.join(teacher_nodes)}: the teacher is one "
+                             "process on one node (its GPUs split the model by layers)")
         return self
 
     @property
     def preset(self):
         return ALGORITHMS[self.algorithm]
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the run distils from the teacher role (its algorithm, or the mixed form)."""
+        return self.preset.uses_teacher or self.train.distill_coef > 0
 
     @property
     def episode_cap(self) -> int:
@@ -174,5 +194,7 @@ class RoleFleetConfig(_Section):
                            shuffle=False, size=e.max_prompts)
 
     def roles(self) -> list[str]:
-        """Roles this run starts, in start order (the coordinator last); the critic only if needed."""
-        return ["actor", "reward", *(["critic"] if self.preset.uses_critic else []), "coordinator"]
+        """Roles this run starts, in start order (the coordinator last); the critic and the teacher
+        only if needed."""
+        return ["actor", "reward", *(["critic"] if self.preset.uses_critic else []),
+                *(["teacher"] if self.uses_teacher else []), "coordinator"]

@@ -52,6 +52,10 @@ class TrainSection(_Section):
     kl_controller: str = Field("fixed", description="fixed | adaptive (targets kl_target)")
     kl_target: float = Field(0.1, gt=0, description="adaptive controller: per-token KL to track")
     kl_horizon: int = Field(10000, ge=1, description="adaptive controller: samples to close the gap")
+    distill_coef: float = Field(0.0, ge=0, description="on-policy distillation beside the algorithm's own "
+                                "advantages: each sampled token's advantage gains distill_coef x (log pi_teacher - "
+                                "log pi_student) (the teacher role; docs/algorithms.md). algorithm distill is that "
+                                "term alone")
     critic_warmup_steps: int = Field(0, ge=0, description="first steps that train only the critic (the actor "
                                      "is not updated), so advantages start from useful values; PPO, sync mode")
     rpc_timeout_s: float = Field(600.0, gt=0, description="deadline of each role call")
