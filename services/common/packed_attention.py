@@ -7,8 +7,10 @@ count. Here the same attention runs through FlexAttention with a block mask buil
 the sequence lengths (no T x T tensor, no compiled mask function): a tile of 128 x 128 pairs is
 skipped where no sequence spans both its queries and keys, run unmasked where one sequence covers
 it below the diagonal, and masked per pair only on the rest (the tiles a boundary or the diagonal
-crosses). `<role>.packed_attention` picks it (auto: on CUDA, where FlexAttention is compiled to
-fused kernels; the CPU keeps sdpa).
+crosses). `<role>.packed_attention: flex` picks it. `auto` keeps sdpa for now: FlexAttention's
+compiled CUDA path has not yet been measured on the GPU machine (its equality and speed:
+tests/common/test_packed_attention.py's GPU test, benchmarks/packed_attention.py); `AUTO_FLEX_ON_CUDA`
+turns it on once they are.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ ATTENTION = "rolefleet_packed_flex"
 BLOCK = 128  # FlexAttention's tile (queries and keys)
 
 
+AUTO_FLEX_ON_CUDA = False
+
+
 def resolve(choice: str, device: torch.device) -> str:
     """`<role>.packed_attention` on `device`: "flex" or "sdpa"."""
     if choice == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and AUTO_FLEX_ON_CUDA else "sdpa"
     return choice
 
 

@@ -92,7 +92,11 @@ def test_on_cuda_flex_is_compiled_once_and_equals_sdpa_in_bf16_with_its_gradient
     assert compiled_graphs() == graphs
 
 
-def test_auto_is_flex_on_cuda_and_sdpa_on_the_cpu():
+def test_auto_is_sdpa_until_flex_is_measured_on_cuda(monkeypatch):
+    from rolefleet.common import packed_attention
+
+    assert resolve("auto", torch.device("cuda", 0)) == "sdpa" and resolve("auto", torch.device("cpu")) == "sdpa"
+    monkeypatch.setattr(packed_attention, "AUTO_FLEX_ON_CUDA", True)
     assert resolve("auto", torch.device("cuda", 0)) == "flex" and resolve("auto", torch.device("cpu")) == "sdpa"
     assert resolve("flex", torch.device("cpu")) == "flex"
     cfg = parse_config({"model": {"model_name_or_path": "m"}, "actor": {"packed_attention": "flex"}})

@@ -121,8 +121,9 @@ class _TrainerSection(Endpoint):
                                    "of right-padded rows")
     packed_attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="attention of packed micro-batches: flex = FlexAttention over a block mask built "
-        "from the sequence lengths (tiles no sequence spans skipped, no T x T mask); sdpa = a dense T x T "
-        "block-diagonal mask over every pair; auto = flex on CUDA, sdpa on the CPU")
+        "from the sequence lengths (tiles no sequence spans skipped, no T x T mask; no backward on the CPU); "
+        "sdpa = a dense T x T block-diagonal mask over every pair; auto = sdpa until flex's CUDA path is "
+        "measured on the GPU machine")
     workers: Optional[int] = Field(None, ge=1, description="worker processes of this role (torch.distributed, "
                                    "data parallel): default one per GPU of its device group; on the CPU, gloo "
                                    "workers")
