@@ -51,8 +51,8 @@ GRAFANA_IMAGE = "${GRAFANA_IMAGE:-grafana/grafana:11.6.1}"
 HOST_PORT_VARIABLES = {"http": "ROLEFLEET_HTTP_PORT", "grpc": "ROLEFLEET_GRPC_PORT", "endpoint": "ROLEFLEET_ENDPOINT_PORT",
                        "prometheus": "PROMETHEUS_PORT", "grafana": "GRAFANA_PORT"}
 # The port convention of every deployment (compose, Helm): one gRPC and one /metrics port per role.
-GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053}
-METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103}
+GRPC_PORTS = {"coordinator": 50050, "actor": 50051, "reward": 50052, "critic": 50053, "teacher": 50054}
+METRICS_PORTS = {"coordinator": 9100, "actor": 9101, "reward": 9102, "critic": 9103, "teacher": 9104}
 HTTP_PORT = 8080
 ENDPOINT_PORT = 8300  # the actor's OpenAI-compatible endpoint (actor.endpoint), where agents drive episodes
 PROMETHEUS_PORT = 9090
@@ -92,6 +92,7 @@ ROLE_SUMMARY = {
     "actor": "the policy: rollout engine, trainer and reference model",
     "reward": "scores samples",
     "critic": "the value model and its trainer",
+    "teacher": "a frozen model grading the student's samples (on-policy distillation)",
     "coordinator": "runs the loop: dataset, advantages, journal, control plane",
 }
 

@@ -644,3 +644,17 @@ def test_snapshots_go_to_a_memory_volume_every_role_container_mounts():
         assert not any(word.startswith("checkpoint.snapshot.dir=") for word in service["command"])
     with pytest.raises(ValueError, match="compose sets checkpoint.snapshot.dir itself"):
         render("checkpoint.snapshot.dir=/elsewhere")
+
+
+def test_a_distillation_run_gets_a_teacher_service_on_its_gpus_and_the_coordinator_dials_it():
+    overrides = ["algorithm=distill", "teacher.model_name_or_path=models/teacher", "devices.critic=[]",
+                 "devices.teacher=[6, 7]"]
+    cfg = load_config(REPO / CONFIG, overrides)
+    services = yaml.safe_load(render_compose(cfg, CONFIG, overrides))["services"]
+    assert "critic" not in services
+    teacher = services["teacher"]
+    assert [r["device_ids"] for r in reservations(teacher)] == [["6", "7"]]
+    values = command_values(teacher)
+    assert values["teacher.model_name_or_path"] == "/models/teacher" and values["teacher.port"] == "50054"
+    assert values["actor.model_name_or_path"] == "/models/policy"  # the student's tokenizer, checked at start
+    assert command_values(services["coordinator"])["teacher.address"] == "teacher:50054"

@@ -263,3 +263,11 @@ def test_helm_values_with_overrides_carries_the_overridden_config_into_the_chart
     text = find(docs, "ConfigMap", f"{PREFIX}-config")["data"]["config.yaml"]
     assert yaml.safe_load(text) == overridden(config, ["train.total_steps=7", "actor.lr=2e-6"])
     assert yaml.safe_load(text)["train"]["total_steps"] == 7
+
+
+def test_a_distillation_run_is_refused_by_the_chart_naming_the_ways_that_run_it(workdir, capsys):
+    """The chart runs no teacher role yet: refused, not rendered without the role the coordinator dials."""
+    code, out, err = helm_values(CONFIGS / "demo.yaml", [*TO_POLICY, "algorithm=distill",
+                                                         "teacher.model_name_or_path=models/teacher"], capsys)
+    assert code == 2 and not out
+    assert err.startswith("rolefleet: teacher: the Helm chart does not run the teacher role yet"), err
