@@ -161,11 +161,6 @@ def input_values(cfg: RoleFleetConfig) -> dict[str, Any]:
 
 def chart_values(cfg: RoleFleetConfig) -> dict[str, Any]:
     """`values_for(cfg)` and `input_values(cfg)` in one values mapping: what helm-values writes."""
-    if cfg.uses_teacher:
-        # Refused here rather than rendered without it: the coordinator would wait for a teacher no pod serves.
-        raise ValueError("teacher: the Helm chart does not run the teacher role yet (on-policy distillation: "
-                         f"{'algorithm distill' if cfg.preset.uses_teacher else 'train.distill_coef'}); run it with "
-                         "`rolefleet up` or `docker compose` (rolefleet deploy compose)")
     values = values_for(cfg)
     for key, more in input_values(cfg).items():
         values[key] = {**values.get(key, {}), **more}

@@ -137,6 +137,15 @@ def reward_memory(cfg: RoleFleetConfig) -> float | None:
     return nbytes + estimate.total
 
 
+def teacher_memory(cfg: RoleFleetConfig) -> float | None:
+    """Host bytes of the teacher's pod: its process, and on the CPU its frozen model in fp32 (on
+    GPUs the weights load straight onto them); None when its model is not readable here."""
+    dims = _model_dims(cfg.teacher.model_name_or_path)
+    if dims is None:
+        return None
+    return PROCESS_BYTES + (0 if cfg.devices.teacher else dims.params * 4)
+
+
 def coordinator_memory(cfg: RoleFleetConfig) -> float:
     """Host bytes of the coordinator: its process and the batches of the steps in flight."""
     rows = cfg.train.prompts_per_step * cfg.train.samples_per_prompt
@@ -153,6 +162,8 @@ def cpus(cfg: RoleFleetConfig, role: str) -> int:
         return 1
     if role == "reward":  # a reward model's GPU keeps a core busy too
         return 1 + _reward_helpers(cfg) + (len(cfg.devices.reward) if _reward_models(cfg) else 0)
+    if role == "teacher":  # one process: its server and its forwards
+        return 2
     per_worker = CPUS_PER_GPU_WORKER if getattr(cfg.devices, role) else 1  # a CPU worker computes on one
     return 1 + per_worker * workers_per_pod(cfg, role)
 
@@ -168,7 +179,7 @@ def requests(cfg: RoleFleetConfig) -> dict[str, dict[str, int | str]]:
             nbytes = None if nbytes is None or snapshots is None else \
                 nbytes + snapshots * (SNAPSHOTS_HELD + STAGED_COPIES) / SNAPSHOTS_HELD
         else:
-            nbytes = reward_memory(cfg) if role == "reward" else coordinator_memory(cfg)
+            nbytes = {"reward": reward_memory, "teacher": teacher_memory}.get(role, coordinator_memory)(cfg)
         out[role] = {"cpu": cpus(cfg, role)} | ({"memory": gib(nbytes)} if nbytes is not None else {})
     return out
 

@@ -316,13 +316,30 @@ def test_a_changed_config_restarts_the_roles(tmp_path, default_docs):
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_critic_runs_only_for_algorithms_with_a_value_model(tmp_path, algorithm):
-    raw = default_config() | {"algorithm": algorithm}
+    raw = default_config() | {"algorithm": algorithm, "teacher": {"model_name_or_path": "/models/teacher"}}
     docs = render("--set-file", f"config={write(tmp_path / 'run.yaml', raw)}")
     uses_critic = "critic" in parse_config(raw).roles()
     assert ALGORITHMS[algorithm].uses_critic == uses_critic
     assert (("Deployment", f"{PREFIX}-critic") in names(docs)) == uses_critic
     assert (("Service", f"{PREFIX}-critic") in names(docs)) == uses_critic
     assert ("critic.address" in overrides(docs, "coordinator")) == uses_critic
+
+
+@pytest.mark.parametrize("algorithm, distill_coef", [(a, 0.0) for a in ALGORITHMS] + [("grpo", 0.5)])
+def test_the_teacher_runs_only_for_on_policy_distillation(tmp_path, algorithm, distill_coef):
+    raw = default_config() | {"algorithm": algorithm, "teacher": {"model_name_or_path": "/models/teacher"},
+                              "train": {**default_config().get("train", {}), "samples_per_prompt": 2,
+                                        "distill_coef": distill_coef}}
+    docs = render("--set-file", f"config={write(tmp_path / 'run.yaml', raw)}")
+    uses_teacher = "teacher" in parse_config(raw).roles()
+    assert uses_teacher == (ALGORITHMS[algorithm].uses_teacher or distill_coef > 0)
+    assert (("Deployment", f"{PREFIX}-teacher") in names(docs)) == uses_teacher
+    assert (("Service", f"{PREFIX}-teacher") in names(docs)) == uses_teacher
+    assert ("teacher.address" in overrides(docs, "coordinator")) == uses_teacher
+    if uses_teacher:
+        assert overrides(docs, "coordinator")["teacher.address"] == f"{PREFIX}-teacher:50054"
+        spec = workload(docs, "teacher")["spec"]
+        assert (spec["replicas"], spec["strategy"]) == (1, {"type": "Recreate"})
 
 
 def test_reward_replicas_and_their_headless_service(tmp_path):
@@ -740,6 +757,6 @@ def test_every_value_is_documented():
     missing = []
     for key in leaf_keys(yaml.safe_load((CHART / "values.yaml").read_text())):
         role, _, rest = key.partition(".")
-        if key not in documented and not (role in GRPC_PORTS and f"<role>.{rest}" in documented):
+        if key not in documented and not (role in (*GRPC_PORTS, "teacher") and f"<role>.{rest}" in documented):
             missing.append(key)
     assert not missing, f"values missing from the tables in {DOC.name}: {missing}"

@@ -265,9 +265,14 @@ def test_helm_values_with_overrides_carries_the_overridden_config_into_the_chart
     assert yaml.safe_load(text)["train"]["total_steps"] == 7
 
 
-def test_a_distillation_run_is_refused_by_the_chart_naming_the_ways_that_run_it(workdir, capsys):
-    """The chart runs no teacher role yet: refused, not rendered without the role the coordinator dials."""
-    code, out, err = helm_values(CONFIGS / "demo.yaml", [*TO_POLICY, "algorithm=distill",
-                                                         "teacher.model_name_or_path=models/teacher"], capsys)
-    assert code == 2 and not out
-    assert err.startswith("rolefleet: teacher: the Helm chart does not run the teacher role yet"), err
+def test_a_distillation_run_s_teacher_pod_reads_its_model_and_the_student_s(workdir, capsys):
+    """The teacher loads its model and checks it against the student's tokenizer: both on the model
+    volume in its pod, its GPUs the devices map's."""
+    overrides = [*TO_POLICY, "algorithm=distill", "teacher.model_name_or_path=models/teacher",
+                 "devices={actor: [0, 1], teacher: [2]}"]
+    cfg, docs = deploy(workdir, CONFIGS / "demo.yaml", overrides, capsys)
+    assert cfg.roles() == ["actor", "reward", "teacher", "coordinator"]
+    assert_every_input_on_a_volume(cfg, docs, workdir)
+    assert [i.key for i in role_inputs(cfg, "teacher")] == ["teacher.model_name_or_path", "actor.model_name_or_path"]
+    limits = container(docs, "teacher")["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1

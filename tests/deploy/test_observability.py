@@ -29,10 +29,10 @@ PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 GRAFANA_DIR = REPO / "deploy" / "grafana"
 DASHBOARD = GRAFANA_DIR / "dashboards" / "rolefleet.json"
 OPERATIONS_DOC = REPO / "docs" / "operations.md"
-ROLES = ("coordinator", "actor", "reward", "critic")
+ROLES = ("coordinator", "actor", "reward", "critic", "teacher")
 # The compose service names and metrics ports the shipped scrape config targets.
 COMPOSE_TARGETS = {"coordinator": "coordinator:9100", "actor": "actor:9101", "reward": "reward:9102",
-                   "critic": "critic:9103"}
+                   "critic": "critic:9103", "teacher": "teacher:9104"}
 # What Grafana puts in place of its built-in variables; any interval parses the same.
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "1m", "__range": "1m"}
 E2E_TIMEOUT_S = 30
@@ -300,10 +300,10 @@ def test_prometheus_scrapes_a_real_role_with_the_shipped_config_and_rules(tmp_pa
             return up if up.keys() == set(ROLES) else None
 
         assert poll("an up series per role", every_target_scraped, deadline, prometheus, prom_log) == {
-            "coordinator": "0", "actor": "0", "reward": "1", "critic": "0"}
+            "coordinator": "0", "actor": "0", "reward": "1", "critic": "0", "teacher": "0"}
 
         # Every alert rule evaluates without error on real series, and RoleDown picks out the roles
-        # that are down, except a critic that never answered (a run without one).
+        # that are down, except a critic or teacher that never answered (a run without one).
         def rules_evaluated():
             rules = [r for g in api(port, "rules")["groups"] for r in g["rules"]]
             return rules if all(r["health"] != "unknown" for r in rules) else None

@@ -119,15 +119,28 @@ tests/deploy/test_helm.py keeps this list in step with the algorithm presets).
 {{- list "ppo" | toJson }}
 {{- end }}
 
-{{/* The role servers this run starts, as a JSON list: the critic only for algorithms that use one. */}}
+{{/*
+Algorithms that distil from the teacher role (`RoleFleetConfig.uses_teacher`, with train.distill_coef
+> 0 beside any other; tests/deploy/test_helm.py keeps this list in step with the algorithm presets).
+*/}}
+{{- define "rolefleet.teacherAlgorithms" -}}
+{{- list "distill" | toJson }}
+{{- end }}
+
+{{/* The role servers this run starts, as a JSON list: the critic only for algorithms that use one,
+the teacher only for on-policy distillation. */}}
 {{- define "rolefleet.serverRoles" -}}
 {{- $cfg := include "rolefleet.config" . | fromYaml }}
 {{- $algorithm := dig "algorithm" "ppo" $cfg }}
+{{- $roles := list "actor" "reward" }}
 {{- if has $algorithm (include "rolefleet.criticAlgorithms" . | fromJsonArray) }}
-{{- list "actor" "reward" "critic" | toJson }}
-{{- else }}
-{{- list "actor" "reward" | toJson }}
+{{- $roles = append $roles "critic" }}
 {{- end }}
+{{- $distillCoef := dig "train" "distill_coef" 0 $cfg | float64 }}
+{{- if or (has $algorithm (include "rolefleet.teacherAlgorithms" . | fromJsonArray)) (gt $distillCoef 0.0) }}
+{{- $roles = append $roles "teacher" }}
+{{- end }}
+{{- $roles | toJson }}
 {{- end }}
 
 {{/*
