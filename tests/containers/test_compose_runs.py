@@ -195,6 +195,33 @@ def test_a_chat_task_reads_its_model_data_eval_and_reward_code_in_the_containers
     assert resolved["data"]["path"] == "/configs/train.jsonl" and resolved["eval"]["path"].startswith("/inputs/")
 
 
+# --- on-policy distillation: the teacher role in its container ------------------------------------------
+
+def test_a_distillation_run_has_its_teacher_in_a_container_of_its_own(project, tmp_path):
+    """algorithm distill: the teacher service (its model and the student's on the models volume)
+    grades every sampled token; the run finishes, its records carry the distillation metrics, and
+    Prometheus saw the teacher serve them."""
+    from rolefleet.app.tiny_model import make_tiny_model
+    from rolefleet.common.model_paths import share_read_access
+
+    steps = 12
+    (project.root / "configs" / "demo.yaml").write_bytes((REPO / "configs" / "demo.yaml").read_bytes())
+    student = project.add_model(DEMO_MODEL, "student")
+    teacher = project.root / "models" / "teacher"  # the same tokenizer, more practice
+    make_tiny_model(teacher, task="addition", warm_start_steps=300)
+    share_read_access(teacher)
+    compose = project.generate("configs/demo.yaml", f"model.model_name_or_path={student}", "algorithm=distill",
+                               "teacher.model_name_or_path=models/teacher", f"train.total_steps={steps}",
+                               "train.prompts_per_step=64", "actor.ppo_epochs=1", "actor.num_mini_batches=1")
+    assert set(compose["services"]) == {"actor", "reward", "teacher", "coordinator", "prometheus", "grafana"}
+    project.up("actor", "reward", "teacher", "coordinator", "prometheus")
+    finished(project, "demo", steps)
+    records = project.metrics("demo")
+    assert len(records) == steps and all(r["distill/reverse_kl"] == r["distill/reverse_kl"] for r in records)
+    served = project.prometheus("/api/v1/query", query='rolefleet_teacher_tokens_total{role="teacher"}')["result"]
+    assert served and float(served[0]["value"][1]) >= steps * 64, served
+
+
 # --- a role killed mid-run ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("role", ["actor", "critic", "reward"])
