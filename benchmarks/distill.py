@@ -87,7 +87,8 @@ def main() -> None:
 
     goal = accuracy - args.within
     grpo_steps, distill_steps = first_reaching(grpo_curve, goal), first_reaching(distill_curve, goal)
-    result = {"teacher_accuracy": accuracy, "goal": goal, "grpo_steps_to_goal": grpo_steps,
+    # A start already at the goal (step 0's eval) makes the comparison empty: both then read 0 steps.
+    result = {"start_accuracy": grpo_curve[0][1] if grpo_curve else None, "teacher_accuracy": accuracy, "goal": goal, "grpo_steps_to_goal": grpo_steps,
               "distill_steps_to_goal": distill_steps,
               "steps_ratio": distill_steps / grpo_steps if grpo_steps and distill_steps else None,
               "grpo": {"curve": grpo_curve, "step_s": step_s(grpo)},
