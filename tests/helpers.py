@@ -90,3 +90,34 @@ def served_on_loopback(app):
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+@contextlib.contextmanager
+def scripted_chat_endpoint(chat_model_dir: str, answer: Callable[[int], str], max_turns: int,
+                           max_total_tokens: int = 1024):
+    """The actor's OpenAI-compatible endpoint on loopback over the tiny chat model's tokenizer, whose
+    'policy' answers `answer(n)` on a session's n-th turn (then its end-of-turn token): (its session
+    store, its base URL) while the block runs."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rolefleet.actor.completions import CompletionBatcher
+    from rolefleet.actor.openai_api import Endpoint as OpenAIEndpoint
+    from rolefleet.actor.sessions import SessionLimits, SessionStore
+    from rolefleet.actor.types import FinishReason, Sample
+
+    tok = AutoTokenizer.from_pretrained(chat_model_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(continuations, sampling):
+        out = []
+        for i, c in enumerate(continuations):
+            text = answer(tok.decode(c.context_ids.tolist()).count("<|im_start|>assistant"))
+            ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"] + [end])
+            out.append(Sample(i, 0, c.context_ids, ids, torch.zeros(len(ids)), FinishReason.STOP, 0, text))
+        return out
+
+    store = SessionStore(tok, SessionLimits(64, max_total_tokens, max_turns, 3600), None)
+    app = OpenAIEndpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
+    with served_on_loopback(app) as url:
+        yield store, url

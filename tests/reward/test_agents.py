@@ -8,19 +8,18 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-import torch
 
 from rolefleet.actor.completions import CompletionBatcher
 from rolefleet.actor.openai_api import Endpoint
 from rolefleet.actor.sessions import SessionLimits, SessionStore
-from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.actor.types import SamplingParams
 from rolefleet.common.config import ConfigError
 from rolefleet.common.config.reward import AgentSection
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.reward.agents import Agents
 from rolefleet.reward.core import RewardCore
 from rolefleet.reward.types import AgentItem
-from tests.helpers import served_on_loopback
+from tests.helpers import scripted_chat_endpoint, served_on_loopback
 
 pytestmark = pytest.mark.procs
 
@@ -145,23 +144,8 @@ class Guess:
 @pytest.fixture(scope="module")
 def chat_endpoint(chat_model_dir):
     """An endpoint on loopback whose 'policy' answers 3, 5, 7, ... on its 1st, 2nd, 3rd turn."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(chat_model_dir)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-
-    def generate(continuations, sampling):
-        out = []
-        for i, c in enumerate(continuations):
-            turn = tok.decode(c.context_ids.tolist()).count("<|im_start|>assistant")
-            ids = torch.tensor(tok(str(2 * turn + 1), add_special_tokens=False)["input_ids"] + [end])
-            out.append(Sample(i, 0, c.context_ids, ids, torch.zeros(len(ids)), FinishReason.STOP, 0, str(2 * turn + 1)))
-        return out
-
-    store = SessionStore(tok, SessionLimits(64, 512, 4, 3600), None)
-    app = Endpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
-    with served_on_loopback(app) as url:
-        yield store, url
+    with scripted_chat_endpoint(chat_model_dir, lambda turn: str(2 * turn + 1), 4, 512) as served:
+        yield served
 
 
 def test_a_stateful_environment_lives_for_its_episode_and_is_closed_however_it_ends(chat_endpoint, tmp_path):

@@ -15,17 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from rolefleet.actor.completions import CompletionBatcher
-from rolefleet.actor.openai_api import Endpoint
-from rolefleet.actor.sessions import SessionLimits, SessionStore
-from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.actor.types import SamplingParams
 from rolefleet.common.config import ConfigError, parse_config
 from rolefleet.common.config.reward import AgentSection, OpenEnvSection
 from rolefleet.reward.agents import Agents
 from rolefleet.reward.types import AgentItem
-from tests.helpers import served_on_loopback
+from tests.helpers import scripted_chat_endpoint
 
 pytest.importorskip("openenv")
 pytestmark = pytest.mark.procs
@@ -47,23 +43,8 @@ def echo_env(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def endpoint(chat_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(chat_model_dir)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-
-    def generate(continuations, sampling):
-        out = []
-        for i, c in enumerate(continuations):
-            turn = tok.decode(c.context_ids.tolist()).count("<|im_start|>assistant")
-            ids = torch.tensor(tok("a" * turn, add_special_tokens=False)["input_ids"] + [end])
-            out.append(Sample(i, 0, c.context_ids, ids, torch.zeros(len(ids)), FinishReason.STOP, 0, "a" * turn))
-        return out
-
-    store = SessionStore(tok, SessionLimits(64, 1024, TURNS, 3600), None)
-    app = Endpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
-    with served_on_loopback(app) as url:
-        yield store, url
+    with scripted_chat_endpoint(chat_model_dir, lambda turn: "a" * turn, TURNS) as served:
+        yield served
 
 
 def run(endpoint, section: OpenEnvSection, extras: list[dict], prompt="Say something long.", **agent):
