@@ -82,6 +82,20 @@ class PolicyTrainer(Trainer):
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
+        entropy = cfg.entropy_coef > 0
+
+        def reference(mb: SequenceBatch) -> torch.Tensor:
+            with self._reference_on_device():
+                return self.forward(self.reference, mb, 1.0, with_entropy=False)[0]
+
+        self.warm_compile([
+            # The update (its entropy metric or loss term: a one-pass update always computes one)...
+            (True, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=entropy, entropy_grad=entropy)[0]),
+            (True, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=True, entropy_grad=entropy)[0]),
+            # ... and ComputeLogProbs: the policy's, the reference's.
+            (False, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=True)[0]),
+            (False, reference),
+        ])
 
     def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a rollout engine holding the plain model loads after an update, as (name, tensor):

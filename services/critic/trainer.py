@@ -33,6 +33,8 @@ class ValueTrainer(Trainer):
             self.adapters = Adapters(model.backbone, cfg.lora, frozen_dtype, role="critic")
         super().__init__(model, model, model.backbone, cfg, device, ranks, seed, full_precision=(model.head,))
         self.value_loss = VALUE_LOSSES.get("clipped_mse")
+        values = lambda mb: self.model(mb, self.device, self.packed, self.attention)  # noqa: E731
+        self.warm_compile([(True, values), (False, values)])  # the update, ComputeValues
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """float32 [N], each rank its share of the micro-batches, gathered in token order."""

@@ -46,6 +46,20 @@ from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, shar
 MicroLoss = Callable[[torch.Tensor, bool], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def shape_families(packed: bool) -> list[SequenceBatch]:
+    """One tiny micro-batch of each shape family a compiled decoder layer needs a graph of. Padded:
+    rows with padding (an attention mask); one row, and rows of one length (no mask: transformers
+    drops an all-ones one, and a batch of one is a size torch.compile specialises on). Packed: one
+    row without a mask, always. And a single response token (the LM head's rows: torch.compile
+    specialises sizes 0 and 1), the other lengths above 1."""
+    def rows(*shapes: tuple[int, int]) -> SequenceBatch:
+        return SequenceBatch.from_lists([torch.full((p,), 3) for p, _ in shapes], [torch.full((r,), 3) for _, r in shapes])
+
+    if packed:
+        return [rows((4, 5), (3, 6)), rows((3, 1))]
+    return [rows((5, 3), (4, 6)), rows((4, 5)), rows((4, 5), (4, 5)), rows((3, 1))]
+
+
 class Trainer:
     stat_prefix = ""  # before the step's `loss`, `lr` and `grad_norm` statistics (the critic's: "vf_")
 
@@ -76,6 +90,24 @@ class Trainer:
         self._host: HostCopy | None = None  # its host buffers, kept from one background save to the next
 
     # --- passes over a batch ------------------------------------------------------------------
+
+    def warm_compile(self, passes: list[tuple[bool, Callable[[SequenceBatch], torch.Tensor]]]) -> None:
+        """With `compile_layers`, compile now, before the first step, a graph for every shape family
+        a micro-batch of this trainer can take (`shape_families`), for each kind of pass it runs
+        (`passes`: with gradients or not, and the forward), so that no step stalls on a compile
+        later (`compile/graphs` after warm-up; docs/metrics.md). Every rank runs the same passes, in
+        lockstep where sharded; the gradients they leave are dropped."""
+        if not (self.cfg.compile_layers and self.cfg.compile_warmup):
+            return
+        for grad, forward in passes:
+            self.model.train(grad)  # the update's mode, or the logprob passes' (a guard of their graphs)
+            for mb in shape_families(self.packed):
+                with torch.set_grad_enabled(grad), self.autocast():
+                    out = forward(mb)
+                if grad:
+                    out.float().sum().backward()
+        self.model.eval()
+        self.model.zero_grad(set_to_none=True)
 
     def autocast(self):
         return autocast(self.device, self.dtype)

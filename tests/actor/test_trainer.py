@@ -205,3 +205,25 @@ def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_
         assert core.update(2, 1, batch, targets, 1.0).stats["compiled_graphs"] == 2
     assert counted() == before + 2
     assert "made 2 graph(s) in 0.0 s since the last update" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_with_compile_warmup_no_micro_batch_shape_compiles_after_the_start(tiny_model_dir, packed):
+    """`actor.compile_warmup`: every shape family a micro-batch takes (padded with padding, one row,
+    rows of one length, a single response token; packed) has its graphs before the first step: the
+    updates and logprob passes of ragged batches compile nothing more."""
+    from rolefleet.trainer.profiling import compiled_graphs
+
+    core = make_core(tiny_model_dir, "actor.compile_layers=true", "actor.compile_warmup=true",
+                     f"actor.sequence_packing={str(packed).lower()}", *ONE_STEP)
+    made = compiled_graphs()
+    assert made > 0  # the warm-up's
+    torch.manual_seed(0)
+    for step, shapes in enumerate([[(8, 30), (8, 21), (12, 17)], [(10, 5)], [(3, 1), (3, 1)], [(10, 40)] * 4,
+                                   [(7, 64), (2, 2), (9, 3)], [(1, 1)]], start=1):
+        batch = SequenceBatch.from_lists([torch.randint(3, 30, (p,)) for p, _ in shapes],
+                                         [torch.randint(3, 30, (r,)) for _, r in shapes])
+        lp = core.compute_logprobs(batch, 1.0, include_reference=True)
+        core.update(step, step - 1, batch, PolicyTargets(torch.randn(batch.num_response_tokens), lp.logprobs), 1.0)
+        assert compiled_graphs() == made, (step, shapes)

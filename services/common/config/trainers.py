@@ -139,6 +139,10 @@ class _TrainerSection(Endpoint):
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (one compilation "
                                  "shared by all layers; norms, RoPE and activations fused): faster steps after "
                                  "a compile of tens of seconds per new micro-batch shape family")
+    compile_warmup: bool = Field(False, description="with compile_layers: compile at start the graphs of every "
+                                 "micro-batch shape family (padded with and without a mask, one row, one response "
+                                 "token; packed) for each pass, so that no step compiles later (about 13 graphs "
+                                 "for the actor); off until its start-up cost is measured on a GPU")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="autocast dtype of forwards and backwards (auto: bfloat16 on CUDA, float32 on "
         "CPU); master weights and optimizer state stay float32")
