@@ -218,8 +218,12 @@ def test_a_distillation_run_has_its_teacher_in_a_container_of_its_own(project, t
     finished(project, "demo", steps)
     records = project.metrics("demo")
     assert len(records) == steps and all(r["distill/reverse_kl"] == r["distill/reverse_kl"] for r in records)
-    served = project.prometheus("/api/v1/query", query='rolefleet_teacher_tokens_total{role="teacher"}')["result"]
-    assert served and float(served[0]["value"][1]) >= steps * 64, served
+
+    def served() -> float:  # the teacher's counter as Prometheus last scraped it (every few seconds)
+        result = project.prometheus("/api/v1/query", query='rolefleet_teacher_tokens_total{role="teacher"}')["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+    wait_for("the teacher's tokens in Prometheus", lambda: served() >= steps * 64, timeout=60)
 
 
 # --- a role killed mid-run ------------------------------------------------------------------------------
