@@ -141,9 +141,12 @@ class StepBody:
             require_finite(samples, reward.total, values, logprobs, self.cfg.reward.function)
             scores, trained, shaping = shaped_scores(t, self.cfg.episode_cap, batch, reward.total,
                                                      truncated(samples))
+            # Distilling without the policy's recomputed logprobs (a one-pass update): the rollout's.
+            rollout_logprobs = torch.cat([smp.logprobs for smp in samples]) \
+                if teacher is not None and logprobs.logprobs is None else None
             targets = step_targets(self.cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
                                    logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t,
-                                   teacher=teacher, rollout_logprobs=torch.cat([smp.logprobs for smp in samples]))
+                                   teacher=teacher, rollout_logprobs=rollout_logprobs)
             policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
         kl_coef = self.state.kl_coef
         own = batch.packed_train_mask()  # multi-turn: the model's tokens (observations have no KL)

@@ -176,22 +176,21 @@ class _Local:
             self.lock = held[1]
             await self.lock.acquire()
         self.env = await self._call(cls)
-        return await self._observe("reset", _accepted(self.env.reset, kwargs))
+        return await self._observe("reset", **_accepted(self.env.reset, kwargs))
 
     async def step(self, action: dict) -> dict:
         from openenv.core.env_server.serialization import deserialize_action
 
         return await self._observe("step", deserialize_action(action, self.spec.action_class))
 
-    async def _observe(self, method: str, arg: Any) -> dict:
+    async def _observe(self, method: str, *args: Any, **kwargs: Any) -> dict:
+        """`method` (reset, step) as OpenEnv's server calls it: its async form where the class has its
+        own, else the plain one on the episode's thread; the observation serialized as the server does."""
         from openenv.core.env_server.serialization import serialize_observation
 
-        if method == "reset":
-            asynchronous = getattr(type(self.env), "reset_async", None) is not _base("reset_async")
-            observation = await (self.env.reset_async(**arg) if asynchronous else self._call(self.env.reset, **arg))
-        else:
-            asynchronous = getattr(type(self.env), "step_async", None) is not _base("step_async")
-            observation = await (self.env.step_async(arg) if asynchronous else self._call(self.env.step, arg))
+        own_async = getattr(type(self.env), f"{method}_async", None) is not _base(f"{method}_async")
+        observation = await (getattr(self.env, f"{method}_async")(*args, **kwargs) if own_async
+                             else self._call(getattr(self.env, method), *args, **kwargs))
         return serialize_observation(observation)
 
     async def close(self) -> None:

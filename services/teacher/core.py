@@ -57,7 +57,6 @@ class TeacherCore:
         self.limits = BatchLimits.of(ROLE, cfg, getattr(self.model.config, "max_position_embeddings", None))
         self.digest = hashlib.sha256(f"{path}:{dtype}".encode()).hexdigest()[:16]
         self._lock = threading.Lock()  # one forward at a time: concurrent calls would share the GPU's memory
-        self.requests = 0
 
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         """float32 [N]: log pi_teacher(token) of each response token of `batch` at `temperature`."""
@@ -73,12 +72,11 @@ class TeacherCore:
 
         with self._lock, torch.inference_mode():
             (logprobs,) = batch.map_micro_batches(cfg.max_tokens_per_micro_batch, one, cfg.sequence_packing)
-        self.requests += 1
         metrics.TEACHER_TOKENS.inc(batch.num_response_tokens)
         return logprobs
 
     def status(self, include_digest: bool = False) -> RoleStatus:
-        return RoleStatus(ROLE, weights_digest=self.digest, requests_served=self.requests)
+        return RoleStatus(ROLE, weights_digest=self.digest)  # the servicer counts the requests served
 
     def close(self) -> None:
         pass
