@@ -113,7 +113,22 @@ def run_rl(args, model: Path, out: Path, way: str) -> dict:
     return {"before": phase(evals[0]), "after": phase(evals[-1]),
             "curve": [[r["step"], r["eval/pass@1"], r.get("eval/episode/tool_use_rate", 0.0)] for r in evals],
             "train_tool_use_rate": [[r["step"], r["episode/tool_use_rate"]] for r in steps],
-            "step_s": statistics.median(r["timing/step_s"] for r in steps)}
+            "step_s": statistics.median(r["timing/step_s"] for r in steps),
+            # The actor's memory after each update and its peak during it (GiB, on CUDA): a leak grows the first.
+            "actor_memory_gib": [[r["step"], round(r["actor/memory_gib"], 2), round(r["actor/peak_memory_gib"], 2)]
+                                 for r in steps if "actor/memory_gib" in r]}
+
+
+def release_device() -> None:
+    """This process's cached GPU memory back to the device before the runs' roles need it (the
+    base model's evaluation and the warm start leave gigabytes in PyTorch's cache otherwise)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -139,10 +154,12 @@ def main() -> None:
     results = {"base": phase(evaluate(args, args.model))}
     print(json.dumps({"base": results["base"]}), flush=True)
     warm = warm_start(args, out)
+    release_device()
     for way in args.ways:
         rl = run_rl(args, warm, out, way)
         results[way] = {"warm_start": rl["before"], "after_rl": rl["after"], "curve": rl["curve"],
-                        "train_tool_use_rate": rl["train_tool_use_rate"], "step_s": rl["step_s"]}
+                        "train_tool_use_rate": rl["train_tool_use_rate"], "step_s": rl["step_s"],
+                        "actor_memory_gib": rl["actor_memory_gib"]}
         print(json.dumps({way: {k: results[way][k] for k in ("warm_start", "after_rl", "step_s")}}), flush=True)
     if "env" in results and "agent" in results:
         results["agent_step_over_env"] = results["agent"]["step_s"] / results["env"]["step_s"]

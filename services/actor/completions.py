@@ -6,8 +6,9 @@ call. Requests that arrive while a call runs wait for the next one and go togeth
 every request then waiting (of the same sampling, at most `actor.max_sequences_per_request`), so a
 step's agents, awaiting the endpoint together, have their turns generated as one batch. A call on
 an idle engine first waits while requests keep arriving (`actor.endpoint.batch_window_ms` after the
-last, at most ten times that): the agents of a step send their turns within milliseconds of each
-other, and a call that took only the first would leave the others a call of their own.
+last, at most a hundred times that, or until a call's worth waits): the agents of a step send their
+turns within milliseconds of each other, and a call that took only the first would leave the others
+a call of their own.
 
 Requests that differ only in how many tokens they may take (a session near its token limit) share
 a call: it generates up to the largest, and each sample is cut to its own request's limit (a
@@ -26,6 +27,7 @@ from rolefleet.actor.types import Continuation, FinishReason, Sample, SamplingPa
 
 Generate = Callable[[list[Continuation], SamplingParams], list[Sample]]
 Decode = Callable[[list[int]], str]
+MAX_WINDOWS = 100  # an idle engine's call waits at most this many batch windows for more requests
 
 
 @dataclass
@@ -83,9 +85,15 @@ class CompletionBatcher:
                 await self._call(sampling, batch)
 
     async def _gathered(self) -> None:
-        """Wait while requests keep arriving (the window after the last), at most ten windows."""
-        for _ in range(10 if self.window_s > 0 else 0):
+        """Wait while requests keep arriving (the window after the last), until a call's worth of
+        sequences waits, at most `MAX_WINDOWS` windows. The cap is generous: a step's agents reach
+        the endpoint over hundreds of milliseconds (each request is parsed, rendered and tokenized
+        on this loop, a millisecond or more apiece), and a call cut short leaves the rest a whole
+        engine call of their own."""
+        for _ in range(MAX_WINDOWS if self.window_s > 0 else 0):
             seen = self._count()
+            if seen >= self.max_sequences:
+                return
             await asyncio.sleep(self.window_s)
             if self._count() == seen:
                 return

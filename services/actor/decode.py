@@ -287,7 +287,7 @@ class DecodeLoop:
     def trim(self, max_bytes: int = 0, spare_newest: bool = False) -> None:
         """Free the least recently used shapes' buffers and graphs until the rest hold at most
         `max_bytes` (0: all of them); `spare_newest`: never the most recently used one."""
-        while len(self._states) > spare_newest and self.held_bytes() > max_bytes:
+        while len(self._states) > spare_newest and (max_bytes <= 0 or self.held_bytes() > max_bytes):
             self._states.popitem(last=False)
 
     def held_bytes(self) -> int:
@@ -429,9 +429,15 @@ class DecodeLoop:
                         shares_cache=shares_cache)
 
     def _capture_into(self, buf: _Buffers, mode: _Mode) -> None:
+        # The capture empties PyTorch's cache first (`torch.cuda.graph` does): measured from a
+        # reserve taken before that, the graph's pool came out negative, so `held_bytes` sank below
+        # zero and `trim` kept every shape ever decoded (a run of many batch shapes, an agent's
+        # endpoint calls, ran out of memory). Emptied here first, the growth is the graph's pool.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         buf.graph = self._capture(buf, mode)
-        buf.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        buf.graph_pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
 
     def _prepare(self, batch: int, length: int, mode: _Mode) -> _Buffers:
         shape = (batch, length, mode)
@@ -479,7 +485,11 @@ class DecodeLoop:
                 self._step(buf, mode)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # Thread-local: the role's other threads (a snapshot staging the trainer's state off the
+            # GPU, an update) keep using the device while this one captures; in the default global
+            # mode their syncs and host registrations would abort the capture and leave the RNG
+            # mid-capture for the next generate.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._step(buf, mode)
             return graph
         except torch.OutOfMemoryError:

@@ -24,7 +24,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.model_paths import model_problem
-from rolefleet.common.packed_attention import document_block_mask, flex_attention_on
+from rolefleet.common.packed_attention import document_block_mask, use_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,8 @@ def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: tor
         inputs = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "use_cache": False}
         if attention == "flex":
             lengths = batch.prompt_lengths + batch.response_lengths
-            with flex_attention_on(backbone):
-                out = backbone(**inputs, attention_mask=document_block_mask(lengths, device))
+            use_packed_attention(backbone)
+            out = backbone(**inputs, attention_mask=document_block_mask(lengths, device))
         else:
             out = backbone(**inputs)
         return out.last_hidden_state[0, batch.packed_response_positions().to(device)]

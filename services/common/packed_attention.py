@@ -15,15 +15,15 @@ turns it on once they are.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-ATTENTION = "rolefleet_packed_flex"
+ATTENTION = "rolefleet_packed"
 BLOCK = 128  # FlexAttention's tile (queries and keys)
 
 
@@ -89,16 +89,28 @@ def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION, packed_flex_attention)
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention of a model set up by `use_packed_attention`: a packed micro-batch (its mask a
+    BlockMask) through FlexAttention, anything else (padded rows, a plain mask, no mask) through sdpa
+    as before. Chosen per call by the mask, not by a switch around the forward: activation
+    checkpointing runs each layer's forward again during the backward, after any such switch is over."""
+    if isinstance(attention_mask, BlockMask):
+        return packed_flex_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-@contextlib.contextmanager
-def flex_attention_on(model: torch.nn.Module) -> Iterator[None]:
-    """Route `model`'s attention through `packed_flex_attention` for the duration."""
+AttentionInterface.register(ATTENTION, packed_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # masks of non-packed calls: sdpa's, as before
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Route `model`'s attention through `packed_attention` from now on (idempotent). Only from sdpa,
+    the implementation transformers loads by default: it is what non-packed calls keep."""
     config = model.config
-    previous = config._attn_implementation
+    if config._attn_implementation == ATTENTION:
+        return
+    if config._attn_implementation != "sdpa":
+        raise ValueError(f"packed_attention=flex needs the model's attention implementation to be sdpa, not "
+                         f"{config._attn_implementation!r} (set <role>.packed_attention: sdpa)")
     config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous

@@ -79,10 +79,36 @@ class NewGraphs:
 
     def take_over_ranks(self, ranks: Ranks) -> dict[str, float]:
         """`take` over `ranks` (collective: every rank of the part calls it): {compiled_graphs: summed,
-        compile_seconds: the most any rank spent (they compile side by side)}. A rank compiles alone
-        when only its share of the micro-batches has a new shape (no padding, more tokens past an
-        Inductor size heuristic): rank 0's count alone would miss it."""
+        compile_seconds: the most any rank spent (they compile side by side)}, with the update's
+        device memory (`DeviceMemory.take`, the most of any rank). A rank compiles alone when only
+        its share of the micro-batches has a new shape (no padding, more tokens past an Inductor
+        size heuristic): rank 0's count alone would miss it."""
         graphs, seconds = self.take()
-        gathered = ranks.all_gather({"graphs": graphs, "seconds": seconds})
-        return {"compiled_graphs": sum(int(g["graphs"]) for g in gathered),
-                "compile_seconds": max(float(g["seconds"]) for g in gathered)}
+        gathered = ranks.all_gather({"graphs": graphs, "seconds": seconds, **DeviceMemory.take()})
+        stats = {"compiled_graphs": sum(int(g["graphs"]) for g in gathered),
+                 "compile_seconds": max(float(g["seconds"]) for g in gathered)}
+        for key in DeviceMemory.KEYS:
+            if key in gathered[0]:
+                stats[key] = max(float(g[key]) for g in gathered)
+        return stats
+
+
+class DeviceMemory:
+    """An update's GPU memory as PyTorch's allocator counts it: `peak_memory_gib`, the most its
+    tensors held at once (from `start`); `memory_gib`, what stays held after it (weights, optimizer
+    state, gradients, the engine's kept decode state). The first says how close an update came to
+    running out; the second growing from step to step is a leak. Nothing off CUDA."""
+
+    KEYS = ("peak_memory_gib", "memory_gib")
+
+    @staticmethod
+    def start() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    @staticmethod
+    def take() -> dict[str, float]:
+        if not torch.cuda.is_available():
+            return {}
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "memory_gib": torch.cuda.memory_allocated() / 2**30}

@@ -14,7 +14,7 @@ import torch
 
 from rolefleet.common.modeling import pick_device
 from rolefleet.trainer.base import Trainer
-from rolefleet.trainer.profiling import NewGraphs, profiled
+from rolefleet.trainer.profiling import DeviceMemory, NewGraphs, profiled
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.workers import collective, join_alone
 
@@ -42,9 +42,11 @@ class TrainingWorker:
 
     def profiled_update(self, train: Callable[[], tuple[dict, T]]) -> tuple[dict, T]:
         """`train()` (statistics and anything else) under the profiler when this update is one of
-        `<role>.profile_updates`; adds `compiled_graphs` (summed over the training ranks) and
-        `compile_seconds` (the most a rank spent compiling)."""
+        `<role>.profile_updates`; adds `compiled_graphs` (summed over the training ranks),
+        `compile_seconds` (the most a rank spent compiling) and on CUDA the update's
+        `peak_memory_gib` and `memory_gib` (the most of any rank)."""
         self.updates_run += 1
+        DeviceMemory.start()
         with profiled(self.role, self.updates_run, self.cfg.profile_updates, self.cfg.profile_dir, self.rank):
             stats, extra = train()
         stats.update(self.new_graphs.take_over_ranks(self.ranks))

@@ -192,6 +192,40 @@ def test_the_least_recently_used_shape_goes_first_when_over_the_budget(tiny_mode
     assert not loop._states
 
 
+def test_trim_to_nothing_drops_every_shape_whatever_their_accounting(tiny_model_dir):
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    loop = core.worker.engine._loop
+    for prompts in (["3+4="], ["3+4="] * 2):
+        core.generate(prompts, SamplingParams(max_new_tokens=4, seed=1))
+    next(iter(loop._states.values())).graph_pool_bytes = -(2**40)  # a pool measured wrong, as once on CUDA
+    loop.trim(0)
+    assert not loop._states
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_many_batch_shapes_keep_at_most_the_budget_and_trimming_frees_their_memory(tiny_model_dir):
+    """An agent's endpoint calls come in every batch size: each new shape captures a graph (whose
+    pool is measured after the capture's own emptying of the cache), and the kept shapes stay within
+    `keep_decode_state_mb`; trimmed, their memory is free again."""
+    core = make_core(tiny_model_dir, "actor.rollout.keep_decode_state_mb=1")
+    loop = core.worker.engine._loop
+
+    def allocated_after_trimming() -> int:
+        loop.trim(0)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    # After one shape: what a first capture leaves for good (the model's own lazily made buffers).
+    core.generate(["3+4="] * 2, SamplingParams(max_new_tokens=8, seed=0))
+    before = allocated_after_trimming()
+    for rows in (1, 7, 30, 3, 64, 17, 5, 40):
+        core.generate(["3+4="] * rows, SamplingParams(max_new_tokens=8, seed=rows))
+        assert all(buf.graph_pool_bytes >= 0 for buf in loop._states.values())
+        assert len(loop._states) <= 2  # the newest, and older ones only within the budget
+    assert allocated_after_trimming() - before < 8 * 2**20
+
+
 @pytest.mark.parametrize("layer_types", [["full_attention", "conv"], ["full_attention", "linear_attention"]])
 def test_layers_the_cache_does_not_serve_are_refused_not_sampled_wrong(tiny_model_dir, layer_types):
     """A hybrid model's convolution or linear-attention layers would decode without their state:

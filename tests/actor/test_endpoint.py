@@ -6,6 +6,7 @@ extend them, and answer bad requests with OpenAI error objects naming the field.
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 
 import httpx
@@ -305,6 +306,36 @@ def test_requests_arriving_together_share_one_engine_call_each_cut_to_its_own_li
                                                 FinishReason.LENGTH]
     assert out[1][0].response_text == "cut to 3" and out[1][0].logprobs.tolist() == [-1.0] * 3
     assert out[1][0].response_ids.tolist() == [10, 11, 12]
+
+
+def test_a_long_stream_of_arrivals_is_one_call_and_a_full_call_does_not_wait_for_the_window():
+    """A step's agents reach the endpoint over far more than a few windows (each request is parsed
+    and rendered on the loop): while they keep coming the call waits, and one call takes them all.
+    Once a call's worth of sequences waits, it starts at once."""
+    calls = []
+
+    def generate(continuations, sampling):
+        calls.append((len(continuations), time.perf_counter()))
+        return [Sample(i, 0, c.context_ids, torch.arange(10, 12), torch.zeros(2), FinishReason.STOP, 0, "x")
+                for i, c in enumerate(continuations)]
+
+    async def stream(max_sequences, arrivals, gap_s, window_s):
+        batcher = CompletionBatcher(generate, max_sequences, window_s=window_s)
+
+        async def one(delay):
+            await asyncio.sleep(delay)
+            return await batcher.complete(torch.tensor([1, 2]), SamplingParams(max_new_tokens=2))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i * gap_s) for i in range(arrivals)))
+        await batcher.close()
+        return start
+
+    asyncio.run(stream(64, 60, 0.004, 0.015))  # 240 ms of arrivals, ten windows are 150 ms
+    assert [n for n, _ in calls] == [60]
+    calls.clear()
+    start = asyncio.run(stream(4, 4, 0.0, 1.0))  # a full call: no one-second window
+    assert [n for n, _ in calls] == [4] and calls[0][1] - start < 0.5
 
 
 def test_agents_outside_the_cluster_claim_episodes_drive_them_and_post_their_rewards(actor):

@@ -71,13 +71,65 @@ def test_packed_logprobs_through_flex_equal_the_dense_mask_s(tiny_model_dir):
                                        atol=1e-5, rtol=1e-5)
 
 
+def test_flex_is_chosen_per_call_so_checkpointing_s_recompute_runs_it_too_and_other_calls_stay_sdpa(
+        tiny_model_dir, monkeypatch):
+    """Activation checkpointing runs each layer's forward again in the backward: that recompute must
+    attend as the forward did (a BlockMask handed to sdpa fails; a dense recompute would give other
+    gradients). FlexAttention has no CPU backward, so a stand-in attends over the same pairs densely
+    and counts its calls."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rolefleet.common import packed_attention
+    from rolefleet.common.modeling import enable_activation_checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch, cpu = packed_batch(model.config.vocab_size), torch.device("cpu")
+    expected_logprobs, expected_grads = logprobs_and_grads(model, batch, cpu, True, "sdpa")
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    calls = []
+
+    def dense_stand_in(module, query, key, value, attention_mask, **kwargs):
+        assert isinstance(attention_mask, packed_attention.BlockMask)
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, query, key, value, dense_document_mask(lengths)[None, None], **kwargs)
+
+    monkeypatch.setattr(packed_attention, "packed_flex_attention", dense_stand_in)
+    enable_activation_checkpointing(model)
+    model.train()
+    logprobs, grads = logprobs_and_grads(model, batch, cpu, True, "flex")
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 2 * layers  # the forward's and the backward's recompute
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=1e-5)
+    for grad, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-5)
+    # The model stays routed; calls without a BlockMask (padded rows) still go through sdpa alone.
+    calls.clear()
+    with torch.no_grad():
+        padded, _ = logprobs_and_grads(model, batch, cpu, False, "sdpa")
+        torch.testing.assert_close(padded, expected_logprobs, atol=1e-5, rtol=1e-5)
+    assert calls == []
+
+
+def test_flex_refuses_a_model_not_on_sdpa(tiny_model_dir):
+    from rolefleet.common.packed_attention import use_packed_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    with pytest.raises(ValueError, match="packed_attention"):
+        use_packed_attention(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_flex_is_compiled_once_and_equals_sdpa_in_bf16_with_its_gradients(tiny_model_dir):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_on_cuda_flex_is_compiled_once_and_equals_sdpa_in_bf16_with_its_gradients(tiny_model_dir, checkpointing):
+    from rolefleet.common.modeling import enable_activation_checkpointing
     from rolefleet.trainer.profiling import compiled_graphs
 
     cuda = torch.device("cuda")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(cuda)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+        model.train()
     batch = packed_batch(model.config.vocab_size)
     sdpa = logprobs_and_grads(model, batch, cuda, True, "sdpa", torch.bfloat16)
     flex = logprobs_and_grads(model, batch, cuda, True, "flex", torch.bfloat16)

@@ -266,7 +266,8 @@ class EndpointSection(_Section):
     session_timeout_s: float = Field(3600.0, gt=0, description="a session's life from its opening; past it "
                                      "its requests are answered 404 and its episode is not trained")
     batch_window_ms: float = Field(5.0, ge=0, le=1000, description="an idle engine's next call waits while "
-                                   "requests keep arriving, this long after the last (at most ten times this), so "
+                                   "requests keep arriving, this long after the last (at most a hundred times this, or until "
+                                   "actor.max_sequences_per_request wait), so "
                                    "that the turns agents send together are generated together; 0: no wait")
     max_new_tokens: int = Field(1024, ge=1, description="completion tokens of a request outside any session "
                                 "(a session's turn is bounded by sampling.max_new_tokens and "
