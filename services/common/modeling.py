@@ -24,7 +24,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.model_paths import model_problem
-from rolefleet.common.packed_attention import document_block_mask, use_packed_attention
+from rolefleet.common.packed_attention import document_block_mask, flex_for, use_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +160,12 @@ def response_hidden(backbone: torch.nn.Module, batch: SequenceBatch, device: tor
                     packed: bool = False, attention: str = "sdpa") -> torch.Tensor:
     """Hidden states [N, H] at the positions that predict each packed response token; `packed`:
     the sequences as one row without padding (`SequenceBatch.packed_inputs`), their attention by
-    `attention` (`packed_attention.resolve`: sdpa's dense block-diagonal mask, or flex)."""
+    `attention` (`packed_attention.resolve`: sdpa's dense block-diagonal mask, flex, or auto: by size)."""
     if packed:
         input_ids, position_ids = batch.packed_inputs()
         inputs = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device), "use_cache": False}
-        if attention == "flex":
-            lengths = batch.prompt_lengths + batch.response_lengths
+        lengths = batch.prompt_lengths + batch.response_lengths
+        if flex_for(attention, int(lengths.sum())):
             use_packed_attention(backbone)
             out = backbone(**inputs, attention_mask=document_block_mask(lengths, device))
         else:

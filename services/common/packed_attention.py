@@ -7,10 +7,9 @@ count. Here the same attention runs through FlexAttention with a block mask buil
 the sequence lengths (no T x T tensor, no compiled mask function): a tile of 128 x 128 pairs is
 skipped where no sequence spans both its queries and keys, run unmasked where one sequence covers
 it below the diagonal, and masked per pair only on the rest (the tiles a boundary or the diagonal
-crosses). `<role>.packed_attention: flex` picks it. `auto` keeps sdpa for now: FlexAttention's
-compiled CUDA path has not yet been measured on the GPU machine (its equality and speed:
-tests/common/test_packed_attention.py's GPU test, benchmarks/packed_attention.py); `AUTO_FLEX_ON_CUDA`
-turns it on once they are.
+crosses). `<role>.packed_attention: auto` (the default) picks it on CUDA for micro-batches of at
+least `AUTO_FLEX_MIN_TOKENS` tokens, where it is faster (below that FlexAttention's fixed cost loses
+to sdpa's small dense mask); `flex` and `sdpa` force one.
 """
 
 from __future__ import annotations
@@ -27,14 +26,24 @@ ATTENTION = "rolefleet_packed"
 BLOCK = 128  # FlexAttention's tile (queries and keys)
 
 
-AUTO_FLEX_ON_CUDA = False
+# Measured on an H100 at the 0.5B shape (docs/benchmarks.md, "Packed attention"): flex lost below a
+# few thousand tokens a micro-batch (0.82x at 996, 0.91x at 2,532) and won above (1.50x at 8,676,
+# 3.43x at 33,252): sdpa's dense mask costs the square of the micro-batch, the block mask each
+# sequence's own square.
+AUTO_FLEX_MIN_TOKENS = 4096
 
 
 def resolve(choice: str, device: torch.device) -> str:
-    """`<role>.packed_attention` on `device`: "flex" or "sdpa"."""
+    """`<role>.packed_attention` on `device`: "flex", "sdpa", or "auto" (on CUDA: by each packed
+    micro-batch's size, `flex_for`); off CUDA `auto` is sdpa (FlexAttention has no CPU backward)."""
     if choice == "auto":
-        return "flex" if device.type == "cuda" and AUTO_FLEX_ON_CUDA else "sdpa"
+        return "auto" if device.type == "cuda" else "sdpa"
     return choice
+
+
+def flex_for(attention: str, tokens: int) -> bool:
+    """Whether a packed micro-batch of `tokens` attends through FlexAttention under `attention`."""
+    return attention == "flex" or (attention == "auto" and tokens >= AUTO_FLEX_MIN_TOKENS)
 
 
 def document_block_mask(lengths: torch.Tensor, device: torch.device) -> BlockMask:

@@ -46,17 +46,19 @@ from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, shar
 MicroLoss = Callable[[torch.Tensor, bool], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def shape_families(packed: bool) -> list[SequenceBatch]:
+def shape_families(packed: bool, attention: str = "sdpa") -> list[SequenceBatch]:
     """One tiny micro-batch of each shape family a compiled decoder layer needs a graph of. Padded:
     rows with padding (an attention mask); one row, and rows of one length (no mask: transformers
     drops an all-ones one, and a batch of one is a size torch.compile specialises on). Packed: one
-    row without a mask, always. And a single response token (the LM head's rows: torch.compile
-    specialises sizes 0 and 1), the other lengths above 1."""
+    row without a mask, always, and under `auto` attention also one large enough for the block
+    mask (`packed_attention.flex_for`). And a single response token (the LM head's rows:
+    torch.compile specialises sizes 0 and 1), the other lengths above 1."""
     def rows(*shapes: tuple[int, int]) -> SequenceBatch:
         return SequenceBatch.from_lists([torch.full((p,), 3) for p, _ in shapes], [torch.full((r,), 3) for _, r in shapes])
 
     if packed:
-        return [rows((4, 5), (3, 6)), rows((3, 1))]
+        large = [rows((packed_attention.AUTO_FLEX_MIN_TOKENS - 6, 6))] if attention == "auto" else []
+        return [rows((4, 5), (3, 6)), rows((3, 1)), *large]
     return [rows((5, 3), (4, 6)), rows((4, 5)), rows((4, 5), (4, 5)), rows((3, 1))]
 
 
@@ -101,7 +103,7 @@ class Trainer:
             return
         for grad, forward in passes:
             self.model.train(grad)  # the update's mode, or the logprob passes' (a guard of their graphs)
-            for mb in shape_families(self.packed):
+            for mb in shape_families(self.packed, self.attention):
                 with torch.set_grad_enabled(grad), self.autocast():
                     out = forward(mb)
                 if grad:

@@ -144,12 +144,46 @@ def test_on_cuda_flex_is_compiled_once_and_equals_sdpa_in_bf16_with_its_gradient
     assert compiled_graphs() == graphs
 
 
-def test_auto_is_sdpa_until_flex_is_measured_on_cuda(monkeypatch):
-    from rolefleet.common import packed_attention
+def test_auto_takes_flex_on_cuda_for_large_micro_batches_only():
+    from rolefleet.common.packed_attention import AUTO_FLEX_MIN_TOKENS, flex_for
 
-    assert resolve("auto", torch.device("cuda", 0)) == "sdpa" and resolve("auto", torch.device("cpu")) == "sdpa"
-    monkeypatch.setattr(packed_attention, "AUTO_FLEX_ON_CUDA", True)
-    assert resolve("auto", torch.device("cuda", 0)) == "flex" and resolve("auto", torch.device("cpu")) == "sdpa"
-    assert resolve("flex", torch.device("cpu")) == "flex"
+    assert resolve("auto", torch.device("cuda", 0)) == "auto" and resolve("auto", torch.device("cpu")) == "sdpa"
+    assert resolve("flex", torch.device("cpu")) == "flex" and resolve("sdpa", torch.device("cuda", 0)) == "sdpa"
+    assert flex_for("auto", AUTO_FLEX_MIN_TOKENS) and not flex_for("auto", AUTO_FLEX_MIN_TOKENS - 1)
+    assert flex_for("flex", 1) and not flex_for("sdpa", 10**6)
     cfg = parse_config({"model": {"model_name_or_path": "m"}, "actor": {"packed_attention": "flex"}})
     assert cfg.actor.packed_attention == "flex" and cfg.critic.packed_attention == "auto"
+
+
+def test_under_auto_a_large_packed_micro_batch_gets_the_block_mask_and_a_small_one_sdpa_s(tiny_model_dir,
+                                                                                           monkeypatch):
+    """Which attention each micro-batch took, seen from the attention function (on the CPU, where
+    `resolve` never gives auto, the choice is driven as it is on CUDA)."""
+    from rolefleet.common import packed_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    seen = []
+    real = packed_attention.packed_flex_attention
+    monkeypatch.setattr(packed_attention, "packed_flex_attention",
+                        lambda *a, **k: (seen.append("flex"), real(*a, **k))[1])
+    monkeypatch.setattr(packed_attention, "AUTO_FLEX_MIN_TOKENS", 300)
+    small, large = packed_batch(model.config.vocab_size).select(torch.tensor([0, 2])), packed_batch(model.config.vocab_size)
+    with torch.no_grad():
+        lm_logprobs(model, small, torch.device("cpu"), 1.0, 64, False, True, attention="auto")  # 53 tokens
+        assert seen == []
+        lm_logprobs(model, large, torch.device("cpu"), 1.0, 64, False, True, attention="auto")  # 336 tokens
+        assert seen and set(seen) == {"flex"}
+
+
+def test_compile_warmup_meets_auto_s_block_mask_family_too():
+    """`<role>.compile_warmup` compiles every family a run's micro-batches can take: under `auto` a
+    packed one large enough for FlexAttention is one of them."""
+    from rolefleet.common.packed_attention import flex_for
+    from rolefleet.trainer.base import shape_families
+
+    def takes_flex(attention):
+        return [flex_for(attention, int((mb.prompt_lengths + mb.response_lengths).sum()))
+                for mb in shape_families(True, attention)]
+
+    assert any(takes_flex("auto")) and not all(takes_flex("auto"))
+    assert not any(takes_flex("sdpa")) and all(takes_flex("flex"))

@@ -122,8 +122,8 @@ class _TrainerSection(Endpoint):
     packed_attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="attention of packed micro-batches: flex = FlexAttention over a block mask built "
         "from the sequence lengths (tiles no sequence spans skipped, no T x T mask; no backward on the CPU); "
-        "sdpa = a dense T x T block-diagonal mask over every pair; auto = sdpa until flex's CUDA path is "
-        "measured on the GPU machine")
+        "sdpa = a dense T x T block-diagonal mask over every pair; auto = on CUDA flex for micro-batches of "
+        "at least 4096 tokens (where it measured faster) and sdpa below; sdpa off CUDA")
     workers: Optional[int] = Field(None, ge=1, description="worker processes of this role (torch.distributed, "
                                    "data parallel): default one per GPU of its device group; on the CPU, gloo "
                                    "workers")
