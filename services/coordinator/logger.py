@@ -64,15 +64,19 @@ class RunLogger:
                            f"{record['eval/response_length/mean']:.1f}  clipped {record['eval/clip_ratio']:.2f}  "
                            f"({record['eval/prompts']:.0f} prompts, {record['eval/time_s']:.1f} s)", file=sys.stdout)
 
-    def rewind(self, step: int) -> list[dict]:
+    def rewind(self, step: int, record: dict | None = None) -> list[dict]:
         """Resuming after checkpoint `step`: the records of later steps (run again now) leave the
-        file; the earlier ones stay, and are returned."""
+        file; the earlier ones stay, and are returned. `record`: the checkpoint's own record of
+        `step`, logged now if the file lacks it (the run ended after the checkpoint was complete and
+        before its record was logged)."""
         self.records = [r for r in self.records if r.get("step", 0) <= step]
         self.jsonl.close()
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self.jsonl = open(self.path, "a")
         self.bar.n = len(self.records)  # progress as of the checkpoint, also when recovering mid-run
         self.bar.refresh()
+        if record is not None and record.get("step") == step and not any(r.get("step") == step for r in self.records):
+            self.log(record)
         return self.records
 
     def close(self) -> None:

@@ -81,7 +81,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
                 # What comes after the checkpoint is trained (again) now; the records of it go.
                 start = resumed.step if resumed else 0
                 journal.rewind(start)
-                status.rewind(logger.rewind(start))
+                status.rewind(logger.rewind(start, resumed.record if resumed else None))
                 try:
                     await _steps(cfg, roles, logger, status, clock, checkpointer, resumed)
                     break

@@ -6,8 +6,9 @@ step (`source.py`) without their tensors. Those (each unfinished response's prom
 ids, rollout logprobs and the policy version of each token) go to `carried.safetensors` beside it,
 as tensors: at 4k-token responses, JSON lists of floats were megabytes of text a step.
 
-Versions: 3 is this layout: a carried response is an episode (`episodes.py`), with its loss mask,
-turns, conversation and whether it has ended. 2 (the same without those: single-turn responses) and 1
+Versions: 4 is this layout: 3's, with the step's metrics record (logged once the checkpoint is
+complete: a resume that finds it unlogged logs it). 3: a carried response is an episode
+(`episodes.py`), with its loss mask, turns, conversation and whether it has ended. 2 (the same without those: single-turn responses) and 1
 (every earlier release: carried tensors as JSON lists, and before that
 the sync loop's {step, kl_coef, data} and the async pipeline's with counts) is read as it was
 written. Anything else is refused with a message naming the file and the version, never misread.
@@ -28,8 +29,8 @@ from safetensors.torch import load_file, save
 
 STATE_FILE = "coordinator.json"
 TENSORS_FILE = "carried.safetensors"
-STATE_VERSION = 3
-READS = (1, 2, 3)
+STATE_VERSION = 4
+READS = (1, 2, 3, 4)
 _TENSORS = {"prompt_ids": torch.int64, "response_ids": torch.int64, "logprobs": torch.float32, "versions": torch.int64}
 _OPTIONAL = {"own": torch.bool}  # version 3: an episode's loss mask, where it has observations
 
@@ -96,6 +97,9 @@ class CoordinatorState:
     data: dict[str, Any] | None = None  # PromptDataset.state_dict(); None in the checkpoint of step 0
     counts: PipelineCounts = field(default_factory=PipelineCounts)
     carried: list[CarriedGroup] = field(default_factory=list)  # partial rollouts' unfinished groups
+    # The step's metrics record (version 4). A checkpoint or snapshot is complete before its step's
+    # record is logged; a coordinator killed between the two resumes with the record from here.
+    record: dict[str, Any] | None = None
 
     @property
     def batches_used(self) -> int:
@@ -119,6 +123,8 @@ def write_state(directory: Path, state: CoordinatorState, write_bytes) -> None:
                            "counts": asdict(state.counts)}
     if state.data is not None:
         doc["data"] = state.data
+    if state.record is not None:
+        doc["record"] = state.record
     if state.carried:
         write_bytes(directory / TENSORS_FILE, save(tensors))
         doc["carried"] = [{**{k: getattr(g, k) for k in _fields(CarriedGroup) if k != "responses"},

@@ -206,12 +206,12 @@ class StepBody:
             self.status.record_step(record, actor_result.model_version)
 
         if self.checkpointer.due(step):
-            await self.save()
+            await self.save(record)
             log({})
         elif self.checkpointer.snapshots is None:
             log({})
         else:
-            s = self._saved_state()
+            s = self._saved_state(record)
             await self.checkpointer.snapshot(self.roles, s, self._actor_step(s), log)
         return record
 
@@ -251,9 +251,10 @@ class StepBody:
             if self.roles.critic else _given(None),
         )
 
-    async def save(self) -> None:
-        """A checkpoint after the last step: the data of its batches (and of dropped ones) is used."""
-        s = self._saved_state()
+    async def save(self, record: dict | None = None) -> None:
+        """A checkpoint after the last step (with its `record`, logged once the checkpoint is
+        complete): the data of its batches (and of dropped ones) is used."""
+        s = self._saved_state(record)
         await self.checkpointer.save(self.roles, s, self._actor_step(s))
         self.saved = s.step
 
@@ -278,8 +279,9 @@ class StepBody:
         """The actor's own step id at the run's step (behind it during the critic's warm-up)."""
         return max(0, s.step - self.cfg.train.critic_warmup_steps)
 
-    def _saved_state(self) -> CoordinatorState:
+    def _saved_state(self, record: dict | None = None) -> CoordinatorState:
         s = self.state
+        s.record = record  # the step's (None: the last step's, logged already)
         self.dataset.position = s.batches_used * self.cfg.train.prompts_per_step
         s.data = self.dataset.state_dict()
         s.carried = self.source.saved(s.batches_used)

@@ -84,9 +84,12 @@ def test_other_errors_and_streams_are_not_repeated():
 
 
 def test_the_coordinator_state_round_trips_and_reads_earlier_checkpoints(tmp_path):
-    state = CoordinatorState(step=4, kl_coef=0.05, data={"position": 32}, counts=PipelineCounts(retries=2))
+    state = CoordinatorState(step=4, kl_coef=0.05, data={"position": 32}, counts=PipelineCounts(retries=2),
+                             record={"step": 4, "reward/mean": 0.5, "reward/versions": {"r": "abc"}})
     write_state(tmp_path, state, Path.write_bytes)
-    assert read_state(tmp_path) == state and json.loads((tmp_path / "coordinator.json").read_text())["version"] == 3
+    assert read_state(tmp_path) == state and json.loads((tmp_path / "coordinator.json").read_text())["version"] == 4
+    three = {"version": 3, "step": 4, "kl_coef": 0.05}  # before the step's record travelled with it
+    assert from_document(three) == CoordinatorState(4, 0.05) and from_document(three).record is None
     sync = {"version": 1, "step": 3, "kl_coef": 0.04, "data": {"position": 24}}  # the sync loop's
     assert from_document(sync) == CoordinatorState(3, 0.04, {"position": 24})
     counts = {"stale_samples": 1, "dropped_batches": 2, "regenerated_batches": 0, "retries": 3}
@@ -103,7 +106,7 @@ def test_the_coordinator_state_round_trips_and_reads_earlier_checkpoints(tmp_pat
             from_document(bad)
 
 
-@pytest.mark.parametrize("version", [None, 0, 4, "2"])
+@pytest.mark.parametrize("version", [None, 0, 5, "2"])
 def test_a_state_of_another_version_is_refused_naming_the_file_and_the_version(tmp_path, version):
     (tmp_path / "coordinator.json").write_text(json.dumps({"version": version, "step": 3, "kl_coef": 0.0}))
     with pytest.raises(ValueError, match=rf"coordinator.json is of state version {version!r}; this coordinator reads "):

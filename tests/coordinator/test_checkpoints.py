@@ -85,6 +85,31 @@ def test_stop_after_three_and_resume_equals_six_steps_straight(make_config, tmp_
     assert ids == journal_ids(straight_cfg) and len(ids) == len(set(ids)) == 6 * cfg.train.prompts_per_step * 2
 
 
+@pytest.mark.parametrize("kept_by", ["checkpoint", "snapshot"])
+def test_a_step_kept_but_not_yet_recorded_when_the_run_ended_gets_its_record_on_resume(make_config, tmp_path,
+                                                                                      kept_by):
+    """A step's checkpoint (or snapshot) is complete before its record is logged: a coordinator
+    killed in between leaves a run that resumes after the step without its record. The record
+    travels in the checkpoint's coordinator state and is logged on resume, once."""
+    keep = (["checkpoint.every=3"] if kept_by == "checkpoint"
+            else ["checkpoint.every=0", "checkpoint.at_end=false", "checkpoint.snapshot.enabled=true",
+                  f"checkpoint.snapshot.dir={tmp_path / 'shm'}"])
+    cfg = make_config("algorithm=grpo", "train.total_steps=5", "train.samples_per_prompt=2", *keep,
+                      f"run.output_dir={tmp_path / 'run'}")
+    run(cfg, stop_after=3)
+    records = metrics(cfg)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # Killed after step 3 was kept and before its record reached the file.
+    path = cfg.run.out / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    resumed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
+    status, _, _ = run(resumed)
+    assert status.state == RunState.FINISHED and status.step == 5
+    again = metrics(cfg)
+    assert [r["step"] for r in again] == [1, 2, 3, 4, 5]
+    assert same_step(again[2], records[2]) and again[2]["reward/mean"] == records[2]["reward/mean"]
+
+
 def test_an_interrupted_checkpoint_is_never_loaded(make_config, tmp_path):
     cfg = make_config("algorithm=grpo", "train.total_steps=4", "checkpoint.every=2", "train.samples_per_prompt=2")
     run(cfg)
