@@ -34,6 +34,7 @@ from rolefleet.reward.env_tools import ToolCall, parse_tool_calls
 from rolefleet.tasks.render import template_shows_tools, with_tools_described
 
 MAX_SESSION_ID_CHARS = 128
+TOOLS_SEEN = 64  # tool lists whose rendering by the template is remembered
 EXPIRY_SCAN_S = 1.0
 
 
@@ -94,6 +95,9 @@ class SessionStore:
     def __init__(self, tokenizer: Any, limits: SessionLimits, max_positions: int | None):
         self.tokenizer, self.limits, self.max_positions = tokenizer, limits, max_positions
         self.turns = TurnRenderer(tokenizer)
+        # Whether the template renders `tools=`, by the tools' JSON: an agent sends the same tools
+        # with every episode, and asking the template costs two renderings (~0.3 ms a session).
+        self._shows_tools: dict[str, bool] = {}
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._expired_at = float("-inf")
@@ -244,13 +248,21 @@ class SessionStore:
 
     # --- helpers --------------------------------------------------------------------------------
 
+    def _template_shows(self, tools: list[dict]) -> bool:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._shows_tools:
+            if len(self._shows_tools) >= TOOLS_SEEN:
+                self._shows_tools.clear()
+            self._shows_tools[key] = template_shows_tools(self.tokenizer, tools)
+        return self._shows_tools[key]
+
     def _first(self, messages: list[dict], tools: list[dict] | None) -> torch.Tensor:
         """The first request's messages (and tools) rendered with the chat template, tokenized once."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise FailedPrecondition("the actor's tokenizer has no chat template: chat completions render "
                                      "messages with it (serve a model that has one)")
         kwargs: dict[str, Any] = {}
-        if tools and template_shows_tools(self.tokenizer, tools):
+        if tools and self._template_shows(tools):
             kwargs["tools"] = tools
         elif tools:
             messages = with_tools_described(messages, tools)
