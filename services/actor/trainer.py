@@ -24,6 +24,7 @@ from rolefleet.algos.functional import masked_mean
 from rolefleet.common import packed_attention
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
+from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.modeling import compile_decoder_layers, compute_dtype, decoder_layers, lm_logprobs
 from rolefleet.trainer.base import Trainer
 from rolefleet.trainer.host_memory import HostResident
@@ -61,8 +62,9 @@ class PolicyTrainer(Trainer):
         if cfg.lora.enabled:  # before the trainer shards and builds its optimizer: only the adapters train
             frozen_dtype = None if sharding_wanted(cfg, ranks) else compute_dtype(device, cfg.compute_dtype)
             self.adapters = Adapters(model, cfg.lora, frozen_dtype)
-        elif ref_model is None:
-            raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself")
+        elif ref_model is None and cfg.policy_loss != "sft":
+            raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself "
+                             "(and the sft loss needs none)")
         attention = packed_attention.resolve(cfg.packed_attention, device)
         policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers, attention)
         super().__init__(model, policy, model, cfg, device, ranks, seed)
@@ -130,6 +132,8 @@ class PolicyTrainer(Trainer):
         """With adapters, the reference is the policy with them switched off. With `ref_offload`, a
         reference model lives in pinned host memory and visits the GPU per use, nothing copied back
         (sharded: FSDP's offload policy moves each unit's shards per forward)."""
+        if self.ref_model is None and self.adapters is None:
+            raise FailedPrecondition("the actor holds no reference model: algorithm sft trains without one")
         if self.ref_model is None:
             with self.adapters.off():
                 yield
@@ -145,7 +149,8 @@ class PolicyTrainer(Trainer):
         Without old logprobs (one pass: one optimizer step, `ActorSection.one_pass_problem`) the
         forward's own, detached, are the old ones (the ratio is 1, its gradient the policy
         gradient), and they come back with the forward's entropy, in the batch's token order."""
-        one_pass: list | None = [] if targets.old_logprobs is None else None  # (tokens, (logprobs, entropy))
+        # (tokens, (logprobs, entropy)); the sft loss reads no old logprobs, whatever the optimizer steps.
+        one_pass: list | None = [] if targets.old_logprobs is None and self.cfg.policy_loss != "sft" else None
 
         def step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
             def part(x: torch.Tensor | None) -> torch.Tensor | None:

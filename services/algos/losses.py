@@ -123,6 +123,33 @@ def gspo_loss(
     return aggregate(loss, m, agg, norm_length), stats
 
 
+@POLICY_LOSSES.register("sft")
+def sft_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.0,
+    clip_high: float = 0.0,
+    dual_clip: Optional[float] = None,
+    agg: str = "token-mean",
+    weights: Optional[torch.Tensor] = None,
+    norm_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning (`algorithm: sft`): the negative log-likelihood of the target tokens,
+    -log pi(x_t), aggregated like any policy loss (token-mean: the mean over the batch's trained
+    tokens). Old logprobs, advantages and the clip settings do not enter: the data's tokens are the
+    targets, not samples to weigh. stats: nll (the token-mean NLL, whatever the aggregation)."""
+    if dual_clip is not None:
+        raise ValueError("sft does not take dual_clip")
+    logprobs, _, _, m, weights = _policy_inputs(logprobs, old_logprobs, advantages, mask, weights)
+    loss = -logprobs
+    stats = {"nll": masked_mean(loss, m).detach()}
+    if weights is not None:
+        loss = loss * weights
+    return aggregate(loss, m, agg, norm_length), stats
+
+
 @VALUE_LOSSES.register("clipped_mse")
 def clipped_value_loss(
     values: torch.Tensor,

@@ -15,6 +15,7 @@ class AlgorithmPreset:
     norm_adv_by_std: bool = True   # default of train.norm_adv_by_std (group estimators)
     grouped: bool = False          # needs several samples per prompt
     uses_teacher: bool = False     # needs the teacher role's logprobs (on-policy distillation)
+    supervised: bool = False       # trains on the data's completions, not on samples (`coordinator/supervised.py`)
 
 
 ALGORITHMS: dict[str, AlgorithmPreset] = {
@@ -31,6 +32,9 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
     # On-policy distillation: the student samples, the teacher grades every sampled token (`distill`).
     "distill": AlgorithmPreset("distill", uses_critic=False, whiten_advantages=False, loss_agg_mode="token-mean",
                                uses_teacher=True),
+    # Supervised fine-tuning: the data's completions are the targets (no rollouts, rewards or advantages).
+    "sft": AlgorithmPreset("none", uses_critic=False, whiten_advantages=False, loss_agg_mode="token-mean",
+                           supervised=True),
     "reinforce_pp_baseline": AlgorithmPreset("reinforce_pp_baseline", uses_critic=False, whiten_advantages=False,
                                              loss_agg_mode="token-mean", grouped=True),
 }

@@ -40,6 +40,7 @@ class PromptDataset:
         self.records, self.seed, self.shuffle, self.source = records, seed, shuffle, source
         self.stats = {"data/records": len(records), "data/filtered": 0, "data/truncated": 0, **(stats or {})}
         self.position = 0  # prompts consumed: what a checkpoint saves
+        self.chat, self.tokenizer = False, None  # as `from_config` rendered the prompts
         self._orders: dict[int, list[int]] = {}
         self._fingerprint: Optional[str] = None
 
@@ -111,6 +112,7 @@ class PromptDataset:
         if exclude is not None:
             stats["data/held_out"] = len(rendered.records) - len(kept)
         dataset = cls(kept, seed, shuffle=cfg.shuffle, source=source, stats=stats)
+        dataset.chat, dataset.tokenizer = chat, tokenizer  # what supervised examples are tokenized with
         dataset._log_load(cfg, chat)
         return dataset
 

@@ -35,14 +35,17 @@ class RunLogger:
 
     def log(self, record: dict) -> None:
         self._write(record)
-        self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['kl']:.4f}",
-                             step_s=f"{record['timing/step_s']:.2f}")
+        # An RL step's reward and KL; an sft step's completion loss (algorithm sft).
+        key, name = ("reward/mean", "reward") if "reward/mean" in record else ("sft/loss", "loss")
+        shown = {name: f"{record[key]:.3f}", **({"kl": f"{record['kl']:.4f}"} if "kl" in record else {})}
+        self.bar.set_postfix(**shown, step_s=f"{record['timing/step_s']:.2f}")
         self.bar.update(1)
         if self.progress and len(self.records) % self.report_every == 0:
-            recent = [r for r in self.records if "reward/mean" in r][-self.report_every:]  # steps, not evaluations
-            mean = sum(r["reward/mean"] for r in recent) / len(recent)
-            self.bar.write(f"step {record['step']:>5}  reward {mean:.3f} (mean of last {len(recent)})  "
-                           f"kl {record['kl']:.4f}  {record['timing/step_s']:.2f} s/step", file=sys.stdout)
+            recent = [r for r in self.records if key in r][-self.report_every:]  # steps, not evaluations
+            mean = sum(r[key] for r in recent) / len(recent)
+            kl = f"  kl {record['kl']:.4f}" if "kl" in record else ""
+            self.bar.write(f"step {record['step']:>5}  {name} {mean:.3f} (mean of last {len(recent)}){kl}  "
+                           f"{record['timing/step_s']:.2f} s/step", file=sys.stdout)
         self._eval_line(record)
 
     def log_eval(self, record: dict) -> None:
@@ -91,6 +94,11 @@ class RunLogger:
     def summary(self, window: int = 10) -> str:
         """How the mean reward moved: first `window` steps against the last `window`."""
         rewards = [r["reward/mean"] for r in self.records if "reward/mean" in r]  # not evaluations alone
+        losses = [r["sft/loss"] for r in self.records if "sft/loss" in r]  # algorithm sft's steps
+        if not rewards and losses:
+            k = min(window, len(losses))
+            return (f"{len(losses)} steps; completion loss {sum(losses[:k]) / k:.3f} (first {k} steps) -> "
+                    f"{sum(losses[-k:]) / k:.3f} (last {k} steps)")
         if not rewards:
             return "no steps completed"
         k = min(window, len(rewards))

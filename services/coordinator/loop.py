@@ -34,6 +34,7 @@ from rolefleet.coordinator.pipeline import Pipeline
 from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.state import RunState, RunStatus
 from rolefleet.coordinator.step import Schedule, StepBody
+from rolefleet.coordinator.supervised import SupervisedSteps
 
 __all__ = ["Roles", "train", "train_sync"]
 
@@ -112,7 +113,9 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
 
 async def _steps(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: RunStatus, clock: BusyClock,
                  checkpointer: Checkpointer, resumed: CoordinatorState | None) -> None:
-    if cfg.pipeline.mode == "async":
+    if cfg.preset.supervised:  # the data's completions are the targets: no rollouts (`supervised.py`)
+        await SupervisedSteps(cfg, roles, logger, status, clock, checkpointer, resumed).run()
+    elif cfg.pipeline.mode == "async":
         await Pipeline(cfg, roles, logger, status, clock, checkpointer, resumed).run()
     else:
         await train_sync(cfg, roles, logger, status, clock, checkpointer, resumed)

@@ -47,7 +47,7 @@ class RunStatus:
 
     def record_step(self, record: dict, policy_version: int) -> None:
         self.step, self.policy_version = record["step"], policy_version
-        self.last_reward_mean = record["reward/mean"]
+        self.last_reward_mean = record.get("reward/mean", 0.0)  # (supervised steps have no reward)
         self.history.append(record)
 
     def record_eval(self, record: dict) -> None:
@@ -57,10 +57,10 @@ class RunStatus:
     def rewind(self, records: list[dict]) -> None:
         """Resuming or recovering: the steps after a checkpoint are run again."""
         self.history = list(records)
-        steps = [r for r in records if "reward/mean" in r]  # not an evaluation's record alone
+        steps = [r for r in records if "timing/step_s" in r]  # not an evaluation's record alone
         last = steps[-1] if steps else {"step": 0, "policy_version": 0, "reward/mean": 0.0}
         self.step, self.policy_version = last["step"], last.get("policy_version", 0)
-        self.last_reward_mean = last["reward/mean"]
+        self.last_reward_mean = last.get("reward/mean", 0.0)
 
     def request_stop(self) -> bool:
         """Ask the run to stop after the step in flight. True when it has not started stepping, so

@@ -53,6 +53,22 @@ def test_ppo_clip_hand_computed():
     assert stats["pg_clipfrac"].item() == pytest.approx(2 / 3)
 
 
+def test_sft_is_the_mean_negative_log_likelihood_of_the_trained_tokens():
+    """Old logprobs and advantages do not enter; padding and masked tokens count nothing; the
+    gradient of each trained token's logprob is -1 / (trained tokens) under token-mean."""
+    sft = POLICY_LOSSES.get("sft")
+    lp = torch.tensor([[-0.5, -2.0, -9.0], [-1.0, -3.0, -7.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    loss, stats = sft(lp, torch.full_like(lp, 5.0), torch.full_like(lp, -3.0), mask)
+    assert loss.item() == pytest.approx((0.5 + 2.0 + 1.0) / 3) and stats["nll"].item() == pytest.approx(3.5 / 3)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 3, -1 / 3, 0.0], [-1 / 3, 0.0, 0.0]], dtype=torch.float64))
+    per_sequence, _ = sft(lp.detach(), lp.detach(), lp.detach(), mask, agg="seq-mean-token-mean")
+    assert per_sequence.item() == pytest.approx(((0.5 + 2.0) / 2 + 1.0) / 2)
+    with pytest.raises(ValueError, match="dual_clip"):
+        sft(lp, lp, lp, mask, dual_clip=2.0)
+
+
 def test_clip_higher_is_asymmetric():
     new = torch.log(row(1.25, 1.25))
     loss, _ = ppo(new, torch.zeros_like(new), row(1.0, 1.0), torch.ones(1, 2), clip_low=0.2, clip_high=0.28)
@@ -207,7 +223,8 @@ def _value_case(draw, mask):
                 tensors, mask, grad=("values",))
 
 
-POLICY_CASES = {"ppo_clip": _policy_case(ppo, [None, 1.5, 3.0]), "gspo": _policy_case(gspo, [None])}
+POLICY_CASES = {"ppo_clip": _policy_case(ppo, [None, 1.5, 3.0]), "gspo": _policy_case(gspo, [None]),
+                "sft": _policy_case(POLICY_LOSSES.get("sft"), [None])}
 VALUE_CASES = {"clipped_mse": _value_case}
 CASES = {**{(POLICY_LOSSES, n): c for n, c in POLICY_CASES.items()},
          **{(VALUE_LOSSES, n): c for n, c in VALUE_CASES.items()}}

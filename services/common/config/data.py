@@ -40,6 +40,9 @@ class DataSection(_Section):
                             "or a number; optional); dotted to reach into a nested object")
     extra_keys: Optional[list[str]] = Field(None, description="columns passed to the reward as the record's "
                                             "extra; default: every column but the prompt and answer ones")
+    completion_key: str = Field("completion", min_length=1, description="algorithm sft: column of the "
+                                "completion trained after the prompt (text); without it, a chat prompt's "
+                                "assistant messages are trained, and a built-in task's ground truth")
     chat_template: Optional[bool] = Field(None, description="render prompts with the tokenizer chat template "
                                           "of the actor's model; default: when the prompts are chat messages")
     tools: list[ExpandedPath] = Field(default_factory=list, description="tools shown to the model, passed as "

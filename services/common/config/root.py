@@ -126,10 +126,33 @@ class RoleFleetConfig(_Section):
         if preset.uses_teacher and self.train.distill_coef:
             raise ValueError("train.distill_coef weighs the teacher's term beside another algorithm's advantages; "
                              "algorithm distill is that term alone: leave train.distill_coef at 0")
+        if preset.supervised:
+            self._supervised()
+        elif self.actor.policy_loss == "sft":
+            raise ValueError(f"actor.policy_loss: sft trains on the data's completions (algorithm sft), not on "
+                             f"algorithm {self.algorithm}'s samples")
         if preset.grouped and self.train.samples_per_prompt < 2:
             raise ValueError(f"algorithm {self.algorithm} compares samples of one prompt: "
                              "set train.samples_per_prompt >= 2")
         return self
+
+    def _supervised(self) -> None:
+        """`algorithm: sft`: the NLL of the data's completions; nothing of the rollout side applies."""
+        if "policy_loss" in self.actor.model_fields_set and self.actor.policy_loss != "sft":
+            raise ValueError(f"actor.policy_loss: algorithm sft trains with the sft loss (the completions' NLL), "
+                             f"not {self.actor.policy_loss}")
+        self.actor.policy_loss = "sft"
+        # No reference model is loaded: a KL term (from a base config of RL runs) has nothing to read.
+        self.actor.kl_loss_coef = 0.0
+        for key, on in (("reward.env", self.reward.env.enabled), ("reward.agent", self.reward.agent.enabled),
+                        ("train.dynamic_sampling", self.train.dynamic_sampling.enabled),
+                        ("pipeline.partial_rollouts", self.pipeline.partial_rollouts.enabled),
+                        ("train.distill_coef", self.train.distill_coef > 0)):
+            if on:
+                raise ValueError(f"{key}: algorithm sft trains on the data's completions, without rollouts")
+        extra = self.data.extra_keys
+        if extra is not None and self.data.completion_key not in extra:
+            self.data.extra_keys = [*extra, self.data.completion_key]  # the completion reaches the record
 
     @model_validator(mode="after")
     def _nodes_fit(self) -> RoleFleetConfig:
@@ -189,6 +212,7 @@ class RoleFleetConfig(_Section):
                            name=e.name or d.name,
                            prompt_key=e.prompt_key or d.prompt_key, answer_key=e.answer_key or d.answer_key,
                            extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
+                           completion_key=d.completion_key,
                            chat_template=d.chat_template, tools=d.tools, max_prompt_tokens=d.max_prompt_tokens,
                            overlong=d.overlong,
                            shuffle=False, size=e.max_prompts)

@@ -249,7 +249,7 @@ class LoraSection(_Section):
         return self.rank > 0
 
 
-CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (low, high) per policy loss
+CLIP_DEFAULTS = {"ppo_clip": (0.2, 0.2), "gspo": (3e-4, 4e-4), "sft": (0.0, 0.0)}  # (low, high) per policy loss
 
 
 class EndpointSection(_Section):
@@ -361,7 +361,9 @@ class ActorSection(_TrainerSection):
 
     def one_pass_problem(self) -> Optional[str]:
         """Why an update cannot take its old logprobs from its own forward (the policy before its
-        optimizer step, that is, the proximal policy), or None."""
+        optimizer step, that is, the proximal policy), or None. The sft loss reads none."""
+        if self.policy_loss == "sft":
+            return None
         if self.ppo_epochs * self.num_mini_batches > 1:
             return (f"the update makes {self.ppo_epochs * self.num_mini_batches} optimizer steps (actor.ppo_epochs "
                     "x actor.num_mini_batches), and every one after the first needs the policy before the first")

@@ -1,0 +1,68 @@
+"""`algorithm: sft` against in-process roles (`coordinator/supervised.py`): the held-out completions'
+loss falls, only completion tokens reach the update, a stopped run resumes to the weights and
+records of a run straight through, and data without completions is refused before the first step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rolefleet.tasks import DataError
+from tests.coordinator.test_checkpoints import metrics, run
+
+pytestmark = pytest.mark.timeout(300)
+SFT = ("algorithm=sft", "actor.lr=1e-3", "train.prompts_per_step=16", "eval.every=4", "eval.max_prompts=32",
+       "eval.temperature=0.0")
+
+
+def test_sft_lowers_the_held_out_completion_loss_and_trains_completion_tokens_only(make_config, monkeypatch):
+    from rolefleet.actor.core import ActorCore
+
+    seen = []
+    real = ActorCore.update
+
+    def spy(self, step, version, batch, targets, temperature):
+        seen.append((batch, targets))
+        return real(self, step, version, batch, targets, temperature)
+
+    monkeypatch.setattr(ActorCore, "update", spy)
+    cfg = make_config(*SFT, "train.total_steps=12")
+    status, actor, _ = run(cfg)
+    records = metrics(cfg)
+    losses = [r["eval/sft_loss"] for r in records if "eval/sft_loss" in r]
+    assert [r["step"] for r in records if "eval/sft_loss" in r] == [0, 4, 8, 12]
+    assert losses[-1] < 0.9 * losses[0], losses  # (a 64-wide model on 64 distinct sums: it learns, slowly)
+    assert all("eval/pass@1" in r for r in records if "eval/sft_loss" in r)  # the generation evaluation too
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, 13)) and actor.policy_version == 12
+    assert all(r["sft/examples"] == 16 and r["sft/tokens"] > 0 and r["actor/nll"] > 0 for r in steps)
+    # What reached the update: the answers (and their end), never a prompt token.
+    tok = actor.tokenizer
+    for batch, targets in seen:
+        for prompt, response in zip(batch.prompts(), batch.responses()):
+            assert tok.decode(prompt.tolist()).endswith("=")
+            assert response[-1].item() == tok.eos_token_id and tok.decode(response[:-1].tolist()).strip().isdigit()
+        assert targets.old_logprobs is None and bool((targets.advantages == 1).all())
+
+
+def test_a_stopped_sft_run_resumes_to_the_run_straight_through(make_config, tmp_path):
+    common = (*SFT, "train.total_steps=6", "checkpoint.every=3", "eval.every=0", "actor.num_mini_batches=2")
+    straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
+    _, straight, _ = run(straight_cfg)
+    cfg = make_config(*common, f"run.output_dir={tmp_path / 'resumed'}")
+    status, _, _ = run(cfg, stop_after=3)
+    assert status.step == 3
+    resumed = cfg.model_copy(update={"run": cfg.run.model_copy(update={"resume": True})})
+    status, actor, _ = run(resumed)
+    assert status.step == 6 and actor.digest() == straight.digest()
+    assert [(r["step"], r["sft/loss"]) for r in metrics(cfg)] == [(r["step"], r["sft/loss"]) for r in metrics(straight_cfg)]
+
+
+def test_a_file_without_completions_is_refused_naming_the_key_and_chat_conversations_train(make_config, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "3+4=", "ground_truth": "7"}) + "\n")
+    cfg = make_config("algorithm=sft", f"data.path={data}", "eval.every=0", "data.task=null")
+    with pytest.raises(DataError, match=r"data.completion_key: .*d.jsonl.* has no 'completion' column"):
+        run(cfg)
+    assert not (cfg.run.out / "metrics.jsonl").exists() or metrics(cfg) == []
