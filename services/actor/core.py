@@ -70,6 +70,9 @@ class ActorCore(TrainerRole):
         self._one_pass_logprobs: tuple[int, LogProbs | None] = (0, None)  # (step, its update's logprobs)
         metrics.MODEL_VERSION.labels(ROLE).set(0)
         self._engine_said = ""
+        # A version trained and not yet in the engines (`ActorSection.publishes_on_update` false:
+        # the sft loss): published by the next generation, under the rollout lock.
+        self._unpublished: int | None = None
         self.rollout_engine()
         # The endpoint's sessions (actor/openai_api.py); kept here, where the coordinator opens and closes them.
         self.sessions = SessionStore(self.tokenizer, SessionLimits(
@@ -154,6 +157,7 @@ class ActorCore(TrainerRole):
         self._rollout_lock.acquire()
         held, start = True, time.perf_counter()
         try:
+            self._publish_pending()
             version = self.worker.rollout_version
             if self.workers.here_alone(ActorWorker.generate_share):
                 # This process drives the only engine (alone, or the split actor's only rollout
@@ -288,9 +292,21 @@ class ActorCore(TrainerRole):
         stats, logprobs = self.workers.run(ActorWorker.train, batch, targets, temperature)
         if logprobs is not None:  # a one-pass update's: kept for its replay, the newest step's only
             self._one_pass_logprobs = (step, replace(logprobs, policy_version=self.state.version))
-        stats["weight_sync_s"] = self._publish_weights(self.state.version + 1)
+        if self.cfg.publishes_on_update:
+            stats["weight_sync_s"] = self._publish_weights(self.state.version + 1)
+        else:
+            self._unpublished, stats["weight_sync_s"] = self.state.version + 1, 0.0
         metrics.COMPILED_GRAPHS.labels(ROLE).inc(stats["compiled_graphs"])
         return stats
+
+    def _publish_pending(self) -> None:
+        """The trained version into the engines before a generation samples (the rollout lock held:
+        it is the sync's own lock apart, the trainer's colocated)."""
+        if self._unpublished is not None:
+            start = time.perf_counter()
+            self.workers.run(ActorWorker.sync_weights, self._unpublished)
+            metrics.WEIGHT_SYNC_SECONDS.labels(ROLE).observe(time.perf_counter() - start)
+            self._unpublished = None
 
     @property
     def policy_version(self) -> int:
@@ -332,3 +348,4 @@ class ActorCore(TrainerRole):
         """The rollout engines take the loaded weights and version."""
         with self.ledger.applying(info.step):  # engines left half loaded: refuse updates until restarted
             self._publish_weights(info.model_version)
+            self._unpublished = None

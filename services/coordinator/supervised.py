@@ -10,9 +10,9 @@ completions (`tasks/supervised.py`) instead of the policy's samples. Each step:
    generation evaluation of RL runs (`eval/*`, through the reward role);
 4. a checkpoint when due, else a snapshot, as in RL (`checkpoints.py`).
 
-No rollouts, rewards, values or advantages: the reward role serves evaluation alone. The actor
-loads each update's weights into its rollout engine as after any update (what evaluation samples
-with); see docs/algorithms.md "Supervised fine-tuning".
+No rollouts, rewards, values or advantages: the reward role serves evaluation alone, and the
+actor moves trained weights into its rollout engine only when an evaluation samples
+(`ActorSection.publishes_on_update`); see docs/algorithms.md "Supervised fine-tuning".
 """
 
 from __future__ import annotations

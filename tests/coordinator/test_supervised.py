@@ -1,6 +1,7 @@
 """`algorithm: sft` against in-process roles (`coordinator/supervised.py`): the held-out completions'
-loss falls, only completion tokens reach the update, a stopped run resumes to the weights and
-records of a run straight through, and data without completions is refused before the first step."""
+loss falls, only completion tokens reach the update, the rollout engine takes weights only when an
+evaluation samples, a stopped run resumes to the weights and records of a run straight through, and
+data without completions is refused before the first step."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def test_sft_lowers_the_held_out_completion_loss_and_trains_completion_tokens_on
     assert all("eval/pass@1" in r for r in records if "eval/sft_loss" in r)  # the generation evaluation too
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == list(range(1, 13)) and actor.policy_version == 12
+    # The engine took the weights when an evaluation sampled (the last after step 12), not every update.
+    assert actor.worker.rollout_version == 12 and all(r["actor/weight_sync_s"] == 0.0 for r in steps)
     assert all(r["sft/examples"] == 16 and r["sft/tokens"] > 0 and r["actor/nll"] > 0 for r in steps)
     # What reached the update: the answers (and their end), never a prompt token.
     tok = actor.tokenizer
@@ -50,6 +53,7 @@ def test_a_stopped_sft_run_resumes_to_the_run_straight_through(make_config, tmp_
     common = (*SFT, "train.total_steps=6", "checkpoint.every=3", "eval.every=0", "actor.num_mini_batches=2")
     straight_cfg = make_config(*common, f"run.output_dir={tmp_path / 'straight'}")
     _, straight, _ = run(straight_cfg)
+    assert straight.worker.rollout_version == 0  # nothing sampled: the engine was never sent weights
     cfg = make_config(*common, f"run.output_dir={tmp_path / 'resumed'}")
     status, _, _ = run(cfg, stop_after=3)
     assert status.step == 3

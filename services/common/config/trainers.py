@@ -359,6 +359,12 @@ class ActorSection(_TrainerSection):
             raise ValueError(problem)
         return self
 
+    @property
+    def publishes_on_update(self) -> bool:
+        """Whether each update's weights go into the rollout engines at once (RL samples from them
+        next); with the sft loss only when a generation (an evaluation) asks for them."""
+        return self.policy_loss != "sft"
+
     def one_pass_problem(self) -> Optional[str]:
         """Why an update cannot take its old logprobs from its own forward (the policy before its
         optimizer step, that is, the proximal policy), or None. The sft loss reads none."""
