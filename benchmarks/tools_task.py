@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct (`make real-model`) on `tool_arithmetic` (3-4 digit + - *)
 
 1. base: the model as it is, evaluated (greedy, multi-turn, 200 held-out prompts): how often it
    calls the calculator, how often its final answer is right.
-2. warm start: `--warm-start-steps` supervised steps on conversations of which `--tool-share`
-   call the calculator (the others answer at once): the model learns the call format, and that
-   it may answer without the tool (`app/tool_warm_start.py`).
+2. warm start: `--warm-start-steps` supervised steps (configs/tools_warm_start.yaml, `algorithm:
+   sft` through `rolefleet up`, exported) on conversations of which 3 in 10 call the calculator
+   (the others answer at once): the model learns the call format, and that it may answer without it.
 3. RL: GRPO through `rolefleet up configs/gpu_tools.yaml` from the warm-started model, evaluated
    before its first step and every 10 steps (`eval/pass@1`, `eval/episode/tool_use_rate`), once
    for each of `--ways`: `env`, the reward role's built-in `tools` environment; `agent`, the same
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 CONFIG = "configs/gpu_tools.yaml"
+WARM_CONFIG = "configs/tools_warm_start.yaml"
 REPO = Path(__file__).resolve().parents[1]
 # The agent way: no environment of the reward role's; the example agent drives the episodes and
 # leaves the scoring to the config's `math` source, as the environment's runs do.
@@ -78,20 +79,28 @@ def evaluate(args, model: str) -> dict:
 
 
 def warm_start(args, out: Path) -> Path:
+    """The supervised warm start as configs/tools_warm_start.yaml runs it (`algorithm: sft` through
+    `rolefleet up`), its last checkpoint exported as the RL runs' model."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rolefleet.app.tool_warm_start import warm_start_on_tools
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
-    loss = warm_start_on_tools(model, tokenizer, args.warm_start_steps, seed=0, tool_share=args.tool_share,
-                               batch_size=args.warm_start_batch, lr=args.warm_start_lr, device=device)
+    run_dir = out / "warm-start"
+    cpu = [] if torch.cuda.is_available() else ["devices.actor=[]"]
+    cmd = [sys.executable, "-m", "rolefleet.cli", "up", WARM_CONFIG, f"model.model_name_or_path={args.model}",
+           f"train.total_steps={args.warm_start_steps}", f"train.prompts_per_step={args.warm_start_batch}",
+           f"actor.lr={args.warm_start_lr}", f"eval.max_prompts={args.eval_prompts}",
+           f"eval.every={args.warm_start_steps}", "eval.before_train=false", f"run.output_dir={run_dir}",
+           "checkpoint.at_end=true", "checkpoint.every_minutes=0", *cpu]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"warm start: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     target = out / "warm-model"
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    print(json.dumps({"warm_start_loss": loss}), flush=True)
+    checkpoint = max((run_dir / "checkpoints").glob("step-*"))
+    subprocess.run([sys.executable, "-m", "rolefleet.cli", "export", str(checkpoint), str(target)], check=True,
+                   capture_output=True)
+    steps = [r for r in records if "sft/loss" in r]
+    print(json.dumps({"warm_start_loss": steps[-1]["sft/loss"], "warm_start_step_s":
+                      statistics.median(r["timing/step_s"] for r in steps)}), flush=True)
     return target
 
 
@@ -143,7 +152,6 @@ def main() -> None:
     p.add_argument("--warm-start-steps", type=int, default=40)
     p.add_argument("--warm-start-batch", type=int, default=32)
     p.add_argument("--warm-start-lr", type=float, default=1e-4)
-    p.add_argument("--tool-share", type=float, default=0.3, help="warm-start conversations that call the tool")
     p.add_argument("--ways", nargs="+", default=["env", "agent"], choices=sorted(WAYS),
                    help="RL runs from the same warm start: the built-in environment, the openai-client agent")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides of the RL runs")

@@ -40,7 +40,7 @@ class PromptDataset:
         self.records, self.seed, self.shuffle, self.source = records, seed, shuffle, source
         self.stats = {"data/records": len(records), "data/filtered": 0, "data/truncated": 0, **(stats or {})}
         self.position = 0  # prompts consumed: what a checkpoint saves
-        self.chat, self.tokenizer = False, None  # as `from_config` rendered the prompts
+        self.chat, self.tokenizer, self.renderer = False, None, None  # as `from_config` rendered the prompts
         self._orders: dict[int, list[int]] = {}
         self._fingerprint: Optional[str] = None
 
@@ -112,7 +112,8 @@ class PromptDataset:
         if exclude is not None:
             stats["data/held_out"] = len(rendered.records) - len(kept)
         dataset = cls(kept, seed, shuffle=cfg.shuffle, source=source, stats=stats)
-        dataset.chat, dataset.tokenizer = chat, tokenizer  # what supervised examples are tokenized with
+        # What supervised examples are tokenized with (`tasks/supervised.py`).
+        dataset.chat, dataset.tokenizer, dataset.renderer = chat, tokenizer, renderer
         dataset._log_load(cfg, chat)
         return dataset
 

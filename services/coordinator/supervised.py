@@ -46,7 +46,7 @@ def supervised_examples(cfg: RoleFleetConfig, dataset: PromptDataset, key: str =
                                                     bool(cfg.actor.trust_remote_code))
     section = cfg.data if key == "data" else cfg.eval_data()
     return examples(tokenizer, dataset.records, dataset.chat, section.completion_key, not section.path,
-                    dataset.source, key)
+                    dataset.source, key, dataset.renderer if dataset.chat else None)
 
 
 def as_batch(chosen: list[Example]) -> SequenceBatch:

@@ -66,9 +66,16 @@ def _tool_arithmetic(size: int, seed: int) -> list[PromptRecord]:
     return tool_arithmetic(size, seed)
 
 
+def _tool_arithmetic_sft(size: int, seed: int) -> list[PromptRecord]:
+    from rolefleet.tasks.tools import tool_arithmetic_sft
+
+    return tool_arithmetic_sft(size, seed)
+
+
 TASKS: dict[str, Callable[[int, int], list[PromptRecord]]] = {"addition": addition,
                                                               "arithmetic_chat": arithmetic_chat,
-                                                              "tool_arithmetic": _tool_arithmetic}
+                                                              "tool_arithmetic": _tool_arithmetic,
+                                                              "tool_arithmetic_sft": _tool_arithmetic_sft}
 
 
 def make_task(name: str, size: int, seed: int) -> list[PromptRecord]:

@@ -105,11 +105,7 @@ class PromptRenderer:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if last_content is not None:
             messages = [*messages[:-1], {**messages[-1], "content": last_content}]
-        tools = {}
-        if self._tools_in_template:
-            tools = {"tools": self.tools}
-        elif self.tools:
-            messages = with_tools_described(messages, self.tools)
+        messages, tools = self.with_tools(messages)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
         except Exception as e:  # noqa: BLE001 - a template raises whatever its author chose
@@ -122,6 +118,15 @@ class PromptRenderer:
             # The template writes the BOS token and the actor's tokenizer call adds one too: keep one.
             text = text[len(self._bos_to_strip):]
         return text
+
+    def with_tools(self, messages: Messages) -> tuple[Messages, dict[str, Any]]:
+        """`messages` and the chat template's keyword arguments with the run's tools (`data.tools`):
+        `tools=` where the template renders them, else described in a system message."""
+        if self._tools_in_template:
+            return messages, {"tools": self.tools}
+        if self.tools:
+            return with_tools_described(messages, self.tools), {}
+        return messages, {}
 
     def count(self, texts: list[str]) -> list[int]:
         """Tokens of each text as the actor's tokenizer call counts them (special tokens included)."""

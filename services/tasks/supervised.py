@@ -26,6 +26,7 @@ import torch
 
 from rolefleet.common.stop_tokens import end_of_turn_id
 from rolefleet.tasks import DataError, PromptRecord
+from rolefleet.tasks.render import PromptRenderer
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,13 @@ class ExampleTokenizer:
     """Records to `Example`s with the actor model's tokenizer; `chat`: the run renders prompts with
     the chat template (`data.chat_template`)."""
 
-    def __init__(self, tokenizer: Any, chat: bool, completion_key: str, from_task: bool, key: str = "data"):
+    def __init__(self, tokenizer: Any, chat: bool, completion_key: str, from_task: bool, key: str = "data",
+                 renderer: Optional[PromptRenderer] = None):
+        """`renderer`: the dataset's, whose tools (`data.tools`) a conversation is rendered with, as
+        its prompt is."""
         self.tokenizer, self.chat, self.completion_key, self.from_task, self.key = (
             tokenizer, chat, completion_key, from_task, key)
+        self.renderer = renderer
         eot = end_of_turn_id(tokenizer) if chat else None
         self.end = eot if eot is not None else tokenizer.eos_token_id
         if self.end is None:
@@ -98,9 +103,10 @@ class ExampleTokenizer:
         return Example(_ids(ids[:prompt_len]), _ids(ids[prompt_len:]), None if bool(mask.all()) else mask)
 
     def _render(self, messages: list[dict], generation_prompt: bool, where: str) -> list[int]:
+        messages, tools = self.renderer.with_tools(messages) if self.renderer is not None else (messages, {})
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **tools)
         except Exception as exc:  # noqa: BLE001 - a template raises whatever its author chose
             raise DataError(f"{self.key}.chat_template: {where}: the chat template refused the conversation: "
                             f"{exc}") from None
@@ -113,9 +119,10 @@ def _ids(values: list[int]) -> torch.Tensor:
 
 
 def examples(tokenizer: Optional[Any], records: list[PromptRecord], chat: bool, completion_key: str,
-             from_task: bool, source: str, key: str = "data") -> list[Example]:
+             from_task: bool, source: str, key: str = "data",
+             renderer: Optional[PromptRenderer] = None) -> list[Example]:
     """Every record as an Example (`where`: `source #i`); the first problem is a DataError."""
     if tokenizer is None:
         raise DataError(f"{key}.completion_key: algorithm sft needs the actor model's tokenizer")
-    maker = ExampleTokenizer(tokenizer, chat, completion_key, from_task, key)
+    maker = ExampleTokenizer(tokenizer, chat, completion_key, from_task, key, renderer)
     return [maker.example(r, f"{source} #{i}") for i, r in enumerate(records)]

@@ -17,6 +17,7 @@ from rolefleet.tasks import PromptRecord
 
 QUESTION = "What is {a} {op} {b}?"
 OPS = "+-*"
+WARM_START_TOOL_SHARE = 0.3  # conversations of `tool_arithmetic_sft` that call the calculator
 
 
 def tool_arithmetic(size: int, seed: int) -> list[PromptRecord]:
@@ -48,3 +49,17 @@ def tool_trace(record: PromptRecord) -> list[dict[str, str]]:
     return [{"role": "assistant", "content": tool_call("calculator", {"expression": record.extra["expression"]})},
             {"role": "tool", "content": record.ground_truth},
             {"role": "assistant", "content": record.ground_truth}]
+
+
+def tool_arithmetic_sft(size: int, seed: int) -> list[PromptRecord]:
+    """`tool_arithmetic`'s problems as whole conversations for a supervised warm start (`algorithm:
+    sft`, configs/tools_warm_start.yaml): a share (`WARM_START_TOOL_SHARE`) call the calculator
+    (`tool_trace`), the others answer at once, so the RL run that follows starts from a policy that
+    knows the call format and that it may answer without the tool. Their assistant messages train."""
+    rng = random.Random(seed * 7919 + 1)
+    records = []
+    for record in tool_arithmetic(size, seed):
+        trace = tool_trace(record) if rng.random() < WARM_START_TOOL_SHARE else [
+            {"role": "assistant", "content": record.ground_truth}]
+        records.append(PromptRecord([*record.prompt, *trace], record.ground_truth, record.extra))
+    return records

@@ -144,7 +144,8 @@ class RoleFleetConfig(_Section):
         self.actor.policy_loss = "sft"
         # No reference model is loaded: a KL term (from a base config of RL runs) has nothing to read.
         self.actor.kl_loss_coef = 0.0
-        for key, on in (("reward.env", self.reward.env.enabled), ("reward.agent", self.reward.agent.enabled),
+        # (reward.env stays: evaluation drives multi-turn episodes through it.)
+        for key, on in (("reward.agent", self.reward.agent.enabled),
                         ("train.dynamic_sampling", self.train.dynamic_sampling.enabled),
                         ("pipeline.partial_rollouts", self.pipeline.partial_rollouts.enabled),
                         ("train.distill_coef", self.train.distill_coef > 0)):
