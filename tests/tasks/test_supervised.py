@@ -83,3 +83,22 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     maker = ExampleTokenizer(Rewriting(), chat=True, completion_key="completion", from_task=False)
     with pytest.raises(DataError, match="data.chat_template: r #0: the chat template renders message"):
         maker.example(PromptRecord("x", "", {}, original=CONVERSATION), "r #0")
+
+
+def test_the_tool_warm_start_task_s_conversations_show_the_tools_and_train_the_calls_not_the_results(tok):
+    from rolefleet.tasks import make_task
+    from rolefleet.tasks.render import PromptRenderer
+
+    records = make_task("tool_arithmetic_sft", 40, 0)
+    calling = [r for r in records if len(r.prompt) == 4]
+    assert 0.1 < len(calling) / len(records) < 0.5  # some call the calculator, most answer at once
+    renderer = PromptRenderer(tok, "m", chat_template=True, tools=["calculator"])
+    maker = ExampleTokenizer(tok, chat=True, completion_key="completion", from_task=True, renderer=renderer)
+    record = calling[0]
+    ex = maker.example(PromptRecord(renderer.render(record.prompt[:1], "r"), record.ground_truth, record.extra,
+                                    original=record.prompt), "r #0")
+    assert "calculator" in tok.decode(ex.prompt_ids.tolist())  # the tools, as the RL run's prompts show them
+    trained = tok.decode(ex.response_ids[ex.loss_mask].tolist())
+    assert "<tool_call>" in trained and record.extra["expression"] in trained
+    assert trained.count(record.ground_truth) == 1  # the final answer; the tool's result is context
+    assert record.ground_truth in tok.decode(ex.response_ids[~ex.loss_mask].tolist())
