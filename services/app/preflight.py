@@ -141,6 +141,9 @@ def check_tracking(cfg: RoleFleetConfig) -> list[str]:
 
 # --- data ---------------------------------------------------------------------------------------
 
+SFT_RECORDS_CHECKED = 256
+
+
 def check_data(cfg: RoleFleetConfig) -> list[str]:
     """The prompts load as the coordinator will load them: the file parses, the chat template and
     the token limit apply (otherwise the coordinator would fail at step 1, after every role has
@@ -150,7 +153,12 @@ def check_data(cfg: RoleFleetConfig) -> list[str]:
     local = Path(cfg.actor.model_name_or_path).expanduser()
     try:
         if local.is_dir() and model_problem(str(local)) is None:
-            PromptDataset.for_run(cfg)
+            dataset = PromptDataset.for_run(cfg)
+            if cfg.preset.supervised:  # the first records have what sft trains (the coordinator checks them all)
+                from rolefleet.coordinator.supervised import supervised_examples
+
+                dataset.records = dataset.records[:SFT_RECORDS_CHECKED]
+                supervised_examples(cfg, dataset)
             if cfg.eval.enabled:
                 PromptDataset.for_eval(cfg)
         elif d.path:

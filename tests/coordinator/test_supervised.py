@@ -70,3 +70,16 @@ def test_a_file_without_completions_is_refused_naming_the_key_and_chat_conversat
     with pytest.raises(DataError, match=r"data.completion_key: .*d.jsonl.* has no 'completion' column"):
         run(cfg)
     assert not (cfg.run.out / "metrics.jsonl").exists() or metrics(cfg) == []
+
+
+def test_the_config_check_refuses_sft_data_without_completions_before_any_role_starts(tiny_model_dir, tmp_path):
+    from rolefleet.app.preflight import check_data
+    from rolefleet.common.config import parse_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "3+4=", "ground_truth": "7"}) + "\n")
+    raw = {"model": {"model_name_or_path": tiny_model_dir}, "algorithm": "sft", "data": {"task": None, "path": str(data)}}
+    [problem] = check_data(parse_config(raw))
+    assert problem.startswith("data.completion_key: ") and "has no 'completion' column" in problem
+    data.write_text(json.dumps({"prompt": "3+4=", "answer": "7"}) + "\n")
+    assert check_data(parse_config(raw, ["data.completion_key=answer"])) == []
