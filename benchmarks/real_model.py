@@ -6,6 +6,7 @@ held-out prompts): RoleFleet's during its run, TRL's checkpoint after its run, t
 engine and reward code in this process.
 
     python benchmarks/real_model.py --model runs/smollm2-135m-instruct --out OUT [--steps 60] [--parts rolefleet,trl]
+    python benchmarks/real_model.py --model runs/smollm2-135m-instruct --out OUT --sweep [32x64 128x256 ...]
 
 Prints one JSON line per part and writes OUT/real_model.json: seconds per step (median after the
 first `--warmup` steps), generated tokens per second of step time, the eval curve (step, held-out
@@ -39,6 +40,15 @@ def gpu_settings(compile_layers: bool = True) -> tuple[str, ...]:
             "actor.max_tokens_per_micro_batch=32768")
 
 
+def spread(seconds: list[float], warmup: int) -> dict:
+    """The steps after `warmup`: p95 step time, and the steps after the third slower than 1.5x the
+    median (a stall: a compile, a cache rebuilt mid-run), by step number."""
+    later = sorted(seconds[warmup:] or seconds)
+    median = statistics.median(later)
+    return {"step_s_p95": later[min(len(later) - 1, int(0.95 * len(later)))],
+            "stalls": [[i + 1, round(s, 3)] for i, s in enumerate(seconds) if i >= 3 and s > 1.5 * median]}
+
+
 def workload(args) -> list[str]:
     return [f"model.model_name_or_path={args.model}", f"train.total_steps={args.steps}",
             f"train.prompts_per_step={args.prompts_per_step}", f"train.samples_per_prompt={args.samples_per_prompt}",
@@ -62,6 +72,7 @@ def run_rolefleet(args, out: Path) -> dict:
     step_s = statistics.median(r["timing/step_s"] for r in later)
     return {
         "part": "rolefleet", "wall_s": time.perf_counter() - start, "steps": len(steps), "step_s": step_s,
+        **spread([r["timing/step_s"] for r in steps], args.warmup),
         "generate_s": statistics.median(r["timing/generate_s"] for r in later),
         "update_s": statistics.median(r["timing/update_s"] for r in later),
         "tokens_per_s": statistics.median(t / r["timing/step_s"] for t, r in zip(tokens, later)),
@@ -138,6 +149,7 @@ def run_trl(args, out: Path) -> dict:
     later = list(zip(timer.seconds, timer.lengths))[args.warmup:]
     step_s = statistics.median(s for s, _ in later)
     return {"part": "trl", "wall_s": wall, "steps": len(timer.seconds), "step_s": step_s,
+            **spread(timer.seconds, args.warmup),
             "tokens_per_s": statistics.median(n * completions / s for s, n in later),
             "response_length": statistics.median(n for _, n in later),
             "final_eval": evaluate(args, final)}
@@ -176,8 +188,41 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-prompts", type=int, default=200)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides of both runs")
+    p.add_argument("--sweep", nargs="*", default=None, metavar="PROMPTSxTOKENS",
+                   help="run the comparison at each point (prompts per step x new tokens, e.g. 32x64 128x256; "
+                        "no value: the issue's grid 32x64 64x64 128x64 32x256 64x256 128x256) into OUT/<point>/, "
+                        "and a table of them all")
     args = p.parse_args()
-    out = Path(args.out)
+    if args.sweep is not None:
+        return sweep(args)
+    compare(args, Path(args.out))
+
+
+SWEEP = ["32x64", "64x64", "128x64", "32x256", "64x256", "128x256"]
+
+
+def sweep(args) -> None:
+    """`compare` at every point of the grid, one after another in this call; OUT/sweep.json's table:
+    each side's median and p95 step time, its stalls, the steps-per-second ratio and both held-out
+    accuracies."""
+    table = []
+    for point in args.sweep or SWEEP:
+        prompts, tokens = (int(x) for x in point.split("x"))
+        results = compare(argparse.Namespace(**{**vars(args), "prompts_per_step": prompts, "max_new_tokens": tokens}),
+                          Path(args.out) / point)
+        row = {"point": point}
+        for part in ("rolefleet", "trl"):
+            if part in results:
+                r = results[part]
+                row[part] = {"step_s": r["step_s"], "step_s_p95": r["step_s_p95"], "stalls": r["stalls"]}
+        if "ratio" in results:
+            row.update(results["ratio"])
+        table.append(row)
+        print(json.dumps({"sweep": row}), flush=True)
+    (Path(args.out) / "sweep.json").write_text(json.dumps(table, indent=2))
+
+
+def compare(args, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for part in args.parts.split(","):
@@ -191,6 +236,7 @@ def main() -> None:
                             "final_accuracy_trl": trl["final_eval"]["eval/pass@1"]}
         print(json.dumps(results["ratio"]), flush=True)
     (out / "real_model.json").write_text(json.dumps(results, indent=2))
+    return results
 
 
 if __name__ == "__main__":
