@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import shutil
 import threading
 import warnings
@@ -137,13 +138,25 @@ def write_group(group):
     return _write_groups[group]
 
 
+# Threads writing one rank's files. One thread wrote 0.9 GiB/s on a 2-core machine (four: 1.8): a
+# 0.5B actor's snapshot (weights and Adam moments in fp32, ~6 GiB) then took longer than a step, and
+# the next step's snapshot waited for it.
+WRITE_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def save(state: dict, weights: Path, process_group) -> None:
+    """`state` written to `weights` with torch.distributed.checkpoint, `WRITE_THREADS` files at once."""
+    import torch.distributed.checkpoint as dcp  # as trainer/checkpoint.py's: not for the coordinator
+
+    writer = dcp.FileSystemWriter(str(weights), thread_count=WRITE_THREADS)
+    dcp.save(state, checkpoint_id=str(weights), storage_writer=writer, process_group=process_group)
+
+
 def start_write(state: dict, weights: Path, host: HostCopy, group) -> TrainerWrite:
     """`state` (the trainer's model and optimizer state dicts) staged into `host` and written to
     `weights` in the background; collective over `group`'s ranks."""
-    import torch.distributed.checkpoint as dcp  # as trainer/checkpoint.py's: not for the coordinator
-
     pg = write_group(group)  # made here, in the main thread, by every rank of the save at once
-    return host.start(state, lambda staged: dcp.save(staged, checkpoint_id=str(weights), process_group=pg))
+    return host.start(state, lambda staged: save(staged, weights, pg))
 
 
 class BackgroundSave:

@@ -119,7 +119,7 @@ def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         if host is not None:
             return background.start_write(state, work / "weights", host, group)
         with _one_process_is_fine():
-            dcp.save(state, checkpoint_id=str(work / "weights"), process_group=group)
+            background.save(state, work / "weights", group)
         return None
     except (Exception, dcp.CheckpointException) as exc:  # dcp's errors derive from BaseException
         raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc

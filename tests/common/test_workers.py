@@ -225,7 +225,8 @@ def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path, b
     back resharded: the same weights, version and ledger, and the same next update."""
     cfg = config(tiny_model_dir, "fsdp")
     saved, digest, batch, targets = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"), background)
-    assert sorted(p.name for p in (tmp_path / "actor" / "weights").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # Each rank wrote its own files (`__<rank>_<file>.distcp`, several files a rank: its writer's threads).
+    assert {p.name.split("_")[2] for p in (tmp_path / "actor" / "weights").glob("*.distcp")} == {"0", "1"}
     single = ActorCore(cfg.actor)
     assert single.load_checkpoint(str(tmp_path / "actor")) == saved
     assert single.digest() == digest and single.policy_version == 1 and single.ledger.last_step == 1
