@@ -57,7 +57,9 @@ def shape_families(packed: bool, attention: str = "sdpa") -> list[SequenceBatch]
         return SequenceBatch.from_lists([torch.full((p,), 3) for p, _ in shapes], [torch.full((r,), 3) for _, r in shapes])
 
     if packed:
-        large = [rows((packed_attention.AUTO_FLEX_MIN_TOKENS - 6, 6))] if attention == "auto" else []
+        # Many short sequences, not one long one: no position past a short-context model's limit.
+        count = -(-packed_attention.AUTO_FLEX_MIN_TOKENS // 256)
+        large = [rows(*[(250, 6)] * count)] if attention == "auto" else []
         return [rows((4, 5), (3, 6)), rows((3, 1)), *large]
     return [rows((5, 3), (4, 6)), rows((4, 5)), rows((4, 5), (4, 5)), rows((3, 1))]
 
