@@ -135,9 +135,7 @@ class ActorWorker(TrainingWorker):
         """The reference model; None with adapters on the same model (the policy with them off is
         it), or for the sft loss (none at all)."""
         cfg = self.cfg
-        if cfg.reference_is_the_policy:
-            return None
-        if cfg.policy_loss == "sft":  # supervised: no KL to anything, no copy of the model to hold
+        if not cfg.holds_reference:  # the policy with its adapters off, or none at all (the sft loss)
             return None
         if cfg.ref_model_name_or_path != cfg.model_name_or_path or is_pending(self.model):
             ref_model = self._load_policy(cfg.ref_model_name_or_path)  # a skeleton of its own to fill

@@ -317,7 +317,7 @@ def _add_policy_trainer(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate, wo
     ref_layers_only = sharded or a.offload == "params"
     held, update, est.host = _trainer_parts(dims, a, workers, sharded, "policy")
     est.held += held
-    own_reference = not a.reference_is_the_policy
+    own_reference = a.holds_reference
     if own_reference:
         (est.host if a.ref_offload else est.held).append(Part("reference weights (fp32)", 4 * dims.params / share))
     phases = {"update": [*update, _head_chunk(dims, a.logprob_chunk_tokens)]}
@@ -549,7 +549,7 @@ def settings_that_help(cfg: RoleFleetConfig, est: Estimate) -> list[str]:
                    f"{', no reference copy' if role == 'actor' else ''})")
     if section.offload != "params":
         out.append(f"{role}.offload=params (weights, gradients and AdamW state in host memory; CPU optimizer step)")
-    if role == "actor" and not cfg.actor.ref_offload and not cfg.actor.reference_is_the_policy:
+    if role == "actor" and not cfg.actor.ref_offload and cfg.actor.holds_reference:
         out.append("actor.ref_offload=true (the reference in host memory between uses)")
     if len(getattr(cfg.devices, role)) == 1:
         out.append(f"more GPUs in devices.{role} (sharded over them with {role}.sharding=fsdp)")

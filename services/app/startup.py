@@ -41,7 +41,7 @@ def role_weight_bytes(cfg: RoleFleetConfig, role: str) -> Optional[float]:
     try:
         if role == "actor":
             weights = stored(cfg.actor.model_name_or_path)
-            if not cfg.actor.reference_is_the_policy:
+            if cfg.actor.holds_reference:
                 weights += stored(cfg.actor.ref_model_name_or_path)
         elif role == "critic":
             weights = stored(cfg.critic.model_name_or_path)

@@ -119,6 +119,8 @@ def test_lora_holds_the_frozen_weights_in_bf16_and_trains_adapters_alone(tmp_pat
     other_ref = parts(actor_estimate(cfg_for(model, "actor.lora.rank=2", "actor.ref_model_name_or_path=/elsewhere"),
                                      dims, "0"))
     assert other_ref["reference weights (fp32)"] == 4 * p  # a reference of another model is its own copy
+    sft = parts(actor_estimate(cfg_for(model, "algorithm=sft"), dims, "0"))
+    assert "policy weights (fp32)" in sft and "reference weights (fp32)" not in sft  # supervised: none loaded
     par = actor_estimate(cfg_for(model, "actor.lora.rank=2", "actor.offload=params"), dims, "0")
     assert par.host_total == 4 * p + 12 * adapters and "policy frozen weights (fp32 shards)" not in parts(par)
 

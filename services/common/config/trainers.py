@@ -343,6 +343,12 @@ class ActorSection(_TrainerSection):
         off: no copy of its own."""
         return self.lora.enabled and self.ref_model_name_or_path == self.model_name_or_path
 
+    @property
+    def holds_reference(self) -> bool:
+        """Whether the actor holds a reference model of its own: not when it is the policy with its
+        adapters off, nor for the sft loss (nothing reads one)."""
+        return not self.reference_is_the_policy and self.policy_loss != "sft"
+
     def lora_engine_problem(self, backend: str, split: bool) -> Optional[str]:
         """Why adapters cannot train beside this rollout engine, or None. A weight sync sends the
         adapted layers alone; vLLM beside the trainer at sleep level 2 drops every weight while the
