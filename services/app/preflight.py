@@ -185,6 +185,8 @@ def check_models(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
             problems.append(f"{where}: {problem}")
             continue
         positions = max_positions(path)
+        if cfg.preset.supervised and not cfg.eval.enabled:
+            continue  # nothing is generated: the examples' own lengths are checked as they are trained
         # A multi-turn response is the whole conversation after the prompt.
         rollout = cfg.actor.rollout
         key, response = (("actor.rollout.max_total_tokens", rollout.max_total_tokens) if rollout.max_turns > 1

@@ -83,3 +83,15 @@ def test_the_config_check_refuses_sft_data_without_completions_before_any_role_s
     assert problem.startswith("data.completion_key: ") and "has no 'completion' column" in problem
     data.write_text(json.dumps({"prompt": "3+4=", "answer": "7"}) + "\n")
     assert check_data(parse_config(raw, ["data.completion_key=answer"])) == []
+
+
+def test_an_sft_run_without_evaluation_is_not_held_to_the_generation_length(tiny_model_dir):
+    """Nothing is generated: `sampling.max_new_tokens` past the model's positions is no problem."""
+    from rolefleet.app.preflight import check_models
+    from rolefleet.common.config import parse_config
+
+    raw = {"model": {"model_name_or_path": tiny_model_dir}, "data": {"task": "addition"}}
+    long = ["sampling.max_new_tokens=100000", "eval.every=0"]
+    assert check_models(parse_config(raw, ["algorithm=sft", *long]), ["actor"]) == []
+    [problem] = check_models(parse_config(raw, ["algorithm=reinforce_pp", *long]), ["actor"])
+    assert problem.startswith("sampling.max_new_tokens")
