@@ -62,9 +62,9 @@ class PolicyTrainer(Trainer):
         if cfg.lora.enabled:  # before the trainer shards and builds its optimizer: only the adapters train
             frozen_dtype = None if sharding_wanted(cfg, ranks) else compute_dtype(device, cfg.compute_dtype)
             self.adapters = Adapters(model, cfg.lora, frozen_dtype)
-        elif ref_model is None and cfg.policy_loss != "sft":
+        elif ref_model is None and cfg.holds_reference:
             raise ValueError("a reference model is needed: only actor.lora's reference is the policy itself "
-                             "(and the sft loss needs none)")
+                             "(and a supervised loss needs none)")
         attention = packed_attention.resolve(cfg.packed_attention, device)
         policy = LogprobModule(model, cfg.logprob_chunk_tokens, cfg.sequence_packing, cfg.compile_layers, attention)
         super().__init__(model, policy, model, cfg, device, ranks, seed)
@@ -149,8 +149,8 @@ class PolicyTrainer(Trainer):
         Without old logprobs (one pass: one optimizer step, `ActorSection.one_pass_problem`) the
         forward's own, detached, are the old ones (the ratio is 1, its gradient the policy
         gradient), and they come back with the forward's entropy, in the batch's token order."""
-        # (tokens, (logprobs, entropy)); the sft loss reads no old logprobs, whatever the optimizer steps.
-        one_pass: list | None = [] if targets.old_logprobs is None and self.cfg.policy_loss != "sft" else None
+        # (tokens, (logprobs, entropy)); a supervised loss reads no old logprobs, whatever the optimizer steps.
+        one_pass: list | None = [] if targets.old_logprobs is None and not self.cfg.supervised else None
 
         def step(mb: SequenceBatch, tokens: torch.Tensor) -> dict[str, float]:
             def part(x: torch.Tensor | None) -> torch.Tensor | None:

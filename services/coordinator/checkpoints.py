@@ -128,6 +128,24 @@ class Checkpointer:
               f"checkpoint took {self.save_s:.1f} s and a step {step_s:.1f} s here: checkpoint.every={every} would "
               f"bound that loss to {every} steps at about {SUGGESTED_COST:.0%} of the run's time", flush=True)
 
+    async def keep(self, roles, step: int, state: Callable[[], CoordinatorState],
+                   actor_step: Callable[[CoordinatorState], int], log: Callable[[dict[str, float]], None]) -> bool:
+        """Step `step` kept, then its record logged (`log(kept)`; the record travels in the state
+        `state()` gives, asked for only when something is written): a checkpoint when due (True),
+        else a snapshot (logged once it is complete), else logged at once. A recorded step is never
+        trained again, nor a kept one unrecorded."""
+        if self.due(step):
+            s = state()
+            await self.save(roles, s, actor_step(s))
+            log({})
+            return True
+        if self.snapshots is None:
+            log({})
+        else:
+            s = state()
+            await self.snapshot(roles, s, actor_step(s), log)
+        return False
+
     async def snapshot(self, roles, state: CoordinatorState, actor_step: int,
                        then: Callable[[dict[str, float]], None]) -> None:
         """A snapshot of `state.step` (`checkpoint.snapshot`): a checkpoint in memory, the trainers'

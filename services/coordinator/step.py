@@ -205,14 +205,8 @@ class StepBody:
             self.logger.log(record)
             self.status.record_step(record, actor_result.model_version)
 
-        if self.checkpointer.due(step):
-            await self.save(record)
-            log({})
-        elif self.checkpointer.snapshots is None:
-            log({})
-        else:
-            s = self._saved_state(record)
-            await self.checkpointer.snapshot(self.roles, s, self._actor_step(s), log)
+        if await self.checkpointer.keep(self.roles, step, lambda: self._saved_state(record), self._actor_step, log):
+            self.saved = step
         return record
 
     async def _scored(self, rollout: Rollout,
@@ -251,10 +245,9 @@ class StepBody:
             if self.roles.critic else _given(None),
         )
 
-    async def save(self, record: dict | None = None) -> None:
-        """A checkpoint after the last step (with its `record`, logged once the checkpoint is
-        complete): the data of its batches (and of dropped ones) is used."""
-        s = self._saved_state(record)
+    async def save(self) -> None:
+        """A checkpoint after the last step: the data of its batches (and of dropped ones) is used."""
+        s = self._saved_state()
         await self.checkpointer.save(self.roles, s, self._actor_step(s))
         self.saved = s.step
 

@@ -101,7 +101,8 @@ class SupervisedSteps:
             await self.step(step)
         await self.checkpointer.settle()
         if self.status.stop_requested and self.state.step > self.saved and self.cfg.checkpoint.at_end:
-            await self._save(None)
+            await self.checkpointer.save(self.roles, self._saved_state(None), self.state.step)
+            self.saved = self.state.step
 
     async def step(self, step: int) -> None:
         start = time.perf_counter()
@@ -125,26 +126,18 @@ class SupervisedSteps:
         record.update(await self._evaluate(step))
         record.update(self.clock.fractions(), **self.checkpointer.take_recovery())
 
-        # 4. Kept, then recorded (a checkpoint when due, else a snapshot: `step.py` says why).
+        # 4. Kept, then recorded (a checkpoint when due, else a snapshot: `Checkpointer.keep`).
         def log(kept: dict[str, float]) -> None:
             record.update(kept)
             self.logger.log(record)
             self.status.record_step(record, result.model_version)
 
-        self.state.data = self.dataset.state_dict()
-        if self.checkpointer.due(step):
-            await self._save(record)
-            log({})
-        elif self.checkpointer.snapshots is None:
-            log({})
-        else:
-            self.state.record = record
-            await self.checkpointer.snapshot(self.roles, self.state, step, log)
+        if await self.checkpointer.keep(self.roles, step, lambda: self._saved_state(record), lambda s: s.step, log):
+            self.saved = step
 
-    async def _save(self, record: dict | None) -> None:
+    def _saved_state(self, record: dict | None) -> CoordinatorState:
         self.state.data, self.state.record = self.dataset.state_dict(), record
-        await self.checkpointer.save(self.roles, self.state, self.state.step)
-        self.saved = self.state.step
+        return self.state
 
     async def _evaluate(self, step: int) -> dict[str, float]:
         """The held-out NLL and the generation evaluation when due after `step` (0: before the

@@ -344,10 +344,16 @@ class ActorSection(_TrainerSection):
         return self.lora.enabled and self.ref_model_name_or_path == self.model_name_or_path
 
     @property
+    def supervised(self) -> bool:
+        """The policy loss trains toward given tokens (`sft`, algorithm sft), not on samples: it reads
+        no old logprobs and no reference, and nothing samples from the engine between updates."""
+        return self.policy_loss == "sft"
+
+    @property
     def holds_reference(self) -> bool:
         """Whether the actor holds a reference model of its own: not when it is the policy with its
-        adapters off, nor for the sft loss (nothing reads one)."""
-        return not self.reference_is_the_policy and self.policy_loss != "sft"
+        adapters off, nor for a supervised loss (nothing reads one)."""
+        return not self.reference_is_the_policy and not self.supervised
 
     def lora_engine_problem(self, backend: str, split: bool) -> Optional[str]:
         """Why adapters cannot train beside this rollout engine, or None. A weight sync sends the
@@ -369,12 +375,12 @@ class ActorSection(_TrainerSection):
     def publishes_on_update(self) -> bool:
         """Whether each update's weights go into the rollout engines at once (RL samples from them
         next); with the sft loss only when a generation (an evaluation) asks for them."""
-        return self.policy_loss != "sft"
+        return not self.supervised
 
     def one_pass_problem(self) -> Optional[str]:
         """Why an update cannot take its old logprobs from its own forward (the policy before its
-        optimizer step, that is, the proximal policy), or None. The sft loss reads none."""
-        if self.policy_loss == "sft":
+        optimizer step, that is, the proximal policy), or None. A supervised loss reads none."""
+        if self.supervised:
             return None
         if self.ppo_epochs * self.num_mini_batches > 1:
             return (f"the update makes {self.ppo_epochs * self.num_mini_batches} optimizer steps (actor.ppo_epochs "
