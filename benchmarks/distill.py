@@ -8,7 +8,8 @@ through `rolefleet up`. Both runs evaluate greedily on the same held-out prompts
 The target's question: the steps each needs to reach the teacher's final held-out accuracy within
 `--within` (2 points); distillation should need at most a third of GRPO's.
 
-    python benchmarks/distill.py --model runs/smollm2-135m-instruct --out OUT [--grpo-steps 60] [--distill-steps 20]
+    python benchmarks/distill.py --model runs/smollm2-135m-instruct --out OUT [--grpo-steps 60] [--distill-steps 20] \\
+        [--distill-lrs 1e-5 3e-5] [--distill-samples N]
     python benchmarks/distill.py --config configs/demo.yaml --model runs/demo-model --out OUT \\
         --grpo-steps 6 --distill-steps 4 --eval-every 2 --set devices=cpu      # a CPU smoke run
 
@@ -63,6 +64,10 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--samples-per-prompt", type=int, default=8, help="GRPO's group size")
+    parser.add_argument("--distill-samples", type=int, default=None,
+                        help="samples per prompt of the distillation run (default GRPO's: steps of equal size)")
+    parser.add_argument("--distill-lrs", type=float, nargs="+", default=[1e-5],
+                        help="one distillation run per learning rate, each against the same GRPO teacher")
     parser.add_argument("--within", type=float, default=0.02)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value overrides of both runs")
     args = parser.parse_args()
@@ -78,22 +83,27 @@ def main() -> None:
     accuracy = grpo_curve[-1][1]
     print(json.dumps({"part": "grpo", "curve": grpo_curve, "step_s": step_s(grpo)}), flush=True)
 
-    # The same prompts a step, one sample each (the teacher grades every token: no group is needed).
-    distilled = up(args, "distill", out, "algorithm=distill", f"teacher.model_name_or_path={teacher}",
-                   f"train.total_steps={args.distill_steps}", "train.samples_per_prompt=1",
-                   "checkpoint.at_end=false")
-    distill_curve = curve(distilled)
-    print(json.dumps({"part": "distill", "curve": distill_curve, "step_s": step_s(distilled)}), flush=True)
-
     goal = accuracy - args.within
-    grpo_steps, distill_steps = first_reaching(grpo_curve, goal), first_reaching(distill_curve, goal)
+    grpo_steps = first_reaching(grpo_curve, goal)
+    samples = args.distill_samples or args.samples_per_prompt
+    runs = []
+    for lr in args.distill_lrs:
+        records = up(args, f"distill-lr{lr:g}", out, "algorithm=distill", f"teacher.model_name_or_path={teacher}",
+                     f"train.total_steps={args.distill_steps}", f"train.samples_per_prompt={samples}",
+                     f"actor.lr={lr}", "checkpoint.at_end=false")
+        points = curve(records)
+        steps = first_reaching(points, goal)
+        runs.append({"lr": lr, "samples_per_prompt": samples, "curve": points, "step_s": step_s(records),
+                     "steps_to_goal": steps, "steps_ratio": steps / grpo_steps if grpo_steps and steps else None,
+                     "reverse_kl": [r["distill/reverse_kl"] for r in records if "distill/reverse_kl" in r]})
+        print(json.dumps({"part": "distill", **{k: v for k, v in runs[-1].items() if k != "reverse_kl"}}), flush=True)
+
     # A start already at the goal (step 0's eval) makes the comparison empty: both then read 0 steps.
-    result = {"start_accuracy": grpo_curve[0][1] if grpo_curve else None, "teacher_accuracy": accuracy, "goal": goal, "grpo_steps_to_goal": grpo_steps,
-              "distill_steps_to_goal": distill_steps,
-              "steps_ratio": distill_steps / grpo_steps if grpo_steps and distill_steps else None,
-              "grpo": {"curve": grpo_curve, "step_s": step_s(grpo)},
-              "distill": {"curve": distill_curve, "step_s": step_s(distilled),
-                          "reverse_kl": [r["distill/reverse_kl"] for r in distilled if "distill/reverse_kl" in r]}}
+    result = {"start_accuracy": grpo_curve[0][1] if grpo_curve else None, "teacher_accuracy": accuracy, "goal": goal,
+              "grpo_steps_to_goal": grpo_steps,
+              "distill_steps_to_goal": [run["steps_to_goal"] for run in runs],
+              "steps_ratio": [run["steps_ratio"] for run in runs],
+              "grpo": {"curve": grpo_curve, "step_s": step_s(grpo)}, "distill": runs}
     (out / "distill.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("grpo", "distill")}), flush=True)
 

@@ -67,19 +67,23 @@ def trl(args, model: str, rows: list[dict], completion_tokens: int) -> dict:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     class Timer(TrainerCallback):
         def __init__(self):
             self.seconds: list[float] = []
 
         def on_step_begin(self, a, state, control, **kwargs):
-            torch.cuda.synchronize()
+            sync()
             self.start = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kwargs):
-            torch.cuda.synchronize()
+            sync()
             self.seconds.append(time.perf_counter() - self.start)
 
-    config = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=args.steps, learning_rate=args.lr, bf16=True,
+    config = SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=args.steps, learning_rate=args.lr, bf16=torch.cuda.is_available(),
                        per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, logging_steps=1,
                        report_to="none", save_strategy="no", seed=0, completion_only_loss=True, packing=False,
                        max_length=args.prompt_tokens + completion_tokens + 8)
@@ -93,7 +97,7 @@ def trl(args, model: str, rows: list[dict], completion_tokens: int) -> dict:
                                  for r in rows)
     tokens = args.batch * per_record
     return {"tokens_per_s": statistics.median(tokens / s for s in seconds), "step_s": statistics.median(seconds),
-            "tokens_per_step": tokens, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "tokens_per_step": tokens, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
 
 
 def main() -> None:
