@@ -34,6 +34,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
+from rolefleet.actor.decode_budget import DecodeBudget
 from rolefleet.common.modeling import compiled
 
 log = logging.getLogger(__name__)
@@ -260,19 +261,20 @@ class DecodeLoop:
     """Samples continuations of left-padded prompts with the model's own layers over a `KVCache`.
 
     The buffers (and the captured graph) of each shape are kept for later calls of that shape, the
-    most recently used first, while all of them together take at most `keep_bytes`: a run's
+    most recently used first, while all of them together fit `budget` (`decode_budget.py`): a run's
     training batches and its evaluation batches (another batch size, greedy) each replay their own
     graph. `trim` frees the least recently used ones down to a budget (the trainer wants the memory)."""
 
     def __init__(self, model: PreTrainedModel, device: torch.device, pad_id: int, prefill_tokens: int,
-                 compile: bool = False, keep_bytes: int = 0, compact: bool = True):
+                 compile: bool = False, budget: DecodeBudget | None = None, compact: bool = True):
         """`compile` (`compile_layers`): the sampling runs compiled too. Eager, `sample_next` makes
         about ten passes over the [B, V] logits at every decode step (an fp32 copy, the tempered
         logits, the noise, its log, the noisy scores, the argmax, the log-sum-exp); profiled on a
         151k vocabulary at B=256 they took a quarter of the step's GPU time. Compiled, the noise is
         drawn inside the kernels that reduce over the logits: other random numbers than the eager
         function's, from the same seeded generator, captured into the step's graph like any other
-        kernel. `compact`: finished rows leave the batch (module docstring)."""
+        kernel. `compact`: finished rows leave the batch (module docstring); `budget`: none kept
+        between calls when not given."""
         self.model = model
         self.compact = compact
         self.sample = compiled(sample_next) if compile else sample_next
@@ -281,7 +283,8 @@ class DecodeLoop:
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.prefill_tokens = prefill_tokens
         self.use_graphs = device.type == "cuda"
-        self.keep_bytes = keep_bytes
+        self.budget = budget or DecodeBudget(0, None)
+        self._slot_bytes = 0  # the newest shape's held bytes per (row, cache slot): a new shape's estimate
         self._states: OrderedDict[tuple, _Buffers] = OrderedDict()  # by shape, least recently used first
 
     def trim(self, max_bytes: int = 0, spare_newest: bool = False) -> None:
@@ -444,7 +447,8 @@ class DecodeLoop:
         if shape in self._states:
             self._states.move_to_end(shape)
             return self._states[shape]
-        self.trim(self.keep_bytes)  # what is over the budget goes back to the allocator, which reuses it
+        # What is over the budget with the new shape goes back to the allocator, which reuses it.
+        self.trim(self.budget.for_call(self.held_bytes(), reserve=self._slot_bytes * batch * length))
         long = dict(dtype=torch.int64, device=self.device)
         buf = self._buffers(KVCache(batch, length, torch.zeros(batch, **long), torch.zeros(1, **long)))
         cache = buf.cache
@@ -458,9 +462,10 @@ class DecodeLoop:
         if self.use_graphs:
             self._capture_into(buf, mode)
         self._states[shape] = buf
+        self._slot_bytes = -(-buf.held_bytes() // (batch * length))
         # Older shapes over the budget go; this one stays for the rest of the call's batches and
         # until the engine sleeps, whatever its size.
-        self.trim(self.keep_bytes, spare_newest=True)
+        self.trim(self.budget.for_call(self.held_bytes()), spare_newest=True)
         return buf
 
     def _check_served(self, cache: KVCache) -> None:

@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rolefleet.actor.decode import DecodeLoop, UnsupportedModel
+from rolefleet.actor.decode_budget import DecodeBudget, DeviceRoom
 from rolefleet.actor.rollout import RolloutEngine, derived_seed
 from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common.batch import SequenceBatch
@@ -65,9 +66,12 @@ class HFRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.device = device
         self.cfg = cfg
+        keep = cfg.rollout.keep_decode_state_mb
+        self._budget = DecodeBudget(None if keep == "auto" else keep * 2**20,
+                                    DeviceRoom(device) if device.type == "cuda" else None)
         self._loop = None if cfg.rollout.decode == "generate" else DecodeLoop(
             self.model, device, tokenizer.pad_token_id, cfg.max_tokens_per_micro_batch, compile=cfg.compile_layers,
-            keep_bytes=cfg.rollout.keep_decode_state_mb * 2**20, compact=cfg.rollout.compact)
+            budget=self._budget, compact=cfg.rollout.compact)
 
     @property
     def name(self) -> str:
@@ -82,17 +86,21 @@ class HFRolloutEngine(RolloutEngine):
             params[name].copy_(tensor)  # casts fp32 master weights to the engine's dtype
 
     def sleep(self) -> None:
-        # KV caches and captured graphs over `keep_decode_state_mb` go back to this process's
-        # allocator, where the trainer reuses them. Not `empty_cache`: the trainer would pay
-        # cudaMalloc (and the device-wide sync of cudaFree) for every block again, about 60 ms per
+        # KV caches and captured graphs over the budget for an update (`decode_budget.py`) go back to
+        # this process's allocator, where the trainer reuses them. Not `empty_cache`: the trainer would
+        # pay cudaMalloc (and the device-wide sync of cudaFree) for every block again, about 60 ms per
         # update at 0.5B on an H200. Those within it stay: building one again at the next call (a
         # warm-up step and a capture, cuDNN's plans and the compiled layers' guards on the host) cost
         # about 0.2 s a call with SmolLM2-135M, whose whole call is 46 ms of GPU work. A graph reads
         # the engine's own parameters, which `load_weights` refreshes in place, so it stays valid.
         if self._loop is not None:
-            self._loop.trim(self.cfg.rollout.keep_decode_state_mb * 2**20)
+            self._loop.trim(self._budget.for_update(self._loop.held_bytes()))
+            self._budget.update_starts()
 
-    # `wake`, `reset_cache`: nothing to do (the kept decode state is valid, no prefix cache survives a call).
+    def wake(self) -> None:
+        self._budget.update_done()  # what the update added beside the kept state: the next sleep's budget
+
+    # `reset_cache`: nothing to do (the kept decode state is valid, no prefix cache survives a call).
 
     # --- generation ----------------------------------------------------------------------------------
 

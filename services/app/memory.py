@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from rolefleet.actor.decode_budget import UNMEASURED_BYTES
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
 from rolefleet.common.model_paths import cached_config, is_repo_id
 
@@ -300,7 +301,8 @@ def _add_rollout_engine(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate) ->
         return
     est.held.append(Part("rollout engine weights (bf16)", 2 * dims.params))
     kv = 2 * 2 * dims.layers * dims.kv_dim * rows * width
-    kept = min(kv, a.rollout.keep_decode_state_mb * 2**20)
+    keep = a.rollout.keep_decode_state_mb
+    kept = min(kv, UNMEASURED_BYTES if keep == "auto" else keep * 2**20)  # auto: what its first update keeps
     est.held.append(Part("kept decode state", kept))
     est.phases["generate"] = [Part(f"KV cache of {rows} rows x {width} tokens (bf16)", kv - kept),
                               Part("logits of one decode step", 4 * rows * dims.vocab)]

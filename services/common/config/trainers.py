@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
 from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from rolefleet.common.config.base import Endpoint, _one_of, _Section
@@ -192,12 +192,14 @@ class RolloutSection(_Section):
         "auto", description="decoding of the hf engine: loop (the engine's own KV cache, device sampling, "
         "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
         "generate for a model whose attention the loop cannot serve)")
-    keep_decode_state_mb: int = Field(2048, ge=0, description="hf decode loop: the KV cache, buffers and "
-                                      "captured CUDA graph of each batch shape (training, evaluation) stay "
-                                      "between calls while all of them take at most this many MiB (a colocated "
-                                      "trainer updates around them); beyond it the least recently used go back "
-                                      "to the trainer before each update and are built again, graph capture "
-                                      "included, at their next call")
+    keep_decode_state_mb: Union[Literal["auto"], NonNegativeInt] = Field(
+        "auto", description="hf decode loop: the KV cache, buffers and captured CUDA graphs of each batch shape "
+        "(a training turn's, an evaluation's) stay between calls, so the next call of that shape replays its "
+        "graph at once; beyond the budget the least recently used go back to the allocator (before each "
+        "update: a colocated trainer reuses them) and are built again, capture included, at their next call. "
+        "auto: as much as fits beside what the process holds and what its updates add (measured), within 90% "
+        "of the memory it could hold; 2048 MiB until an update has been measured. A number: at most this many "
+        "MiB (0: none kept)")
     compact: bool = Field(True, description="hf decode loop: once the rows still decoding fit in half of a "
                           "batch, they go on as a smaller batch (a power of two, at least 8 rows) over the same "
                           "KV cache, so rows that finished stop costing compute while the longest ones run on")
