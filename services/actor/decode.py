@@ -284,6 +284,7 @@ class DecodeLoop:
         self.prefill_tokens = prefill_tokens
         self.use_graphs = device.type == "cuda"
         self.budget = budget or DecodeBudget(0, None)
+        self.built = 0  # shapes built (a warm-up step, on CUDA a capture): the engine's statistics take it
         self._side: torch.cuda.Stream | None = None  # the captures' warm-up stream
         self._slot_bytes = 0  # the newest shape's held bytes per (row, cache slot): a new shape's estimate
         self._states: OrderedDict[tuple, _Buffers] = OrderedDict()  # by shape, least recently used first
@@ -463,6 +464,7 @@ class DecodeLoop:
         if self.use_graphs:
             self._capture_into(buf, mode)
         self._states[shape] = buf
+        self.built += 1
         self._slot_bytes = -(-buf.held_bytes() // (batch * length))
         # Older shapes over the budget go; this one stays for the rest of the call's batches and
         # until the engine sleeps, whatever its size.

@@ -50,6 +50,10 @@ class RolloutEngine(ABC):
     def wake(self) -> None:  # noqa: B027 - optional, as `sleep`
         """Undo `sleep` before the next `generate`."""
 
+    def take_stats(self) -> dict[str, float]:
+        """Figures for the step's record since the last take (an engine may keep none)."""
+        return {}
+
     def reset_cache(self) -> None:  # noqa: B027 - optional: an engine may cache no prefixes
         """Drop any cached prefixes: they were computed with the previous weights."""
 

@@ -100,6 +100,12 @@ class HFRolloutEngine(RolloutEngine):
     def wake(self) -> None:
         self._budget.update_done()  # what the update added beside the kept state: the next sleep's budget
 
+    def take_stats(self) -> dict[str, float]:
+        if self._loop is None:
+            return {}
+        built, self._loop.built = self._loop.built, 0
+        return {"decode_shapes_built": float(built), "decode_state_gib": self._loop.held_bytes() / 2**30}
+
     # `reset_cache`: nothing to do (the kept decode state is valid, no prefix cache survives a call).
 
     # --- generation ----------------------------------------------------------------------------------

@@ -186,7 +186,10 @@ class ActorWorker(TrainingWorker):
         """Every rank steps its shard or replica with the group's gradients."""
         def update():
             self.transport.before_update()
-            return self.trainer.update(batch, targets, temperature)
+            stats, logprobs = self.trainer.update(batch, targets, temperature)
+            if self.engine is not None:  # a colocated engine: what it built since, what it keeps
+                stats.update(self.engine.take_stats())
+            return stats, logprobs
 
         return self.profiled_update(update)
 

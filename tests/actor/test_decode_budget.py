@@ -135,3 +135,24 @@ def test_a_bad_budget_is_refused_naming_the_key(tiny_model_dir, value, word):
     with pytest.raises(ConfigError, match="keep_decode_state_mb") as err:
         make_core(tiny_model_dir, f"actor.rollout.keep_decode_state_mb={value}")
     assert word in str(err.value)
+
+
+def test_each_update_reports_the_shapes_built_since_the_last_and_the_state_kept(tiny_model_dir):
+    import torch
+
+    from rolefleet.actor.types import PolicyTargets
+    from tests.actor.test_trainer import rollout
+
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+
+    def update(step: int) -> dict:
+        _, batch, lp = rollout(core)  # the same prompts and sampling every time: one shape
+        targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs)
+        return core.update(step, step - 1, batch, targets, 1.0).stats
+
+    first, second = update(1), update(2)
+    assert first["decode_shapes_built"] == 1 and second["decode_shapes_built"] == 0  # kept: replayed
+    assert first["decode_state_gib"] == second["decode_state_gib"] > 0
+    core.worker.engine.sleep = lambda: core.worker.engine._loop.trim(0)  # a budget of nothing
+    update(3)  # generated with the kept shape, given back before its update
+    assert update(4)["decode_shapes_built"] == update(5)["decode_shapes_built"] == 1  # built again every step
