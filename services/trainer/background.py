@@ -138,17 +138,26 @@ def write_group(group):
     return _write_groups[group]
 
 
-# Threads writing one rank's files. One thread wrote 0.9 GiB/s on a 2-core machine (four: 1.8): a
-# 0.5B actor's snapshot (weights and Adam moments in fp32, ~6 GiB) then took longer than a step, and
-# the next step's snapshot waited for it.
-WRITE_THREADS = max(1, min(8, os.cpu_count() or 1))
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's cpuset, a `taskset`), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def save(state: dict, weights: Path, process_group) -> None:
-    """`state` written to `weights` with torch.distributed.checkpoint, `WRITE_THREADS` files at once."""
+# Threads writing one rank's files. A save the step waits for (a checkpoint) takes as many as help:
+# one thread wrote 0.9 GiB/s on a 2-core machine (four: 1.8). A write behind the training (a
+# snapshot) shares the process with the rollout engine's host-bound decode loop: on one H100 each
+# step's generation lasted as long as the previous snapshot's write (docs/benchmarks.md), and on a
+# 2-core machine a host-bound loop ran 1.02x its time alone beside one writing thread, 1.56x beside
+# two, 4.5x beside eight (benchmarks/write_contention.py). It takes a quarter of the CPUs.
+WRITE_THREADS = max(1, min(8, _cpus()))
+BACKGROUND_WRITE_THREADS = max(1, min(8, _cpus() // 4))
+
+
+def save(state: dict, weights: Path, process_group, threads: int = WRITE_THREADS) -> None:
+    """`state` written to `weights` with torch.distributed.checkpoint, `threads` files at once."""
     import torch.distributed.checkpoint as dcp  # as trainer/checkpoint.py's: not for the coordinator
 
-    writer = dcp.FileSystemWriter(str(weights), thread_count=WRITE_THREADS)
+    writer = dcp.FileSystemWriter(str(weights), thread_count=threads)
     dcp.save(state, checkpoint_id=str(weights), storage_writer=writer, process_group=process_group)
 
 
@@ -156,7 +165,7 @@ def start_write(state: dict, weights: Path, host: HostCopy, group) -> TrainerWri
     """`state` (the trainer's model and optimizer state dicts) staged into `host` and written to
     `weights` in the background; collective over `group`'s ranks."""
     pg = write_group(group)  # made here, in the main thread, by every rank of the save at once
-    return host.start(state, lambda staged: save(staged, weights, pg))
+    return host.start(state, lambda staged: save(staged, weights, pg, BACKGROUND_WRITE_THREADS))
 
 
 class BackgroundSave:

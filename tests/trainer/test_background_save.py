@@ -1,6 +1,7 @@
 """SaveCheckpoint in the background (`trainer/background.py`): the state of the step asked for, staged
 before the next update changes it, written behind it, and committed only once complete."""
 
+import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -102,3 +103,27 @@ def test_host_copies_reuse_their_buffers_and_copy_any_state_again():
     second = host.start(state, lambda staged: staged).written.result()
     assert second["model"]["w"] is first["model"]["w"] and second["model"]["w"].tolist() == [1, 2, 3, 4, 5, 6]
     assert second["model"]["w"] is not weights and second["optim"]["param_groups"][0]["kind"] is torch.optim.AdamW
+
+
+def test_a_background_write_takes_a_quarter_of_the_cpus_and_a_checkpoint_as_many_as_help(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """A snapshot is written while the rollout engine's host-bound loop runs in the same process: its
+    writer threads must leave it CPUs (benchmarks/write_contention.py); a save the step waits for
+    does not."""
+    threads = []
+    save = background.save
+
+    def spy(state, weights, group, *more):
+        threads.append(more[0] if more else background.WRITE_THREADS)
+        return save(state, weights, group, *more)
+
+    monkeypatch.setattr(background, "save", spy)
+    core = critic(tiny_model_dir)
+    core.update(1, BATCH, RETURNS, OLD)
+    core.save_checkpoint(1, str(tmp_path / "background"), background=True)
+    core._writing.wait()
+    core.save_checkpoint(1, str(tmp_path / "waited"))
+    assert threads == [background.BACKGROUND_WRITE_THREADS, background.WRITE_THREADS]
+    cpus = len(os.sched_getaffinity(0))
+    assert background.BACKGROUND_WRITE_THREADS == max(1, min(8, cpus // 4))
+    assert background.WRITE_THREADS == min(8, cpus)
