@@ -5,9 +5,9 @@ A shape built again costs a warm-up step and a graph capture, and the capture em
 cache (`torch.cuda.graph` does), so the trainer's next update pays cudaMalloc for its blocks again.
 A fixed budget smaller than a run's working set (its turns' training shapes and its evaluation's)
 rebuilt every shape at every step: on one H100 the tool task's generate phase took 2.6 s a step once
-a 2 GiB budget was enforced, 1.2 s before, when nothing was ever evicted (docs/benchmarks.md,
-"The decode state's budget"). A budget that is never enforced fails the other way: an agent's endpoint calls come in
-every batch size, and a run kept all of them until it ran out of memory.
+a 2 GiB budget was enforced, 1.2 s before, when nothing was ever evicted (docs/benchmarks.md, "The
+decode state's budget"). A budget that is never enforced fails the other way: an agent's endpoint
+calls come in every batch size, and a run kept all of them until it ran out of memory.
 
 `auto` keeps what fits. Everything this process holds besides the kept state, plus what the next
 phase adds (the colocated trainer's update, or a shape about to be built), must stay within
@@ -73,8 +73,10 @@ class DecodeBudget:
 
     def for_update(self, held: int) -> int:
         """Before a colocated trainer's update, while `held` bytes are kept."""
-        if self.fixed is not None or self.room is None or self.update_growth is None:
-            return min(self.for_call(held), UNMEASURED_BYTES) if self.fixed is None else self.fixed
+        if self.fixed is not None:
+            return self.fixed
+        if self.room is None or self.update_growth is None:
+            return min(self.for_call(held), UNMEASURED_BYTES)
         return kept_budget(self.room.usable(), max(0, self.room.allocated() - held), self.update_growth)
 
     def update_starts(self) -> None:

@@ -6,8 +6,8 @@ extend them, and answer bad requests with OpenAI error objects naming the field.
 from __future__ import annotations
 
 import asyncio
-import time
 import json
+import time
 
 import httpx
 import openai
