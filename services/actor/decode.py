@@ -19,6 +19,12 @@ kept with the batch they came from. Finished rows are not refilled with waiting 
 call's sequences are one batch up to `rollout.batch_size`, and the vLLM backend schedules
 continuously (docs/benchmarks.md, "The long tail").
 
+A call decodes as a batch of `bucket_rows` rows, its sequences first and finished fillers after
+them: an agent's endpoint calls, a step's later turns and evaluations come in every size, and each
+size decoded as itself was a shape of its own (a cache, a warm-up step and a graph capture, kept or
+built again). Buckets are a power of two or one and a half times one, so a call decodes fewer than
+half again as many rows as it has; the fillers are never prefilled, and compaction drops them.
+
 Recorded logprobs follow the project's convention (docs/algorithms.md): log softmax(logits /
 temperature) of this forward, before top-k / top-p truncation.
 """
@@ -34,7 +40,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
-from rolefleet.actor.decode_budget import DecodeBudget
+from rolefleet.actor.decode_budget import COMPACT_FLOOR, DecodeBudget, bucket_rows
 from rolefleet.common.modeling import compiled
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,7 @@ log = logging.getLogger(__name__)
 ATTENTION = "rolefleet_cache"
 CHECK_EVERY = 16     # decode steps between looks at the finished flags (each look is a host sync)
 SLOT_ROUNDING = 128  # cache lengths are rounded up to this, so calls of similar widths share a graph
-COMPACT_FLOOR = 8    # fewer rows decode no faster (the step is bound by reading weights and launches)
+
 
 
 class UnsupportedModel(NotImplementedError):
@@ -246,7 +252,7 @@ class _Output:
 
     def result(self, buf: _Buffers, steps: int) -> Decoded:
         if self.tokens is None:
-            return Decoded(buf.out_tokens[:, :steps].cpu(), buf.out_logprobs[:, :steps].cpu())
+            return Decoded(buf.out_tokens[:self.rows, :steps].cpu(), buf.out_logprobs[:self.rows, :steps].cpu())
         self._copy(buf, steps)
         return Decoded(self.tokens[:, :steps].cpu(), self.logprobs[:, :steps].cpu())
 
@@ -307,7 +313,7 @@ class DecodeLoop:
         length = -(-(width + max_new_tokens) // SLOT_ROUNDING) * SLOT_ROUNDING
         mode = _Mode(top_k, top_p < 1.0, temperature == 0)
         with cache_attention_on(self.model):
-            root = buf = self._prepare(len(prompts), length, mode)
+            root = buf = self._prepare(bucket_rows(len(prompts)), length, mode)
             if seed >= 0:
                 torch.manual_seed(seed)  # after any graph capture, whose warm-up draws random numbers
             buf.temperature.fill_(1.0 if mode.greedy else temperature)
@@ -337,29 +343,35 @@ class DecodeLoop:
     # --- steps --------------------------------------------------------------------------------------
 
     def _prefill(self, buf: _Buffers, prompts: list[torch.Tensor], width: int, mode: _Mode) -> None:
-        """Prompts into cache slots [0, width), a token budget of rows at a time; the first token."""
-        cache = buf.cache
-        first = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.int64)
+        """Prompts into cache slots [0, width), a token budget of rows at a time; the first token.
+        The batch's rows after the prompts' are fillers: finished, attending only to the slots they
+        write from `width` on (as compaction's are), never prefilled."""
+        cache, n = buf.cache, len(prompts)
+        first = torch.full((cache.batch,), width, dtype=torch.int64)
+        first[:n] = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.int64)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = p
-        positions = (torch.arange(width) - first[:, None]).clamp_min(0)
+        positions = (torch.arange(width) - first[:n, None]).clamp_min(0)
         cache.first.copy_(first)
         cache.slot.zero_()
         rows = max(1, self.prefill_tokens // width)
         last = []
         for start in range(0, len(prompts), rows):
-            part = slice(start, start + rows)
+            part = slice(start, min(start + rows, n))
             cache.start(part)
             out = self.model(input_ids=ids[part].to(self.device), position_ids=positions[part].to(self.device),
                              use_cache=False, logits_to_keep=1, rolefleet_cache=cache)
             last.append(out.logits[:, -1])
         tokens, logprobs = self._sample(torch.cat(last), buf, mode)
+        tokens = torch.cat([tokens, tokens.new_full((cache.batch - n,), self.pad_id)])
         buf.out_tokens[:, 0] = tokens
-        buf.out_logprobs[:, 0] = logprobs
+        buf.out_logprobs[:n, 0] = logprobs
+        buf.out_logprobs[n:, 0] = 0.0
         buf.tokens.copy_(tokens)
         buf.positions.copy_(width - first)
         buf.finished.copy_(buf.is_stop[tokens])
+        buf.finished[n:] = True
         buf.step.fill_(1)
         cache.slot.fill_(width)
 

@@ -1,5 +1,5 @@
-"""How much of the hf decode loop's state stays between calls: each batch shape's KV cache, buffers
-and captured CUDA graphs (`actor.rollout.keep_decode_state_mb`).
+"""The hf decode loop's batch shapes (`bucket_rows`), and how much of their state stays between
+calls: each shape's KV cache, buffers and captured CUDA graphs (`actor.rollout.keep_decode_state_mb`).
 
 A shape built again costs a warm-up step and a graph capture, and the capture empties PyTorch's
 cache (`torch.cuda.graph` does), so the trainer's next update pays cudaMalloc for its blocks again.
@@ -21,8 +21,18 @@ from __future__ import annotations
 
 import torch
 
+COMPACT_FLOOR = 8    # fewer rows decode no faster (the step is bound by reading weights and launches)
 HEADROOM = 0.9                    # of what the process could hold: fragmentation, other processes' growth
 UNMEASURED_BYTES = 2048 * 2**20   # before a colocated update has been measured; the CPU
+
+
+def bucket_rows(n: int) -> int:
+    """The rows a call of `n` sequences decodes as (decode.py): the first of 8, 12, 16, 24, 32, 48,
+    64, 96, ... (powers of two and one and a half times them) that holds them."""
+    rows = COMPACT_FLOOR
+    while rows < n:
+        rows = rows * 3 // 2 if rows & (rows - 1) == 0 else rows * 4 // 3
+    return rows
 
 
 def kept_budget(usable: int, others: int, reserve: int, headroom: float = HEADROOM) -> int:

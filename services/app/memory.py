@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from rolefleet.actor.decode_budget import UNMEASURED_BYTES
+from rolefleet.actor.decode_budget import UNMEASURED_BYTES, bucket_rows
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
 from rolefleet.common.model_paths import cached_config, is_repo_id
 
@@ -294,7 +294,7 @@ def actor_estimate(cfg: RoleFleetConfig, dims: ModelDims, gpu: str) -> Estimate:
 def _add_rollout_engine(cfg: RoleFleetConfig, dims: ModelDims, est: Estimate) -> None:
     """The rollout engine on one of the actor's generating GPUs."""
     a, s = cfg.actor, cfg.sampling
-    rows = min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt)
+    rows = bucket_rows(min(a.rollout.batch_size, cfg.train.prompts_per_step * cfg.train.samples_per_prompt))
     width = (cfg.data.max_prompt_tokens or ASSUMED_PROMPT_TOKENS) + s.max_new_tokens
     if a.rollout.backend == "vllm":
         est.phases["generate"] = [Part("vLLM (gpu_memory_utilization of the GPU)", 0.0)]  # filled by the caller

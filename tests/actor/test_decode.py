@@ -182,7 +182,7 @@ def test_small_caches_stay_through_sleep_one_per_shape_and_decode_with_the_new_w
 def test_the_least_recently_used_shape_goes_first_when_over_the_budget(tiny_model_dir):
     core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
     loop = core.worker.engine._loop
-    for prompts in (["3+4="], ["3+4="] * 2, ["3+4="] * 3):
+    for prompts in (["3+4="] * 8, ["3+4="] * 12, ["3+4="] * 16):  # three row buckets: three shapes
         core.generate(prompts, SamplingParams(max_new_tokens=4, seed=1))
     first, second, third = loop._states
     loop._states.move_to_end(first)  # used again most recently
@@ -311,3 +311,29 @@ def test_sampled_rows_after_compaction_keep_logprobs_of_a_plain_forward_and_seed
     assert all(root.compacted[rows] is buf for rows, buf in built.items())
     fresh = make_core(tiny_model_dir, "actor.compute_dtype=float32")
     assert [s.response_ids.tolist() for s in fresh.generate(RAGGED, sampling)] == [s.response_ids.tolist() for s in first]
+
+
+def test_row_buckets_are_powers_of_two_and_half_again():
+    assert [decode.bucket_rows(n) for n in (1, 8, 9, 13, 17, 25, 100, 129, 200, 256, 257)] == \
+        [8, 8, 12, 16, 24, 32, 128, 192, 256, 256, 384]
+    assert all(n <= decode.bucket_rows(n) < 1.5 * n for n in range(9, 2000))
+
+
+def test_calls_of_nearby_sizes_share_one_shape_and_fillers_change_no_sequence(tiny_model_dir):
+    """An agent's endpoint calls come in every size: 10 and 11 sequences decode as one 12-row shape
+    whose fillers are never returned, and each sequence decodes as it does in a full batch."""
+    core = make_core(tiny_model_dir, "actor.compute_dtype=float32")
+    loop = core.worker.engine._loop
+    prompts = [f"{a}+{b}=" for a, b in zip(range(1, 13), range(7, 19))]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    full = [s.response_ids.tolist() for s in core.generate(prompts, greedy)]  # 12: no fillers
+    ten = core.generate(prompts[:10], greedy)
+    eleven = core.generate(prompts[:11], greedy)
+    assert len(loop._states) == 1 and loop.built == 1
+    assert (len(ten), len(eleven)) == (10, 11)
+    assert [s.response_ids.tolist() for s in ten] == full[:10]
+    assert [s.response_ids.tolist() for s in eleven] == full[:11]
+    with torch.no_grad():
+        plain, _ = lm_logprobs(core.worker.engine.model, sequences(ten), core.worker.device, 1.0, 64,
+                               with_entropy=False)
+    assert torch.allclose(torch.cat([s.logprobs for s in ten]), plain.cpu(), atol=1e-5)

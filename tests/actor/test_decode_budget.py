@@ -91,22 +91,22 @@ def test_auto_is_the_default_and_keeps_every_shape_the_device_has_room_for(engin
     loop = engine._loop
     assert engine.cfg.rollout.keep_decode_state_mb == "auto"
     loop.budget.room = Room(80 * GIB, 1 * GIB, held=loop.held_bytes)
-    generate_shapes(engine, 1, 2, 3, 4)
+    generate_shapes(engine, 8, 12, 16, 24)  # four row buckets
     assert len(loop._states) == 4
 
 
 def test_auto_evicts_the_least_recently_used_shapes_to_make_room_for_a_new_one(engine):
     loop = engine._loop
-    generate_shapes(engine, 1, 2)
-    one, two = loop._states
+    generate_shapes(engine, 8, 16)
+    small, large = loop._states
     room = Room(0, 0, held=loop.held_bytes)
     loop.budget.room = room
-    # Room for what is kept and a little more: a shape of 4 rows (about twice the kept ones) does
+    # Room for what is kept and a little more: a shape of 24 rows (as large as both kept ones) does
     # not fit beside both, and the least recently used one goes first.
-    room.usable_bytes = int((loop.held_bytes() + loop._slot_bytes * 4 * one[1] * 0.8) / HEADROOM)
-    loop._states.move_to_end(one)
-    generate_shapes(engine, 4)
-    assert list(loop._states)[0] == one and two not in loop._states and len(loop._states) == 2
+    room.usable_bytes = int((loop.held_bytes() + loop._slot_bytes * 24 * small[1] * 0.8) / HEADROOM)
+    loop._states.move_to_end(small)
+    generate_shapes(engine, 24)
+    assert list(loop._states)[0] == small and large not in loop._states and len(loop._states) == 2
 
 
 def test_sleep_keeps_what_the_measured_update_leaves_room_for(engine):
@@ -114,7 +114,7 @@ def test_sleep_keeps_what_the_measured_update_leaves_room_for(engine):
     room = Room(0, 0, held=loop.held_bytes)
     loop.budget.room = room
     room.usable_bytes = 80 * GIB
-    generate_shapes(engine, 1, 2, 3)
+    generate_shapes(engine, 8, 12, 16)
     engine.sleep()  # the first update: not yet measured, so at most the unmeasured budget (all of these)
     assert len(loop._states) == 3
     room.peak_bytes = room.allocated() + 2 * GIB

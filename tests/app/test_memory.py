@@ -69,11 +69,11 @@ def test_the_actor_estimate_by_hand(tmp_path):
     p = dims.params
     est = actor_estimate(cfg, dims, "0")
     got = parts(est)
-    kv = 2 * 2 * 2 * 4 * 4 * 16  # k and v, bf16, 2 layers, one KV head of 4, 4 rows, 6 + 10 tokens
+    kv = 2 * 2 * 2 * 4 * 8 * 16  # k and v, bf16, 2 layers, one KV head of 4, 4 samples in 8 rows (a bucket), 6 + 10 tokens
     assert got == {
         "policy weights (fp32)": 4 * p, "policy AdamW state (fp32)": 8 * p, "reference weights (fp32)": 4 * p,
         "rollout engine weights (bf16)": 2 * p, "kept decode state": kv,  # within keep_decode_state_mb
-        "generate: KV cache of 4 rows x 16 tokens (bf16)": 0, "generate: logits of one decode step": 4 * 4 * 10,
+        "generate: KV cache of 8 rows x 16 tokens (bf16)": 0, "generate: logits of one decode step": 4 * 8 * 10,
         "update: policy activations of one micro-batch (100 tokens)": 100 * 2 * 416,
         "update: policy gradients (fp32)": 4 * p, "update: LM head logits of 5 tokens with their gradient": 3 * 4 * 5 * 10}
     held = 18 * p + kv
@@ -107,11 +107,11 @@ def test_lora_holds_the_frozen_weights_in_bf16_and_trains_adapters_alone(tmp_pat
     assert dims.adapter_params(2, "all-linear") == adapters == 512
     assert dims.adapter_params(2, ["q_proj", "v_proj", "not_a_layer"]) == 2 * 2 * (16 + 12)
     got = parts(actor_estimate(cfg_for(model, "actor.lora.rank=2"), dims, "0"))
-    kv = 2 * 2 * 2 * 4 * 4 * 16
+    kv = 2 * 2 * 2 * 4 * 8 * 16
     assert got == {
         "policy frozen weights (bf16)": 2 * p, "policy LoRA adapters (r=2): weights and AdamW state": 12 * adapters,
         "rollout engine weights (bf16)": 2 * p, "kept decode state": kv,  # and no reference: adapters off
-        "generate: KV cache of 4 rows x 16 tokens (bf16)": 0, "generate: logits of one decode step": 4 * 4 * 10,
+        "generate: KV cache of 8 rows x 16 tokens (bf16)": 0, "generate: logits of one decode step": 4 * 8 * 10,
         # an adapter's own bf16 cast of each input from the fp32 norms (q, k, v, gate, up): 5 * 2 * 8 bytes
         "update: policy activations of one micro-batch (100 tokens)": 100 * 2 * (416 + 80),
         "update: policy adapters' gradients (fp32)": 4 * adapters,
@@ -179,11 +179,11 @@ def test_a_split_actor_holds_its_engine_on_the_rollout_gpus_and_its_trainer_on_t
     p = dims.params
     gpus = plan(cfg_for(model, "devices.actor=[0, 1, 2, 3]", "devices.rollout=[0, 1]"), 80 * GIB)
     got = {g.gpu: parts(g.estimates[0]) for g in gpus}
-    kv = 2 * 2 * 2 * 4 * 4 * 16
+    kv = 2 * 2 * 2 * 4 * 8 * 16
     for rollout_gpu in ("0", "1"):  # the engine alone: no trainer, no reference, no update
         assert got[rollout_gpu] == {"rollout engine weights (bf16)": 2 * p, "kept decode state": kv,
-                                    "generate: KV cache of 4 rows x 16 tokens (bf16)": 0,
-                                    "generate: logits of one decode step": 4 * 4 * 10}
+                                    "generate: KV cache of 8 rows x 16 tokens (bf16)": 0,
+                                    "generate: logits of one decode step": 4 * 8 * 10}
     for train_gpu in ("2", "3"):  # sharded over the two training GPUs, not the actor's four
         assert got[train_gpu]["policy weights (fp32)"] == 4 * p / 2
         assert got[train_gpu]["reference weights (fp32)"] == 4 * p / 2
