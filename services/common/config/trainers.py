@@ -187,7 +187,8 @@ class RolloutSection(_Section):
         "auto", description="rollout engine: vllm, hf (transformers), or auto (vllm where it is installed "
         "and a GPU is visible, else hf)")
     batch_size: int = Field(256, ge=1, description="sequences per engine call; each call's samples "
-                            "stream back as soon as it finishes")
+                            "stream back as soon as it finishes (the hf decode loop runs a call as the next row "
+                            "bucket that holds it: 8, 12, 16, 24, 32, 48, ..., a power of two or half again)")
     decode: Literal["auto", "loop", "generate"] = Field(
         "auto", description="decoding of the hf engine: loop (the engine's own KV cache, device sampling, "
         "one CUDA graph per step), generate (transformers' generate), or auto (loop, falling back to "
