@@ -19,12 +19,12 @@ def test_the_student_moves_toward_the_teacher_on_its_own_samples(tmp_path_factor
                          lambda out: make_tiny_model(out, task="addition", warm_start_steps=300))
     out = tmp_path / "run"
     proc = rolefleet("up", "configs/demo.yaml", "algorithm=distill", f"model.model_name_or_path={student}",
-                     f"teacher.model_name_or_path={teacher}", f"run.output_dir={out}", "train.total_steps=60",
-                     "train.prompts_per_step=64", "actor.ppo_epochs=1", "actor.num_mini_batches=1", "actor.lr=1e-3")
+                     f"teacher.model_name_or_path={teacher}", f"run.output_dir={out}", "train.total_steps=40",
+                     "train.prompts_per_step=64", "actor.ppo_epochs=1", "actor.num_mini_batches=1", "actor.lr=1.5e-3")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output[-4000:]
-    assert "ended FINISHED after step 60/60" in output
+    assert "ended FINISHED after step 40/40" in output
     assert (out / "logs" / "teacher.log").exists() and not (out / "logs" / "critic.log").exists()
     records = read_metrics(out / "metrics.jsonl")
     first, last = (sum(r["distill/reverse_kl"] for r in part) / 10 for part in (records[:10], records[-10:]))
-    assert last < first - 0.3, [round(r["distill/reverse_kl"], 2) for r in records]  # 3.1 -> 2.3 here
+    assert last < first - 0.3, [round(r["distill/reverse_kl"], 2) for r in records]  # 3.1 -> 2.4 here
