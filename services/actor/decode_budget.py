@@ -56,6 +56,9 @@ class DeviceRoom:
         return torch.cuda.memory_allocated(self.device)
 
     def start_peak(self) -> None:
+        # The process's one peak counter, also what the update's `actor/peak_memory_gib` reads
+        # (`trainer/profiling.DeviceMemory`, reset as the update begins): reset again after the
+        # engine's trim, both then count the update's own peak, not the state given back before it.
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:

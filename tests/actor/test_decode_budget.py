@@ -90,9 +90,13 @@ def engine_core_generate(engine, prompts: list[str]) -> None:
 def test_auto_is_the_default_and_keeps_every_shape_the_device_has_room_for(engine):
     loop = engine._loop
     assert engine.cfg.rollout.keep_decode_state_mb == "auto"
-    loop.budget.room = Room(80 * GIB, 1 * GIB, held=loop.held_bytes)
+    room = Room(80 * GIB, 1 * GIB, held=loop.held_bytes)
+    loop.budget.room = room
     generate_shapes(engine, 8, 12, 16, 24)  # four row buckets
     assert len(loop._states) == 4
+    room.usable_bytes = GIB  # the device fills up (another process): the budget is what it has room for
+    generate_shapes(engine, 32)
+    assert len(loop._states) == 1  # the newest alone: nothing else fits beside the process's own 1 GiB
 
 
 def test_auto_evicts_the_least_recently_used_shapes_to_make_room_for_a_new_one(engine):
