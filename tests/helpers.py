@@ -39,10 +39,11 @@ async def expect_invalid(call, field: str) -> str:
     return await expect_code(call, grpc.StatusCode.INVALID_ARGUMENT, field)
 
 
-def save_after_one_update_over_two_workers(cfg, path: str, background: bool = False):
+def save_after_one_update_over_two_workers(cfg, path: str, snapshot_root: str | None = None):
     """An actor over two worker processes (as `cfg.actor` shards them) generates, takes one update
-    and saves it at `path` (`background`: a second update runs while it is written). Returns the
-    save's answer, the weights digest after the first update, and the batch and targets of that
+    and saves it at `path` (with `snapshot_root`, a snapshot under it: then a second update runs
+    and the two ranks load the snapshot back, which must give the first update's weights). Returns
+    the save's answer, the weights digest after the first update, and the batch and targets of that
     update (for a next one)."""
     import torch
 
@@ -55,15 +56,17 @@ def save_after_one_update_over_two_workers(cfg, path: str, background: bool = Fa
     group = WorkerGroup.start("actor", 2, cfg.model_dump(mode="json"), ActorWorker.from_config)
     try:
         double = ActorCore(cfg.actor, group=group)
+        double.snapshot_root = snapshot_root
         samples = double.generate(["1+2=", "13+4=", "7+7="], SamplingParams(max_new_tokens=4, n=2, seed=5))
         batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
         lp = double.compute_logprobs(batch, 1.0, include_reference=True)
         targets = PolicyTargets(torch.linspace(-1, 1, batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
         double.update(1, 0, batch, targets, 1.0)
-        saved, digest = double.save_checkpoint(1, path, background), double.digest()
-        if background:
+        saved, digest = double.save_checkpoint(1, path, background=True), double.digest()
+        if snapshot_root is not None:
             double.update(2, 1, batch, targets, 1.0)
-            saved = double.save_checkpoint(1, path)  # the repeat: once the files are complete
+            assert double.digest() != digest
+            assert double.load_checkpoint(path) == saved and double.digest() == digest
         return saved, digest, batch, targets
     finally:
         group.stop()

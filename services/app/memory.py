@@ -50,12 +50,9 @@ ASSUMED_PROMPT_TOKENS = 512  # the KV cache's prompt part when data.max_prompt_t
 OFFLOAD_CHUNK = 2**30  # the AdamW state `offload: optimizer` brings to the GPU at once (trainer/optim.py)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STATE_BYTES_PER_PARAM = 4 + 8  # a trainer's state: fp32 weights and AdamW's two fp32 moments
-# Snapshots of a trainer held at their fullest: before writing the next, a trainer removes all but its
-# newest (the coordinator asks for one after the previous one's manifest), so two while it writes.
+# Snapshots of a trainer held: each rank copies its state into one of two memory-mapped files, the
+# other holding its newest complete snapshot (`trainer/snapshot_file.py`); nothing else is staged.
 SNAPSHOTS_HELD = 2
-# ... and in each trainer's own memory, the host buffers it stages a snapshot into before writing it
-# (pinned on a GPU: `trainer/background.py`), kept from one snapshot to the next.
-STAGED_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -434,11 +431,10 @@ def trainer_state_bytes(dims: ModelDims, section, value_model: bool) -> float:
     return nbytes
 
 
-def snapshot_bytes(cfg: RoleFleetConfig, staged: bool = False) -> Optional[float]:
-    """Memory the run's snapshots (`checkpoint.snapshot`) take at their fullest where every role
-    runs on one machine (`rolefleet up`): each trainer's state, twice in the snapshot directory, and
-    with `staged` once more in the buffers the trainers stage it in; None when a trainer's model
-    config is not readable here."""
+def snapshot_bytes(cfg: RoleFleetConfig) -> Optional[float]:
+    """Memory the run's snapshots (`checkpoint.snapshot`) take where every role runs on one machine
+    (`rolefleet up`): each trainer's state, twice in the snapshot directory (its two buffer files);
+    None when a trainer's model config is not readable here."""
     total = 0.0
     for role in ("actor", "critic"):
         if role in cfg.roles():
@@ -448,7 +444,7 @@ def snapshot_bytes(cfg: RoleFleetConfig, staged: bool = False) -> Optional[float
             except ConfigError:
                 return None
             total += trainer_state_bytes(dims, section, role == "critic")
-    return (SNAPSHOTS_HELD + (STAGED_COPIES if staged else 0)) * total
+    return SNAPSHOTS_HELD * total
 
 
 def gpu_capacity() -> Optional[float]:
@@ -586,10 +582,8 @@ def describe(cfg: RoleFleetConfig, plans: list[GpuPlan], host: Optional[float] =
                      f"{loading[node] / GIB:.1f} GiB in all while the roles load")
     snapshots = snapshot_bytes(cfg) if cfg.checkpoint.snapshot.enabled else None
     if snapshots:
-        staging = snapshot_bytes(cfg, staged=True) - snapshots
-        lines.append(f"snapshots: {snapshots / GIB:.1f} GiB of memory at their fullest, two of each trainer's state "
-                     f"(checkpoint.snapshot.dir {cfg.checkpoint.snapshot.root(cfg.run)}), and {staging / GIB:.1f} GiB "
-                     "of host buffers the trainers stage them in")
+        lines.append(f"snapshots: {snapshots / GIB:.1f} GiB of memory, two of each trainer's state "
+                     f"(checkpoint.snapshot.dir {cfg.checkpoint.snapshot.root(cfg.run)})")
     if not lines:
         lines.append("nothing to plan: no role with GPU work has GPUs (devices.*)")
     # A role's GPUs without work are left out of the plan above; say so rather than let them vanish.

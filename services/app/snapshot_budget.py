@@ -1,10 +1,10 @@
 """Whether the run's per-step snapshots (`checkpoint.snapshot`) fit where `rolefleet up` runs them.
 
 A snapshot holds each trainer's whole state (fp32 weights and AdamW moments: 12 bytes a trained
-parameter) in memory, and two exist while the next is written: 24 bytes a parameter, ~168 GiB for a
-7B policy trained in full; each trainer also keeps a host copy it stages the next one in (12 bytes
-more). Where that does not fit in the snapshot directory's filesystem (/dev/shm: half the machine's
-memory by default) or, with the staging buffers, beside the state the run offloads to host memory,
+parameter) in memory, and each trainer keeps two (the newest complete one and the one it writes
+next, `trainer/snapshot_file.py`): 24 bytes a parameter, ~168 GiB for a 7B policy trained in full.
+Where that does not fit in the snapshot directory's filesystem (/dev/shm: half the machine's memory
+by default) or beside the state the run offloads to host memory,
 the run goes without snapshots, says so, and recovers a lost trainer from its checkpoints instead.
 """
 
@@ -37,15 +37,14 @@ def offloaded_bytes(cfg: RoleFleetConfig) -> float:
 def snapshot_problem(cfg: RoleFleetConfig, host: Optional[float], free: Optional[float],
                      offloaded: float) -> Optional[str]:
     """Why the run's snapshots do not fit (None: they do, or cannot be sized here)."""
-    need, in_host = snapshot_bytes(cfg), snapshot_bytes(cfg, staged=True)
+    need = snapshot_bytes(cfg)
     if need is None:
         return None
     over = []
     if free is not None and need > free:
         over.append(f"{cfg.checkpoint.snapshot.root(cfg.run)} has {free / GIB:.1f} GiB free")
-    if host is not None and in_host + offloaded > NEAR * host:
-        over.append(f"{in_host / GIB:.1f} GiB with the buffers they are staged in, and with the "
-                    f"{offloaded / GIB:.1f} GiB of offloaded state over {NEAR:.0%} of this machine's {host / GIB:.1f} GiB")
+    if host is not None and need + offloaded > NEAR * host:
+        over.append(f"with the {offloaded / GIB:.1f} GiB of offloaded state over {NEAR:.0%} of this machine's {host / GIB:.1f} GiB")
     if not over:
         return None
     return (f"two snapshots of the trainers' state take {need / GIB:.1f} GiB ({'; '.join(over)}): a lost actor or "

@@ -155,6 +155,9 @@ class Checkpointer:
         snapshot that fails turns them off and calls `then` at once; one that a lost role leaves
         incomplete never calls it (its step is trained again)."""
         await self.settle()  # the previous one complete: one at a time
+        if self.snapshots is None:  # the previous one failed meanwhile, which turned them off
+            then({})
+            return
         start = time.perf_counter()
         path = step_dir(self.snapshots / self.instance, state.step)
         coordinator = copy.deepcopy(state)  # as of now: the next step changes the state

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from rolefleet.app import memory
-from rolefleet.app.memory import GIB, SNAPSHOTS_HELD, STAGED_COPIES, ModelDims, trainer_state_bytes
+from rolefleet.app.memory import GIB, SNAPSHOTS_HELD, ModelDims, trainer_state_bytes
 from rolefleet.common.config import ConfigError, RoleFleetConfig
 
 PROCESS_BYTES = 3 * GIB  # one process that imports torch, before any tensor of its own
@@ -175,9 +175,8 @@ def requests(cfg: RoleFleetConfig) -> dict[str, dict[str, int | str]]:
     for role in cfg.roles():
         if role in TRAINERS:
             nbytes, snapshots = trainer_memory(cfg, role), snapshot_bytes(cfg, role)
-            # The snapshot volume is memory the pod is charged for, and the buffers it stages them in too.
-            nbytes = None if nbytes is None or snapshots is None else \
-                nbytes + snapshots * (SNAPSHOTS_HELD + STAGED_COPIES) / SNAPSHOTS_HELD
+            # The snapshot volume is memory the pod is charged for (its files, mapped into the trainer).
+            nbytes = None if nbytes is None or snapshots is None else nbytes + snapshots
         else:
             nbytes = {"reward": reward_memory, "teacher": teacher_memory}.get(role, coordinator_memory)(cfg)
         out[role] = {"cpu": cpus(cfg, role)} | ({"memory": gib(nbytes)} if nbytes is not None else {})

@@ -36,7 +36,7 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.trainer import checkpoint
-from rolefleet.trainer.background import HostCopy, TrainerWrite
+from rolefleet.trainer.snapshot_file import SnapshotBuffers
 from rolefleet.trainer.optim import HostOptimizerState, StepFn, apply_gradients, make_optimizer, run_epochs
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
@@ -90,8 +90,7 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(root, cfg)  # over the shards, if sharded
         self.state_offload = HostOptimizerState(self.optimizer) if cfg.offload == "optimizer" else None
         self.generator = torch.Generator().manual_seed(seed)
-        self.writing: TrainerWrite | None = None  # a background save's write in flight (`save_state`)
-        self._host: HostCopy | None = None  # its host buffers, kept from one background save to the next
+        self._snapshots = SnapshotBuffers()  # this rank's snapshot files, mapped from one snapshot to the next
 
     # --- passes over a batch ------------------------------------------------------------------
 
@@ -130,7 +129,6 @@ class Trainer:
     def run_epochs(self, batch: SequenceBatch, step: StepFn) -> dict[str, float]:
         """`step` once per mini-batch per epoch, the model in training mode; each statistic averaged
         over the optimizer steps (`optim.run_epochs`: a failure after the first is a PartialUpdate)."""
-        self._staged()
         self.model.train()
         try:
             return run_epochs(batch, self.cfg.ppo_epochs, self.cfg.num_mini_batches, self.generator, step)
@@ -165,28 +163,17 @@ class Trainer:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def save_state(self, work: Path, background: bool = False) -> None:
+    def save_state(self, work: Path, buffers: Path | None = None) -> None:
         """Collective over the part: each rank its shards; the first the scheduler and RNG states.
-        `background`: the state staged into host buffers, its files written behind the next steps
-        (`self.writing`, `trainer/background.py`)."""
-        if self.writing is not None:  # one write at a time: the staging buffers are reused
-            self.writing.settle()
-            self.writing = None
-        if background and self._host is None:
-            self._host = HostCopy()
-        self.writing = checkpoint.save_trainer(work, self.model, self.optimizer, self.scheduler, self.generator,
-                                               self.ranks.group, self.ranks.first,
-                                               self._host if background else None)
-
-    def _staged(self) -> None:
-        """Before the weights or moments change: a background save's copy of them is complete."""
-        if self.writing is not None:
-            self.writing.wait_staged()
+        `buffers`: a snapshot, copied into this rank's snapshot files in that directory
+        (`trainer/snapshot_file.py`)."""
+        checkpoint.save_trainer(work, self.model, self.optimizer, self.scheduler, self.generator, self.ranks,
+                                None if buffers is None else (self._snapshots, buffers))
 
     def load_state(self, path: Path) -> None:
-        """The inverse of `save_state`, resharded to this part."""
-        self._staged()
-        checkpoint.load_trainer(path, self.model, self.optimizer, self.scheduler, self.generator, self.ranks.group)
+        """The inverse of `save_state`, resharded to this part (a snapshot: onto the same shards)."""
+        checkpoint.load_trainer(path, self.model, self.optimizer, self.scheduler, self.generator, self.ranks)
+        self._snapshots.keep(path / "weights", self.ranks.rank)
         if self.state_offload is not None:
             self.state_offload.to_host()  # loading put the state beside the parameters
 

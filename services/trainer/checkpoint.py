@@ -43,8 +43,8 @@ import torch
 
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 from rolefleet.common.role_types import CheckpointInfo
-from rolefleet.trainer import background
-from rolefleet.trainer.background import BackgroundSave
+from rolefleet.trainer import snapshot_file
+from rolefleet.trainer.snapshot_file import SnapshotBuffers
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -95,41 +95,52 @@ def commit(path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's cpuset, a `taskset`), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Threads writing one rank's checkpoint files: one thread wrote 0.9 GiB/s on a 2-core machine (four:
+# 1.8); the run waits for a checkpoint, so it takes as many as help.
+WRITE_THREADS = max(1, min(8, _cpus()))
+
+
 # --- a trainer's state --------------------------------------------------------------------------
 
 def save_trainer(work: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 generator: torch.Generator, group, first: bool, host=None):
-    """SPMD over the training ranks (`group`: their process group, None for all or no group):
-    weights and optimizer state, each rank its shards; the first rank writes trainer.pt. A failure
-    (a full disk) is a role error alike on every rank: the save is refused, nothing changed. With
-    `host` (`background.HostCopy`) the weights are staged into its buffers and written in the
-    background: the write in flight is returned (`background.TrainerWrite`)."""
+                 generator: torch.Generator, ranks, snapshot: tuple[SnapshotBuffers, Path] | None = None) -> None:
+    """SPMD over the training ranks (`ranks`: theirs): weights and optimizer state, each rank its
+    shards; the first rank writes trainer.pt. A failure (a full disk) is a role error alike on every
+    rank: the save is refused, nothing changed. `snapshot` (buffers, their directory): the state
+    copied into the rank's snapshot buffer files (`snapshot_file`), not written with DCP."""
     # the coordinator imports this module and saves no trainer: torch.distributed.checkpoint (0.4 s) not for it
     import torch.distributed.checkpoint as dcp
 
     try:
         model_state, optim_state = _trainable_state(model, optimizer)
         work.mkdir(parents=True, exist_ok=True)
-        if first:  # small, and what the state dicts do not hold: written now
+        if ranks.first:  # small, and what the state dicts do not hold: written now
             torch.save({"scheduler": scheduler.state_dict(), "generator": generator.get_state(),
                         "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                        work / "trainer.pt")
         state = {"model": model_state, "optim": optim_state}
-        if host is not None:
-            return background.start_write(state, work / "weights", host, group)
+        if snapshot is not None:
+            buffers, directory = snapshot
+            buffers.write(state, work / "weights", directory, ranks.rank, ranks.world)
+            return
         with _one_process_is_fine():
-            background.save(state, work / "weights", group)
-        return None
+            writer = dcp.FileSystemWriter(str(work / "weights"), thread_count=WRITE_THREADS)
+            dcp.save(state, checkpoint_id=str(work / "weights"), storage_writer=writer, process_group=ranks.group)
     except (Exception, dcp.CheckpointException) as exc:  # dcp's errors derive from BaseException
         raise FailedPrecondition(f"saving the checkpoint to {work} failed: {exc}") from exc
 
 
 def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 generator: torch.Generator, group) -> None:
-    """SPMD over the training ranks: the inverse of `save_trainer`, resharded to this group. A
-    failure is a role error alike on every rank (the caller marks the role broken: the weights may
-    be half loaded)."""
+                 generator: torch.Generator, ranks) -> None:
+    """SPMD over the training ranks: the inverse of `save_trainer`, resharded to this group (a
+    snapshot: onto the same shards alone). A failure is a role error alike on every rank (the caller
+    marks the role broken: the weights may be half loaded)."""
     # the coordinator imports this module and saves no trainer: torch.distributed.checkpoint (0.4 s) not for it
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict  # as above
@@ -137,8 +148,11 @@ def load_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     try:
         model_state, optim_state = _trainable_state(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        with _one_process_is_fine():
-            dcp.load(state, checkpoint_id=str(path / "weights"), process_group=group)
+        if snapshot_file.is_snapshot(path / "weights"):
+            snapshot_file.load(state, path / "weights", ranks.rank, ranks.world)
+        else:
+            with _one_process_is_fine():
+                dcp.load(state, checkpoint_id=str(path / "weights"), process_group=ranks.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_trainable_options())
         extra = torch.load(path / "trainer.pt", weights_only=True)  # tensors and plain values: never code
@@ -276,24 +290,28 @@ def read_role_json(path: Path) -> dict | None:
     return saved
 
 
-def _missing_parts(path: Path) -> list[str]:
-    """What a trainer checkpoint directory lacks, checked before anything is loaded."""
-    return [part for part in ("weights/.metadata", "trainer.pt") if not (path / part).is_file()]
+def _missing_parts(path: Path, world: int) -> list[str]:
+    """What a trainer checkpoint directory lacks, or why its snapshot's data cannot be read, checked
+    before anything is loaded."""
+    if snapshot_file.is_snapshot(path / "weights"):
+        problem = snapshot_file.problem(path / "weights", world)
+        missing = [problem] if problem else []
+    else:
+        missing = [] if (path / "weights/.metadata").is_file() else ["no weights/.metadata"]
+    return missing + ([] if (path / "trainer.pt").is_file() else ["no trainer.pt"])
 
 
 def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
-              write_hf_files: Callable[[Path], None]) -> CheckpointInfo | BackgroundSave:
-    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks).
-    When `save_state` returns a write still in flight (rank 0's Future: a background save), the
-    directory is committed once it is over, by the BackgroundSave returned."""
+              write_hf_files: Callable[[Path], None]) -> CheckpointInfo:
+    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks)."""
     target = _role_dir(core, path)
+    saved = read_role_json(target)
+    if saved is not None and saved["last_step"] == step:  # a repeat (the next step may have run since): on disk
+        return CheckpointInfo(step, saved["model_version"])
     last = core.state.ledger.last_step
     if step != last:
         raise FailedPrecondition(f"a checkpoint of step {step} was asked for; the {core.state.role}'s last "
                                  f"applied step is {last}")
-    saved = read_role_json(target)
-    if saved is not None and saved["last_step"] == step:  # a repeat: already on disk
-        return CheckpointInfo(step, saved["model_version"])
     # Only a checkpoint of this role (of another step) is ever replaced: a request naming a file, the
     # checkpoint root or a step directory must not delete what is there.
     try:
@@ -307,11 +325,13 @@ def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
         work = begin(target)
     except OSError as exc:
         raise InvalidArgument("path", f"cannot write {target}: {exc}") from exc
-    written = save_state(str(work))
-    write_hf_files(work)
-    write_json(work / "role.json", core.state.to_json())
-    if written is not None:
-        return BackgroundSave(target, step, CheckpointInfo(step, core.state.version), written)
+    try:
+        save_state(str(work))
+        write_hf_files(work)
+        write_json(work / "role.json", core.state.to_json())
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # nothing half written is left behind
+        raise
     shutil.rmtree(target, ignore_errors=True)  # a save of another step at the same path
     commit(target)
     return CheckpointInfo(step, core.state.version)
@@ -323,8 +343,8 @@ def load_role(core, path: str, load_state: Callable[[str], None]) -> CheckpointI
     saved = read_role_json(source)
     if saved is None:
         raise InvalidArgument("path", f"no {core.state.role} checkpoint at {source} (role.json missing or unreadable)")
-    if missing := _missing_parts(source):  # refused before the model is touched: the role stays whole
-        raise InvalidArgument("path", f"{source} is no complete {core.state.role} checkpoint: no {', '.join(missing)}")
+    if missing := _missing_parts(source, core.training_ranks()):  # refused before the model is touched: the role stays whole
+        raise InvalidArgument("path", f"{source} is no complete {core.state.role} checkpoint: {', '.join(missing)}")
     try:
         load_state(str(source))
     except Exception as exc:  # the weights may be half loaded: neither the old state nor the saved one

@@ -14,7 +14,6 @@ from pathlib import Path
 from rolefleet.common.modeling import release_memory
 from rolefleet.common.role_types import CheckpointInfo, RoleStatus
 from rolefleet.trainer import checkpoint
-from rolefleet.trainer.background import BackgroundSave
 from rolefleet.trainer.steps import StepLedger, TrainerState
 from rolefleet.trainer.worker import TrainingWorker
 from rolefleet.trainer.workers import WorkerGroup, Workers
@@ -31,7 +30,6 @@ class TrainerRole:
         # and checkpoint.snapshot.dir); None: anywhere (a core used in-process).
         self.checkpoint_root = None
         self.snapshot_root = None
-        self._writing: BackgroundSave | None = None  # the last save in the background (maybe still written)
 
     @property
     def ledger(self) -> StepLedger:
@@ -41,41 +39,40 @@ class TrainerRole:
 
     def save_checkpoint(self, step: int, path: str, background: bool = False) -> CheckpointInfo:
         """The trainer's state as of `step` (its last applied one) into `path`; a repeat answers
-        from disk, or once the write is complete while it is in the background. `background`:
-        answered once the state is staged off the device (`trainer/background.py`), where this
-        process trains; saved before answering otherwise."""
-        writing = self._writing
-        if writing is not None and writing.answers(step, path):
-            return writing.wait()  # without the model lock: the next update need not wait for it
+        from disk. A snapshot (a path under `snapshot_root`) is complete once each rank copied its
+        state into its snapshot files (`trainer/snapshot_file.py`): `background` (the coordinator's
+        first request of a snapshot, answered once the state is off the device) asks for nothing more."""
         with self._lock:
-            if writing is not None:
-                writing.settle()  # one write at a time
             snapshot = checkpoint.is_snapshot(self, path)
             if snapshot:
                 # The coordinator asks for one snapshot at a time, after the previous one's manifest:
                 # only that one is still needed while this one is written (two at most on this machine).
                 checkpoint.prune_snapshots(Path(self.snapshot_root), self.role, keep=1)
-            background = background and self.worker.trainer is not None
-            # A snapshot is for resuming alone (never exported): no config or tokenizer files.
-            saved = checkpoint.save_role(self, step, path, lambda work: self._save_state(work, background),
-                                         (lambda work: None) if snapshot else self.write_hf_files)
-            if isinstance(saved, BackgroundSave):
-                self._writing = saved
-                return saved.info
-            return saved
+            # A snapshot is for resuming alone (never exported): no config or tokenizer files; its
+            # buffer files beside the run's step directories (`<instance>/buffers/<role>`).
+            buffers = str(self._snapshot_buffers(path)) if snapshot else None
+            return checkpoint.save_role(self, step, path, lambda work: self._save_state(work, buffers),
+                                        (lambda work: None) if snapshot else self.write_hf_files)
+
+    def _snapshot_buffers(self, path: str) -> Path:
+        """Where this role's snapshot buffer files live: beside the run's step directories
+        (`<instance>/buffers/<role>` for `<instance>/step-N/<role>`), within the snapshot root."""
+        root = Path(self.snapshot_root).resolve()
+        instance = Path(path).resolve().parent.parent
+        return (instance if instance.is_relative_to(root) else root) / "buffers" / self.role
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         with self._lock:
-            if self._writing is not None:
-                self._writing.settle()
             info = checkpoint.load_role(self, path, self._load_state)
             self.after_load(info)
             return info
 
-    def _save_state(self, work: str, background: bool = False):
-        """Over the training ranks; in the background: this process's write in flight."""
-        self.workers.run(TrainingWorker.save_state, work, background)
-        return self.worker.trainer.writing.written if background else None
+    def training_ranks(self) -> int:
+        """The ranks that train (and save and load the trainer's state)."""
+        return len(self.workers.ranks(TrainingWorker.load_state))
+
+    def _save_state(self, work: str, buffers: str | None) -> None:
+        self.workers.run(TrainingWorker.save_state, work, buffers)
 
     def _load_state(self, path: str) -> None:
         self.workers.run(TrainingWorker.load_state, path)

@@ -53,8 +53,8 @@ class TrainingWorker:
         return stats, extra
 
     @collective("trainers")
-    def save_state(self, work: str, background: bool = False) -> None:
-        self.trainer.save_state(Path(work), background)
+    def save_state(self, work: str, buffers: str | None = None) -> None:
+        self.trainer.save_state(Path(work), None if buffers is None else Path(buffers))
 
     @collective("trainers")
     def load_state(self, path: str) -> None:

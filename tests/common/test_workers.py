@@ -10,7 +10,7 @@ from rolefleet.actor.types import PolicyTargets, SamplingParams
 from rolefleet.actor.worker import ActorWorker
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
-from rolefleet.common.errors import FailedPrecondition
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument
 from rolefleet.critic.core import CriticCore
 from rolefleet.critic.worker import CriticWorker
 from rolefleet.trainer.profiling import compiled_graphs
@@ -218,13 +218,11 @@ def test_split_actor_trains_on_some_workers_and_generates_with_the_new_weights_o
         group.stop()
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path, background):
-    """Two FSDP2 workers save their shards (torch.distributed.checkpoint; in the background: staged,
-    then written by each rank's writing thread while the next update runs); one process loads them
+def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path):
+    """Two FSDP2 workers save their shards (torch.distributed.checkpoint); one process loads them
     back resharded: the same weights, version and ledger, and the same next update."""
     cfg = config(tiny_model_dir, "fsdp")
-    saved, digest, batch, targets = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"), background)
+    saved, digest, batch, targets = save_after_one_update_over_two_workers(cfg, str(tmp_path / "actor"))
     # Each rank wrote its own files (`__<rank>_<file>.distcp`, several files a rank: its writer's threads).
     assert {p.name.split("_")[2] for p in (tmp_path / "actor" / "weights").glob("*.distcp")} == {"0", "1"}
     single = ActorCore(cfg.actor)
@@ -232,6 +230,21 @@ def test_a_sharded_checkpoint_loads_into_one_process(tiny_model_dir, tmp_path, b
     assert single.digest() == digest and single.policy_version == 1 and single.ledger.last_step == 1
     assert single.generate(["1+2="], SamplingParams(max_new_tokens=4, n=2, seed=5))[0].policy_version == 1
     assert single.update(2, 1, batch, targets, 1.0).model_version == 2
+
+
+def test_a_sharded_snapshot_loads_onto_its_ranks_and_is_refused_by_one_process(tiny_model_dir, tmp_path):
+    """Two FSDP2 workers copy their shards into their own snapshot files (the replicated rest in the
+    first rank's) and load them back after another update; one process refuses it whole, saying why."""
+    cfg = config(tiny_model_dir, "fsdp")
+    path = tmp_path / "shm" / "instance" / "step-00000001" / "actor"
+    saved, _, _, _ = save_after_one_update_over_two_workers(cfg, str(path), str(tmp_path / "shm"))
+    assert sorted(p.name for p in (path / "weights").iterdir()) == ["rank-0.layout", "rank-1.layout"]
+    single = ActorCore(cfg.actor)
+    single.snapshot_root = str(tmp_path / "shm")
+    before = single.digest()
+    with pytest.raises(InvalidArgument, match="written by 2 ranks; this trainer has 1"):
+        single.load_checkpoint(str(path))
+    assert single.digest() == before and not single.ledger.broken and saved.step == 1
 
 
 def test_an_update_counts_the_graphs_every_worker_compiled(tiny_model_dir):

@@ -15,6 +15,8 @@ from rolefleet.common.config import parse_config
 from rolefleet.critic.model import ValueModel
 from rolefleet.deploy import sizing
 from rolefleet.trainer.checkpoint import save_trainer
+from rolefleet.trainer.ranks import Ranks
+from rolefleet.trainer.snapshot_file import SnapshotBuffers
 
 # Qwen2-1.5B's dimensions: the config.json alone is what the estimates read.
 QWEN2_1_5B = {"model_type": "qwen2", "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
@@ -36,13 +38,18 @@ GRPO = {"algorithm": "grpo", "train": {"samples_per_prompt": 2}}  # it compares 
 
 # --- checkpoints ------------------------------------------------------------------------------
 
-def saved_weights_bytes(model: torch.nn.Module, out: Path) -> int:
-    """Bytes of weights/ after one AdamW step and `save_trainer`, as a trainer role writes it."""
+def saved_weights_bytes(model: torch.nn.Module, out: Path, snapshot: bool = False) -> int:
+    """Bytes of weights/ after one AdamW step and `save_trainer`, as a trainer role writes it (a
+    snapshot: its buffer file)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sum(p.float().sum() for p in model.parameters()).backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_trainer(out, model, optimizer, scheduler, torch.Generator(), group=None, first=True)
+    if snapshot:
+        save_trainer(out, model, optimizer, scheduler, torch.Generator(), Ranks.alone(),
+                     (SnapshotBuffers(), out.parent / "buffers"))
+        return sum(f.stat().st_size for f in (out.parent / "buffers").iterdir())
+    save_trainer(out, model, optimizer, scheduler, torch.Generator(), Ranks.alone())
     return sum(f.stat().st_size for f in (out / "weights").rglob("*") if f.is_file())
 
 
@@ -59,6 +66,9 @@ def test_the_estimate_is_what_save_trainer_writes(tmp_path, kind):
     estimate = sizing.trainer_state_bytes(ModelDims.read(path), cfg.critic if value_model else cfg.actor, value_model)
     # Only torch.distributed.checkpoint's metadata is not counted: a few per cent of a model this small.
     assert 1.0 <= written / estimate < 1.05, (written, estimate)
+    # A snapshot's buffer file: the same tensors, aligned, after a page of header.
+    in_snapshot = saved_weights_bytes(model, tmp_path / "snapshot" / "step" / "actor", snapshot=True)
+    assert 1.0 <= in_snapshot / estimate < 1.05, (in_snapshot, estimate)
 
 
 def test_lora_checkpoints_hold_the_adapters_alone(tmp_path):
