@@ -36,10 +36,10 @@ from rolefleet.common.modeling import (
     weights_digest,
 )
 from rolefleet.trainer import checkpoint
-from rolefleet.trainer.snapshot_file import SnapshotBuffers
 from rolefleet.trainer.optim import HostOptimizerState, StepFn, apply_gradients, make_optimizer, run_epochs
 from rolefleet.trainer.ranks import Ranks
 from rolefleet.trainer.sharding import loss_scale, reduce_gradients, shard, sharding_wanted
+from rolefleet.trainer.snapshot_file import SnapshotBuffers
 
 # The loss of one micro-batch (its rows of the mini-batch; `real` False for a throw-away pass) and
 # its statistics as device tensors, which the step weighs by the micro-batch's share.
