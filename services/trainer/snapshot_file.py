@@ -84,6 +84,15 @@ def _leaves(state, rank: int, world: int):
     return place(state), placed, end
 
 
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister leaves its error for the next kernel launch's check to report as
+    its own (torch exposes no cudaGetLastError): a launch of ours takes it."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
+
+
 class _Mapped:
     """One buffer file mapped into this process (page-locked where a GPU copies into it)."""
 
@@ -102,7 +111,8 @@ class _Mapped:
         if torch.cuda.is_available():
             error = int(torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0))
             self.pinned = not error
-            if error:  # (a locked-memory limit, say) the copy works all the same, at pageable speed
+            if error:
+                _clear_cuda_error()  # (a locked-memory limit, say) the copy works all the same, at pageable speed
                 log.warning("page-locking the snapshot buffer %s failed (cudaError %d): snapshots copy off the "
                             "GPU through pageable memory", path, error)
 

@@ -3,6 +3,7 @@ of two memory-mapped files per rank, never the one holding the newest complete s
 whose file was overwritten or whose write was cut short is refused whole, and nothing is lost."""
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -149,18 +150,25 @@ def test_a_snapshot_of_a_replicated_tensor_reads_from_the_first_ranks_file(tmp_p
 
 
 @pytest.mark.gpu
-def test_a_gpu_trainers_snapshot_is_copied_into_page_locked_files_and_loads_back(tmp_path):
-    """On a GPU the buffer files are page-locked (the copy runs at the link's speed) and what lands
-    in them is the device's state, bit for bit."""
-    weights = torch.randn(1024, 1024, device="cuda")
-    state = {"model": {"w": weights}, "optim": {"param_groups": [{"lr": 0.1}]}}
-    buffers = snapshot_file.SnapshotBuffers()
-    for step in (1, 2, 3):
-        weights.add_(1.0)
-        buffers.write(state, tmp_path / f"s{step}" / "weights", tmp_path / "buffers", 0, 1)
-    assert all(m is not None and m.pinned for m in buffers.mapped)
-    live = {"model": {"w": torch.zeros(1024, 1024, device="cuda")}, "optim": {"param_groups": [{"lr": 0.5}]}}
-    snapshot_file.load(live, tmp_path / "s3" / "weights", 0, 1)
-    assert torch.equal(live["model"]["w"], weights)
-    assert snapshot_file.problem(tmp_path / "s1" / "weights", 1) is not None  # overwritten by step 3
-    buffers.close()
+@pytest.mark.parametrize("where", ["/dev/shm", "disk"])
+def test_a_gpu_trainers_snapshot_is_copied_into_its_files_and_loads_back(tmp_path, where):
+    """On a GPU the buffer files in memory (/dev/shm) are page-locked (the copy runs at the link's
+    speed); on a disk they cannot be, and the copy goes through pageable memory, the failed attempt
+    leaving no error behind. Either way what lands in them is the device's state, bit for bit."""
+    root = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "/dev/shm" else tmp_path
+    try:
+        weights = torch.randn(1024, 1024, device="cuda")
+        state = {"model": {"w": weights}, "optim": {"param_groups": [{"lr": 0.1}]}}
+        buffers = snapshot_file.SnapshotBuffers()
+        for step in (1, 2, 3):
+            weights.add_(1.0)
+            buffers.write(state, root / f"s{step}" / "weights", root / "buffers", 0, 1)
+        if where == "/dev/shm":
+            assert all(m is not None and m.pinned for m in buffers.mapped)
+        live = {"model": {"w": torch.zeros(1024, 1024, device="cuda")}, "optim": {"param_groups": [{"lr": 0.5}]}}
+        snapshot_file.load(live, root / "s3" / "weights", 0, 1)
+        assert torch.equal(live["model"]["w"], weights)
+        assert snapshot_file.problem(root / "s1" / "weights", 1) is not None  # overwritten by step 3
+        buffers.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
