@@ -17,6 +17,7 @@ from rolefleet import cli
 from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.export import DTYPE_CHOICES, ExportError, export_checkpoint
 from rolefleet.trainer.checkpoint import MANIFEST, save_hf_files, save_trainer, step_dir, write_json
+from rolefleet.trainer.ranks import Ranks
 from tests.e2e.procs import rolefleet
 
 STEP = 12
@@ -31,10 +32,10 @@ def train_one_step(model: torch.nn.Module, seed: int = 0) -> torch.optim.Optimiz
     return optimizer
 
 
-def save_actor(actor: Path, model, optimizer, tokenizer, first: bool = True, hf: bool = True) -> None:
+def save_actor(actor: Path, model, optimizer, tokenizer, ranks: Ranks | None = None, hf: bool = True) -> None:
     """What the actor's trainer writes: weights/ (and trainer.pt) through save_trainer, and hf/."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    save_trainer(actor, model, optimizer, scheduler, torch.Generator(), group=None, first=first)
+    save_trainer(actor, model, optimizer, scheduler, torch.Generator(), ranks or Ranks.alone())
     if hf:
         save_hf_files(actor, model.config, tokenizer)
 
@@ -125,7 +126,7 @@ def _sharded_worker(rank: int, world: int, store: str, base_dir: str, actor: str
         optimizer = train_one_step(model)
         full = {name: t.full_tensor() for name, t in model.state_dict().items()}  # a collective: every rank
         assert all(t.to_local().shape[0] < full[name].shape[0] for name, t in model.state_dict().items())
-        save_actor(Path(actor), model, optimizer, tokenizer=None, first=rank == 0, hf=False)
+        save_actor(Path(actor), model, optimizer, tokenizer=None, ranks=Ranks.of(None), hf=False)
         if rank == 0:
             torch.save(full, Path(actor).parent / "full.pt")
     finally:

@@ -396,3 +396,25 @@ def test_without_snapshots_the_run_suggests_a_checkpoint_interval_from_what_a_sa
     for kept in (("checkpoint.snapshot.enabled=true",), ("checkpoint.snapshot.enabled=false", "checkpoint.every=2")):
         run(make_config(*common, *kept, f"run.output_dir={tmp_path / kept[-1]}"))
         assert "checkpoint.every=" not in capsys.readouterr().out  # snapshots on, or the interval chosen
+
+
+def test_a_snapshot_asked_for_while_the_previous_ones_completion_fails_is_skipped_not_a_crash(make_config, tmp_path):
+    """A step that does not wait for the previous snapshot's completion before its own (SFT's: its
+    update changes nothing a snapshot still reads) may ask for the next snapshot while that
+    completion fails, which turns snapshots off: the step is recorded without one."""
+    from rolefleet.coordinator.checkpoints import Checkpointer
+
+    cfg = make_config("algorithm=grpo", "train.samples_per_prompt=2", f"checkpoint.snapshot.dir={tmp_path / 'shm'}")
+    checkpointer = Checkpointer(cfg)
+    logged = []
+
+    async def scenario():
+        async def failing_completion():
+            await asyncio.sleep(0.05)
+            checkpointer._snapshots_off(2, OSError(28, "No space left on device"))
+
+        checkpointer._pending = asyncio.create_task(failing_completion())
+        await checkpointer.snapshot(roles=None, state=None, actor_step=3, then=logged.append)
+
+    asyncio.run(scenario())
+    assert logged == [{}] and checkpointer.snapshots is None
