@@ -18,8 +18,10 @@ prefix of a sample is a sample, its logprobs unchanged, ended by length).
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -28,6 +30,41 @@ from rolefleet.actor.types import Continuation, FinishReason, Sample, SamplingPa
 Generate = Callable[[list[Continuation], SamplingParams], list[Sample]]
 Decode = Callable[[list[int]], str]
 MAX_WINDOWS = 100  # an idle engine's call waits at most this many batch windows for more requests
+
+
+@dataclass
+class EndpointStats:
+    """Where the endpoint's time went since it was last asked (`take`, at every update: the step's
+    record's `actor/endpoint_*`): a step's agents wait for the engine's calls, for the batcher's
+    gathering of their requests (the engine idle meanwhile) and for the requests' own host work on
+    the actor's event loop."""
+
+    requests: int = 0
+    calls: int = 0
+    sequences: int = 0
+    gather_s: float = 0.0   # the engine idle while a call's requests were gathered
+    engine_s: float = 0.0   # in engine calls
+    handler_s: float = 0.0  # the requests' own work in the endpoint's handler (rendering, parsing the reply)
+
+    def __post_init__(self):
+        self._lock = threading.Lock()  # added to from the endpoint's loop, taken from an update's thread
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for key, amount in amounts.items():
+                setattr(self, key, getattr(self, key) + amount)
+
+    def take(self) -> dict[str, float]:
+        """The figures since the last take (none when the endpoint served nothing), reset."""
+        with self._lock:
+            taken = {f.name: getattr(self, f.name) for f in fields(self)}
+            for f in fields(self):
+                setattr(self, f.name, type(taken[f.name])(0))
+        if not taken["requests"]:
+            return {}
+        out = {f"endpoint_{k}": float(v) for k, v in taken.items()}
+        out["endpoint_sequences_per_call"] = taken["sequences"] / max(1, taken["calls"])
+        return out
 
 
 @dataclass
@@ -42,10 +79,12 @@ class CompletionBatcher:
     """`complete(context, sampling, n)`: n samples after `context`, generated in an engine call with
     the other requests waiting at the time."""
 
-    def __init__(self, generate: Generate, max_sequences: int, window_s: float = 0.0, decode: Decode | None = None):
+    def __init__(self, generate: Generate, max_sequences: int, window_s: float = 0.0, decode: Decode | None = None,
+                 stats: EndpointStats | None = None):
         """`generate(continuations, sampling)`: blocking, one sample per continuation (run off the loop);
         `decode(ids)`: the text of a cut sample (the engines' decoding)."""
         self.generate, self.max_sequences, self.window_s, self.decode = generate, max_sequences, window_s, decode
+        self.stats = stats or EndpointStats()
         self._waiting: dict[SamplingParams, list[_Request]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -67,7 +106,9 @@ class CompletionBatcher:
     async def _serve(self) -> None:
         while True:
             await self._wake.wait()
+            start = time.perf_counter()
             await self._gathered()
+            self.stats.add(gather_s=time.perf_counter() - start)
             self._wake.clear()
             while self._waiting:
                 sampling, requests = next(iter(self._waiting.items()))
@@ -119,7 +160,9 @@ class CompletionBatcher:
         owner = [r for r in batch for _ in range(r.n)]
         continuations = [Continuation(r.context, [], resume_from=len(r.context)) for r in owner]
         sampling = replace(sampling, max_new_tokens=max(r.limit for r in batch))
+        start = time.perf_counter()
         samples = await asyncio.to_thread(self.generate, continuations, sampling)
+        self.stats.add(calls=1, sequences=len(continuations), engine_s=time.perf_counter() - start)
         answers: dict[int, list[Sample]] = {}
         for s in sorted(samples, key=lambda s: s.prompt_index):
             r = owner[s.prompt_index]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rolefleet.actor.completions import EndpointStats
 from rolefleet.actor.sessions import SessionLimits, SessionStore
 from rolefleet.actor.turns import TurnRenderer, check_observation, whole_responses, with_no_room
 from rolefleet.actor.types import (
@@ -78,6 +79,7 @@ class ActorCore(TrainerRole):
         self.sessions = SessionStore(self.tokenizer, SessionLimits(
             cfg.endpoint.max_sessions, cfg.rollout.max_total_tokens or cfg.rollout.max_turns * 4096,
             cfg.rollout.max_turns, cfg.endpoint.session_timeout_s), self.generate_positions)
+        self.endpoint_stats = EndpointStats()  # the endpoint's, reported with every update
 
     # --- the endpoint's sessions ---------------------------------------------------------------------
 
@@ -290,6 +292,7 @@ class ActorCore(TrainerRole):
     def _train_and_publish(self, step: int, batch: SequenceBatch, targets: PolicyTargets,
                            temperature: float) -> dict[str, float]:
         stats, logprobs = self.workers.run(ActorWorker.train, batch, targets, temperature)
+        stats.update(self.endpoint_stats.take())  # what the endpoint's agents waited for since the last one
         if logprobs is not None:  # a one-pass update's: kept for its replay, the newest step's only
             self._one_pass_logprobs = (step, replace(logprobs, policy_version=self.state.version))
         if self.cfg.publishes_on_update:

@@ -249,6 +249,7 @@ class Endpoint:
 
     async def _chat(self, body: ChatRequest, session_id: Optional[str], x_session_id: Optional[str],
                     credentials: Optional[HTTPAuthorizationCredentials]):
+        start = time.perf_counter()
         messages = [m.model_dump(exclude_unset=True) for m in body.messages]
         try:
             session = await self.caller(session_id, x_session_id, credentials)
@@ -259,6 +260,7 @@ class Endpoint:
             return error_body(r.status, r.message)
         except (InvalidArgument, LimitExceeded, UnknownSession, Conflict, FailedPrecondition) as exc:
             return _error_of(exc)
+        asked = time.perf_counter()
         try:
             samples = await self.batcher.complete(turn.context, turn.sampling, body.n)
         except BaseException as exc:  # the session is as it was; the agent reads why (a client gone: cancelled)
@@ -266,6 +268,7 @@ class Endpoint:
             if not isinstance(exc, Exception):
                 raise
             return _error_of(exc)
+        answered = time.perf_counter()
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         choices = []
         for i, s in enumerate(samples):
@@ -277,6 +280,7 @@ class Endpoint:
         usage = {"prompt_tokens": len(turn.context), "completion_tokens": completion,
                  "total_tokens": len(turn.context) + completion}
         metrics.ENDPOINT_REQUESTS.labels("actor", "200").inc()
+        self.batcher.stats.add(requests=1, handler_s=(asked - start) + (time.perf_counter() - answered))
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -401,7 +405,8 @@ async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> Ht
     ep = cfg.actor.endpoint
     batcher = CompletionBatcher(lambda continuations, sampling: core.generate([], sampling, 0, continuations),
                                 cfg.actor.max_sequences_per_request, ep.batch_window_ms / 1000,
-                                lambda ids: core.tokenizer.decode(ids, skip_special_tokens=True))
+                                lambda ids: core.tokenizer.decode(ids, skip_special_tokens=True),
+                                core.endpoint_stats)
     endpoint = Endpoint(core.sessions, batcher, core.tokenizer, token, "policy", ep.max_new_tokens)
     return HttpServer(endpoint.app(), ep.host, ep.port, tls, role="actor", name="openai-endpoint")
 

@@ -17,7 +17,8 @@ import torch
 from rolefleet.actor.completions import CompletionBatcher
 from rolefleet.actor.core import ActorCore
 from rolefleet.actor.openai_api import Endpoint
-from rolefleet.actor.types import FinishReason, Sample, SamplingParams
+from rolefleet.actor.types import FinishReason, PolicyTargets, Sample, SamplingParams
+from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import parse_config
 from rolefleet.common.errors import InvalidArgument, LimitExceeded
 
@@ -26,12 +27,16 @@ TOKEN = "run-token"
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
-@pytest.fixture(scope="module")
-def actor(chat_model_dir):
-    cfg = parse_config({"model": {"model_name_or_path": chat_model_dir}},
+def an_actor(model_dir: str) -> ActorCore:
+    cfg = parse_config({"model": {"model_name_or_path": model_dir}},
                        ["actor.num_threads=1", "actor.rollout.max_turns=4", "actor.rollout.max_total_tokens=512", "sampling.max_new_tokens=8",
                         "actor.endpoint.max_sessions=8", "reward.env.name=feedback"])
     return ActorCore(cfg.actor)
+
+
+@pytest.fixture(scope="module")
+def actor(chat_model_dir):
+    return an_actor(chat_model_dir)
 
 
 class Scripted:
@@ -390,3 +395,35 @@ def test_a_session_named_in_the_header_is_the_session_of_its_base_url(actor):
     code, _ = status_of(client.chat.completions.create(model="policy", messages=QUESTION,
                                                        extra_headers={"X-Session-Id": "hdr"}))
     assert code == 404  # closed
+
+
+def test_the_endpoint_reports_its_engine_calls_gathering_and_request_work_with_the_next_update(chat_model_dir):
+    """`actor/endpoint_*` in an update's record: what the agents waited for since the last update,
+    where a gap between an agent's step and the environment's shows (docs/benchmarks.md)."""
+    actor = an_actor(chat_model_dir)  # its own: it takes an update
+    [key] = actor.open_sessions(["timed"], SamplingParams(max_new_tokens=4))
+    batcher = CompletionBatcher(engine(actor), 16, window_s=0.01, decode=actor.tokenizer.decode,
+                                stats=actor.endpoint_stats)
+    app = Endpoint(actor.sessions, batcher, actor.tokenizer, TOKEN, "policy", 32).app()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://actor")
+    client = openai.AsyncOpenAI(base_url="http://actor/sessions/timed/v1", api_key=key, http_client=http,
+                                max_retries=0)
+
+    async def two_turns():
+        first = await client.chat.completions.create(model="x", messages=QUESTION)
+        await client.chat.completions.create(model="x", messages=[
+            *QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And again?"}])
+        await batcher.close()
+
+    asyncio.run(two_turns())
+    [t] = actor.close_sessions(["timed"])
+    batch = SequenceBatch.from_lists([t.prompt_ids], [t.response_ids], [t.own])
+    lp = actor.compute_logprobs(batch, 1.0, include_reference=True)
+    targets = PolicyTargets(torch.ones(batch.num_response_tokens), lp.logprobs, lp.ref_logprobs)
+    stats = actor.update(actor.ledger.last_step + 1, actor.policy_version, batch, targets, 1.0).stats
+    assert stats["endpoint_requests"] == 2 and stats["endpoint_calls"] == 2 and stats["endpoint_sequences"] == 2
+    assert stats["endpoint_sequences_per_call"] == 1.0
+    assert stats["endpoint_engine_s"] > 0 and stats["endpoint_handler_s"] > 0
+    assert stats["endpoint_gather_s"] >= 0.015  # each call waited a window (10 ms) for more requests
+    assert actor.endpoint_stats.take() == {}  # taken: the next update reports only what follows

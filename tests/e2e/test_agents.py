@@ -40,6 +40,10 @@ def test_the_calculator_agent_drives_multi_turn_episodes_that_train(tools_model,
         assert 0 < r["episode/masked_token_frac"] < 1 and r["episode/env_errors"] == 0
         assert r["timing/env_s"] > 0 and r["reward/errors"] == 0
     assert all(r["pipeline/version_lag/max"] <= 1 for r in records)
+    # The endpoint says where its time went, with the updates (the agents' turns since the last one).
+    assert all(r["actor/endpoint_engine_s"] > 0 and r["actor/endpoint_sequences_per_call"] >= 1
+               for r in records if "actor/endpoint_requests" in r)
+    assert any("actor/endpoint_requests" in r for r in records)
 
 
 def test_the_agent_s_return_is_the_reward_and_a_failing_agent_costs_its_episode_alone(tools_model, tmp_path):
