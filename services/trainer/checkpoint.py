@@ -302,8 +302,9 @@ def _missing_parts(path: Path, world: int) -> list[str]:
 
 
 def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
-              write_hf_files: Callable[[Path], None]) -> CheckpointInfo:
-    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks)."""
+              write_hf_files: Callable[[Path], None], before_writing: Callable[[], None] = lambda: None) -> CheckpointInfo:
+    """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks);
+    `before_writing()` once it is known to be no repeat."""
     target = _role_dir(core, path)
     saved = read_role_json(target)
     if saved is not None and saved["last_step"] == step:  # a repeat (the next step may have run since): on disk
@@ -321,6 +322,7 @@ def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
     if occupied:
         raise InvalidArgument("path", f"{target} exists and is not a {core.state.role} checkpoint; nothing "
                               "there is replaced")
+    before_writing()
     try:
         work = begin(target)
     except OSError as exc:

@@ -44,15 +44,19 @@ class TrainerRole:
         first request of a snapshot, answered once the state is off the device) asks for nothing more."""
         with self._lock:
             snapshot = checkpoint.is_snapshot(self, path)
-            if snapshot:
-                # The coordinator asks for one snapshot at a time, after the previous one's manifest:
-                # only that one is still needed while this one is written (two at most on this machine).
-                checkpoint.prune_snapshots(Path(self.snapshot_root), self.role, keep=1)
+
+            def prune() -> None:
+                # Before writing a new snapshot (never on a repeat: the previous one stays until this
+                # one's manifest): the coordinator asks for one at a time, after the previous one's
+                # manifest, so only that one is still needed (two at most on this machine).
+                if snapshot:
+                    checkpoint.prune_snapshots(Path(self.snapshot_root), self.role, keep=1)
+
             # A snapshot is for resuming alone (never exported): no config or tokenizer files; its
             # buffer files beside the run's step directories (`<instance>/buffers/<role>`).
             buffers = str(self._snapshot_buffers(path)) if snapshot else None
             return checkpoint.save_role(self, step, path, lambda work: self._save_state(work, buffers),
-                                        (lambda work: None) if snapshot else self.write_hf_files)
+                                        (lambda work: None) if snapshot else self.write_hf_files, prune)
 
     def _snapshot_buffers(self, path: str) -> Path:
         """Where this role's snapshot buffer files live: beside the run's step directories

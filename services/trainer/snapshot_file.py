@@ -58,7 +58,7 @@ def _is_dtensor(value) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
-def _leaves(state, rank: int, world: int):
+def _leaves(state, rank: int):
     """(structure with Slot placeholders, [(slot, local tensor)]) of what `rank` writes. Offsets
     start at DATA_START."""
     placed: list[tuple[Slot, torch.Tensor]] = []
@@ -107,7 +107,7 @@ class _Mapped:
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.pinned = False
+        self.pinned, self.closed = False, False
         if torch.cuda.is_available():
             error = int(torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0))
             self.pinned = not error
@@ -134,10 +134,21 @@ class _Mapped:
         self.map[8:24] = token
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         del self.bytes
         self.map.close()
+
+    def __del__(self):
+        # A trainer dropped without closing (a worker's close): its page-locked range goes back to
+        # the driver before the mapping does.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone already
+            pass
 
 
 class SnapshotBuffers:
@@ -150,7 +161,7 @@ class SnapshotBuffers:
     def write(self, state: dict, weights: Path, buffers: Path, rank: int, world: int) -> None:
         """`state` into one of this rank's files under `buffers`, its layout into `weights`. Returns
         once the copy is complete (the snapshot is then complete on this rank)."""
-        structure, placed, size = _leaves(state, rank, world)
+        structure, placed, size = _leaves(state, rank)
         which, sequence = self._choose(buffers, rank)
         mapped = self._map(buffers / f"rank-{rank}-{which}.bin", which, size)
         mapped.clear()

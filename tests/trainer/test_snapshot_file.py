@@ -79,6 +79,21 @@ def test_snapshots_alternate_between_two_files_and_one_overwritten_since_is_refu
         assert fresh.digest() == digests[step], step
 
 
+def test_a_repeated_request_keeps_the_previous_snapshot_until_the_next_one_is_written(tiny_model_dir, tmp_path):
+    """The coordinator repeats each trainer's request to learn that its part is complete; until the
+    manifest says the whole snapshot is, the previous one is what a recovery loads: a repeat prunes
+    nothing (found under load: a recovery met the previous step's actor part removed)."""
+    core = critic(tiny_model_dir, tmp_path)
+    for step in (1, 2):
+        core.update(step, BATCH, RETURNS, OLD)
+        core.save_checkpoint(step, at(tmp_path, step), background=True)
+    core.save_checkpoint(2, at(tmp_path, 2))  # the repeat
+    assert read_role_json(Path(at(tmp_path, 1)))["last_step"] == 1
+    core.update(3, BATCH, RETURNS, OLD)
+    core.save_checkpoint(3, at(tmp_path, 3), background=True)  # the next one: now step 1's part goes
+    assert not Path(at(tmp_path, 1)).exists() and read_role_json(Path(at(tmp_path, 2)))["last_step"] == 2
+
+
 def test_a_write_cut_short_commits_nothing_and_the_previous_snapshot_stays(tiny_model_dir, tmp_path, monkeypatch):
     core = critic(tiny_model_dir, tmp_path)
     core.update(1, BATCH, RETURNS, OLD)
