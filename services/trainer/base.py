@@ -173,9 +173,14 @@ class Trainer:
     def load_state(self, path: Path) -> None:
         """The inverse of `save_state`, resharded to this part (a snapshot: onto the same shards)."""
         checkpoint.load_trainer(path, self.model, self.optimizer, self.scheduler, self.generator, self.ranks)
-        self._snapshots.keep(path / "weights", self.ranks.rank)
+        self.keep_snapshot(path)
         if self.state_offload is not None:
             self.state_offload.to_host()  # loading put the state beside the parameters
+
+    def keep_snapshot(self, path: Path) -> None:
+        """The snapshot at `path` (loaded, or answered from disk to a repeated request) is one the
+        run may go back to: the next snapshot leaves its file alone."""
+        self._snapshots.keep(path / "weights", self.ranks.rank)
 
     def digest(self) -> str:
         """Collective when sharded: the weights are gathered on every rank."""

@@ -302,12 +302,14 @@ def _missing_parts(path: Path, world: int) -> list[str]:
 
 
 def save_role(core, step: int, path: str, save_state: Callable[[str], Any],
-              write_hf_files: Callable[[Path], None], before_writing: Callable[[], None] = lambda: None) -> CheckpointInfo:
+              write_hf_files: Callable[[Path], None], before_writing: Callable[[], None] = lambda: None,
+              on_repeat: Callable[[], None] = lambda: None) -> CheckpointInfo:
     """`core`'s trainer into `path` (`save_state(work)` writes its shards over the training ranks);
-    `before_writing()` once it is known to be no repeat."""
+    `before_writing()` once it is known to be no repeat, `on_repeat()` when it is one."""
     target = _role_dir(core, path)
     saved = read_role_json(target)
     if saved is not None and saved["last_step"] == step:  # a repeat (the next step may have run since): on disk
+        on_repeat()
         return CheckpointInfo(step, saved["model_version"])
     last = core.state.ledger.last_step
     if step != last:

@@ -55,8 +55,11 @@ class TrainerRole:
             # A snapshot is for resuming alone (never exported): no config or tokenizer files; its
             # buffer files beside the run's step directories (`<instance>/buffers/<role>`).
             buffers = str(self._snapshot_buffers(path)) if snapshot else None
+            # A repeat of a snapshot may answer from a part an earlier process of this role wrote (a
+            # step trained again after a recovery): the run may go back to it, so its file is kept.
+            kept = (lambda: self.workers.run(TrainingWorker.keep_snapshot, path)) if snapshot else (lambda: None)
             return checkpoint.save_role(self, step, path, lambda work: self._save_state(work, buffers),
-                                        (lambda work: None) if snapshot else self.write_hf_files, prune)
+                                        (lambda work: None) if snapshot else self.write_hf_files, prune, kept)
 
     def _snapshot_buffers(self, path: str) -> Path:
         """Where this role's snapshot buffer files live: beside the run's step directories

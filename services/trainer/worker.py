@@ -61,5 +61,9 @@ class TrainingWorker:
         self.trainer.load_state(Path(path))
 
     @collective("trainers")
+    def keep_snapshot(self, path: str) -> None:
+        self.trainer.keep_snapshot(Path(path))
+
+    @collective("trainers")
     def digest(self) -> str:
         return self.trainer.digest()

@@ -94,6 +94,26 @@ def test_a_repeated_request_keeps_the_previous_snapshot_until_the_next_one_is_wr
     assert not Path(at(tmp_path, 1)).exists() and read_role_json(Path(at(tmp_path, 2)))["last_step"] == 2
 
 
+def test_a_snapshot_part_an_earlier_process_wrote_is_kept_when_a_repeat_answers_from_it(tiny_model_dir, tmp_path):
+    """After a recovery to step 1 the step 2 is trained again, and its snapshot request answered from
+    the part the lost process wrote (its file 1): the next snapshot must write file 0, or the run's
+    newest snapshot (step 2's, once its manifest is written) would be overwritten under it."""
+    lost = critic(tiny_model_dir, tmp_path)
+    for step in (1, 2):
+        lost.update(step, BATCH, RETURNS, OLD)
+        lost.save_checkpoint(step, at(tmp_path, step))
+    after_two = lost.digest()
+    back = critic(tiny_model_dir, tmp_path)
+    back.load_checkpoint(at(tmp_path, 1))  # the recovery: file 0's
+    back.update(2, BATCH, RETURNS, OLD)
+    back.save_checkpoint(2, at(tmp_path, 2), background=True)  # answered from the lost process's part
+    back.update(3, BATCH, RETURNS, OLD)
+    back.save_checkpoint(3, at(tmp_path, 3), background=True)
+    check = critic(tiny_model_dir, tmp_path)
+    check.load_checkpoint(at(tmp_path, 2))  # still whole
+    assert check.digest() == after_two
+
+
 def test_a_write_cut_short_commits_nothing_and_the_previous_snapshot_stays(tiny_model_dir, tmp_path, monkeypatch):
     core = critic(tiny_model_dir, tmp_path)
     core.update(1, BATCH, RETURNS, OLD)
