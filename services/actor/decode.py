@@ -50,7 +50,6 @@ CHECK_EVERY = 16     # decode steps between looks at the finished flags (each lo
 SLOT_ROUNDING = 128  # cache lengths are rounded up to this, so calls of similar widths share a graph
 
 
-
 class UnsupportedModel(NotImplementedError):
     """The model's attention cannot run on the engine's cache (use `actor.rollout.decode=generate`)."""
 
