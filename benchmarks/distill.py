@@ -69,19 +69,31 @@ def main() -> None:
     parser.add_argument("--distill-lrs", type=float, nargs="+", default=[1e-5],
                         help="one distillation run per learning rate, each against the same GRPO teacher")
     parser.add_argument("--within", type=float, default=0.02)
+    parser.add_argument("--distill-set", nargs="*", default=[],
+                        help="key=value overrides of the distillation runs alone (teacher.top_k=16 "
+                             "actor.teacher_kl_coef=1.0: the teacher's top-k term)")
+    parser.add_argument("--teacher", default=None,
+                        help="an exported teacher of an earlier call (its GRPO run's curve in its directory's "
+                             "grpo.json): skips the GRPO run")
     parser.add_argument("--set", nargs="*", default=[], help="more key=value overrides of both runs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    grpo = up(args, "grpo", out, "algorithm=grpo", f"train.total_steps={args.grpo_steps}",
-              f"train.samples_per_prompt={args.samples_per_prompt}", "checkpoint.at_end=true")
-    checkpoint = max((out / "grpo" / "checkpoints").glob("step-*"))
-    teacher = out / "teacher"
-    subprocess.run([sys.executable, "-m", "rolefleet.cli", "export", str(checkpoint), str(teacher)], check=True)
-    grpo_curve = curve(grpo)
+    if args.teacher:
+        teacher = Path(args.teacher)
+        grpo_part = json.loads((teacher / "grpo.json").read_text())
+    else:
+        grpo = up(args, "grpo", out, "algorithm=grpo", f"train.total_steps={args.grpo_steps}",
+                  f"train.samples_per_prompt={args.samples_per_prompt}", "checkpoint.at_end=true")
+        checkpoint = max((out / "grpo" / "checkpoints").glob("step-*"))
+        teacher = out / "teacher"
+        subprocess.run([sys.executable, "-m", "rolefleet.cli", "export", str(checkpoint), str(teacher)], check=True)
+        grpo_part = {"curve": curve(grpo), "step_s": step_s(grpo)}
+        (teacher / "grpo.json").write_text(json.dumps(grpo_part))
+    grpo_curve = [tuple(point) for point in grpo_part["curve"]]
     accuracy = grpo_curve[-1][1]
-    print(json.dumps({"part": "grpo", "curve": grpo_curve, "step_s": step_s(grpo)}), flush=True)
+    print(json.dumps({"part": "grpo", **grpo_part}), flush=True)
 
     goal = accuracy - args.within
     grpo_steps = first_reaching(grpo_curve, goal)
@@ -90,20 +102,21 @@ def main() -> None:
     for lr in args.distill_lrs:
         records = up(args, f"distill-lr{lr:g}", out, "algorithm=distill", f"teacher.model_name_or_path={teacher}",
                      f"train.total_steps={args.distill_steps}", f"train.samples_per_prompt={samples}",
-                     f"actor.lr={lr}", "checkpoint.at_end=false")
+                     f"actor.lr={lr}", "checkpoint.at_end=false", *args.distill_set)
         points = curve(records)
         steps = first_reaching(points, goal)
         runs.append({"lr": lr, "samples_per_prompt": samples, "curve": points, "step_s": step_s(records),
                      "steps_to_goal": steps, "steps_ratio": steps / grpo_steps if grpo_steps and steps else None,
-                     "reverse_kl": [r["distill/reverse_kl"] for r in records if "distill/reverse_kl" in r]})
-        print(json.dumps({"part": "distill", **{k: v for k, v in runs[-1].items() if k != "reverse_kl"}}), flush=True)
+                     "reverse_kl": [r["distill/reverse_kl"] for r in records if "distill/reverse_kl" in r],
+                     "teacher_kl": [r["actor/teacher_kl"] for r in records if "actor/teacher_kl" in r]})
+        print(json.dumps({"part": "distill", **{k: v for k, v in runs[-1].items() if k not in ("reverse_kl", "teacher_kl")}}), flush=True)
 
     # A start already at the goal (step 0's eval) makes the comparison empty: both then read 0 steps.
     result = {"start_accuracy": grpo_curve[0][1] if grpo_curve else None, "teacher_accuracy": accuracy, "goal": goal,
               "grpo_steps_to_goal": grpo_steps,
               "distill_steps_to_goal": [run["steps_to_goal"] for run in runs],
               "steps_ratio": [run["steps_ratio"] for run in runs],
-              "grpo": {"curve": grpo_curve, "step_s": step_s(grpo)}, "distill": runs}
+              "distill_set": args.distill_set, "grpo": grpo_part, "distill": runs}
     (out / "distill.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("grpo", "distill")}), flush=True)
 

@@ -36,6 +36,7 @@ from rolefleet.common.errors import InvalidArgument, LimitExceeded
 from rolefleet.common.modeling import require_temperature
 from rolefleet.common.role_types import CheckpointInfo
 from rolefleet.common.stop_tokens import end_of_turn_id, merged
+from rolefleet.common.top_k import TEACHER_TOP_FIELDS
 from rolefleet.trainer import checkpoint, lora
 from rolefleet.trainer.role import TrainerRole
 from rolefleet.trainer.workers import WorkerGroup
@@ -339,6 +340,11 @@ class ActorCore(TrainerRole):
         for name in ("ref_logprobs", "rollout_logprobs"):
             if getattr(targets, name) is not None:
                 batch.check_per_token(getattr(targets, name), name, "logprob")
+        if self.cfg.teacher_kl_coef > 0 and targets.teacher_top is None:
+            raise InvalidArgument(TEACHER_TOP_FIELDS[0], "required: actor.teacher_kl_coef > 0 adds the teacher's "
+                                  "KL term (teacher.top_k)")
+        if targets.teacher_top is not None:
+            targets.teacher_top.check(batch, TEACHER_TOP_FIELDS, self.vocab_size)
 
     # --- checkpoints (trainer/role.py) -----------------------------------------------------------
 

@@ -6,8 +6,9 @@ gradients accumulate, weighted so the step equals one over the whole mini-batch 
 `aggregation_weight`). Logprobs and entropy come from the LM head a chunk of tokens at a time, so
 no [tokens, vocab] fp32 tensor exists for a batch. On CUDA, forwards and backwards run under bf16
 autocast over fp32 master weights. The loss: the configured policy loss (optionally importance-
-weighted against the rollout engine) - entropy_coef * entropy + kl_loss_coef * KL(policy || reference),
-all aggregated the same way.
+weighted against the rollout engine) - entropy_coef * entropy + kl_loss_coef * KL(policy || reference)
++ teacher_kl_coef * KL to the teacher over its most likely tokens (on-policy distillation), all
+aggregated the same way.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import torch
 from transformers import PreTrainedModel
 
 from rolefleet.actor.types import LogProbs, PolicyTargets
-from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, aggregation_weight
+from rolefleet.algos import IS_CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, TEACHER_KL, aggregate, aggregation_weight
 from rolefleet.algos.functional import masked_mean
 from rolefleet.common import packed_attention
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import ActorSection
 from rolefleet.common.errors import FailedPrecondition
 from rolefleet.common.modeling import compile_decoder_layers, compute_dtype, decoder_layers, lm_logprobs
+from rolefleet.common.top_k import TopK
 from rolefleet.trainer.base import Trainer
 from rolefleet.trainer.host_memory import HostResident
 from rolefleet.trainer.lora import Adapters, merged_weights
@@ -45,9 +47,9 @@ class LogprobModule(torch.nn.Module):
         self.attention = attention  # of packed micro-batches (packed_attention.resolve)
 
     def forward(self, batch: SequenceBatch, device: torch.device, temperature: float, with_entropy: bool,
-                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                entropy_grad: bool = True, also: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return lm_logprobs(self.model, batch, device, temperature, self.chunk_tokens, with_entropy, self.packed,
-                           entropy_grad, self.compile_head, self.attention)
+                           entropy_grad, self.compile_head, self.attention, also)
 
 
 class PolicyTrainer(Trainer):
@@ -84,6 +86,7 @@ class PolicyTrainer(Trainer):
         self.policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         self.is_correction = IS_CORRECTIONS.get(cfg.is_correction)
         self.kl_loss = KL_ESTIMATORS.get(cfg.kl_loss_estimator)
+        self.teacher_kl = TEACHER_KL.get(cfg.teacher_kl)
         entropy = cfg.entropy_coef > 0
 
         def reference(mb: SequenceBatch) -> torch.Tensor:
@@ -94,6 +97,10 @@ class PolicyTrainer(Trainer):
             # The update (its entropy metric or loss term: a one-pass update always computes one)...
             (True, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=entropy, entropy_grad=entropy)[0]),
             (True, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=True, entropy_grad=entropy)[0]),
+            # (with the teacher's KL term, the head's maths on several tokens a position: any k)
+            *([(True, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=True, entropy_grad=entropy,
+                                              also=mb.response_ids[:, None].repeat(1, 2))[0])]
+              if cfg.teacher_kl_coef > 0 else []),
             # ... and ComputeLogProbs: the policy's, the reference's.
             (False, lambda mb: self.forward(self.policy, mb, 1.0, with_entropy=True)[0]),
             (False, reference),
@@ -106,10 +113,11 @@ class PolicyTrainer(Trainer):
         return full_named_parameters(self.model) if self.adapters is None else merged_weights(self.model)
 
     def forward(self, module: LogprobModule, batch: SequenceBatch, temperature: float, with_entropy: bool,
-                entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `module`."""
+                entropy_grad: bool = True, also: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under `module`;
+        `also` (int64 [N, k]): and of k more tokens a position, [N, 1 + k] (`lm_logprobs`)."""
         with self.autocast():
-            return module(batch, self.device, temperature, with_entropy, entropy_grad)
+            return module(batch, self.device, temperature, with_entropy, entropy_grad, also)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float, include_reference: bool,
@@ -156,8 +164,10 @@ class PolicyTrainer(Trainer):
             def part(x: torch.Tensor | None) -> torch.Tensor | None:
                 return None if x is None else mb.pad_responses(x[tokens]).to(self.device)
 
+            top = targets.teacher_top
             stats, seen = self._step(mb, part(targets.advantages), part(targets.old_logprobs),
-                                     part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature)
+                                     part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature,
+                                     None if top is None else TopK(part(top.ids), part(top.logprobs)))
             if one_pass is not None:
                 one_pass.append((tokens, self.ranks.merge(mb, seen)))
             return stats
@@ -172,8 +182,9 @@ class PolicyTrainer(Trainer):
 
     def _step(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
               ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
-              temperature: float) -> tuple[dict[str, float], list]:
-        """One optimizer step over a mini-batch (padded [b, R] targets). Each micro-batch's share is
+              temperature: float, teacher_top: TopK | None = None) -> tuple[dict[str, float], list]:
+        """One optimizer step over a mini-batch (padded [b, R] targets; the teacher's top tokens
+        [b, R, k]). Each micro-batch's share is
         its part of the loss aggregation's weight (`actor.loss_agg_mode`). Also returns, for a
         one-pass update (no `old_logprobs`), this rank's (rows, (logprobs, entropy)) per micro-batch."""
         cfg, mask = self.cfg, mb.train_mask().to(self.device)  # the model's tokens only (multi-turn)
@@ -198,7 +209,8 @@ class PolicyTrainer(Trainer):
             part = part_of[id(rows)]
             loss, micro_stats, own = self._micro_loss(
                 mb.select(rows), part(advantages), part(old_logprobs), part(ref_logprobs), part(weights), part(mask),
-                temperature, part(rollout_logprobs))
+                temperature, part(rollout_logprobs),
+                None if teacher_top is None else TopK(part(teacher_top.ids), part(teacher_top.logprobs)))
             if own is not None and real:
                 logprobs, entropy, micro_weights = own
                 seen.append((rows, (logprobs, entropy)))
@@ -211,17 +223,21 @@ class PolicyTrainer(Trainer):
 
     def _micro_loss(self, mb: SequenceBatch, advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
                     ref_logprobs: torch.Tensor | None, weights: torch.Tensor | None, mask: torch.Tensor,
-                    temperature: float, rollout_logprobs: torch.Tensor | None
+                    temperature: float, rollout_logprobs: torch.Tensor | None, teacher_top: TopK | None = None
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple | None]:
         """The micro-batch's loss and statistics; for a one-pass update (no `old_logprobs`), also
-        its packed logprobs and entropy and its IS weights (None without a correction)."""
+        its packed logprobs and entropy and its IS weights (None without a correction).
+        `teacher_top` (padded [b, R, k]): the teacher's most likely tokens, for its KL term."""
         cfg = self.cfg
         one_pass = old_logprobs is None
         # Entropy costs more passes over [tokens, vocab] (and their backward): computed here only as
         # a loss term, or for the `entropy` metric of a one-pass update (then without a graph, once);
         # otherwise the metric comes from ComputeLogProbs.
+        also = None if teacher_top is None else mb.pack_responses(teacher_top.ids)
         packed, entropy = self.forward(self.policy, mb, temperature, with_entropy=cfg.entropy_coef > 0 or one_pass,
-                                       entropy_grad=cfg.entropy_coef > 0)
+                                       entropy_grad=cfg.entropy_coef > 0, also=also)
+        if also is not None:  # the sampled tokens' logprobs, then the policy's of the teacher's top k
+            packed, top = packed[:, 0], mb.pad_responses(packed[:, 1:])
         logprobs = mb.pad_responses(packed)
         if one_pass:
             # The policy before this update's only optimizer step is the proximal policy itself.
@@ -241,6 +257,11 @@ class PolicyTrainer(Trainer):
             kl = aggregate(self.kl_loss(logprobs, ref_logprobs), mask, cfg.loss_agg_mode, cfg.loss_norm_length)
             loss = loss + cfg.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
+        if teacher_top is not None:
+            teacher_kl = aggregate(self.teacher_kl(teacher_top.logprobs, top), mask, cfg.loss_agg_mode,
+                                   cfg.loss_norm_length)
+            loss = loss + cfg.teacher_kl_coef * teacher_kl
+            stats["teacher_kl"] = teacher_kl.detach()
         stats["loss"] = loss.detach()
         seen = (packed.detach(), entropy.detach(), weights) if one_pass else None
         return loss, stats, seen

@@ -12,6 +12,7 @@ import torch
 from rolefleet.common.config import MIN_TEMPERATURE, MIN_WIRE_TEMPERATURE
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.role_types import UpdateResult
+from rolefleet.common.top_k import TopK
 
 
 class FinishReason(IntEnum):  # values match rolefleet.v1.FinishReason
@@ -129,6 +130,7 @@ class PolicyTargets:
                                                     # update takes them from its own forward
     ref_logprobs: torch.Tensor | None = None        # for the KL loss term
     rollout_logprobs: torch.Tensor | None = None    # for importance-sampling correction
+    teacher_top: TopK | None = None                 # the teacher's most likely tokens, for its KL loss term
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from rolefleet.common import codec
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import actor_pb2, common_pb2
+from rolefleet.common.top_k import TEACHER_TOP_FIELDS, TopK
 
 
 def sampling_to_proto(s: SamplingParams) -> actor_pb2.SamplingParams:
@@ -110,6 +111,8 @@ def policy_targets_to_proto(t: PolicyTargets) -> dict:
     for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
         if getattr(t, name) is not None:
             fields[name] = codec.encode(getattr(t, name))
+    if t.teacher_top is not None:
+        fields["teacher_top_ids"], fields["teacher_top_logprobs"] = t.teacher_top.to_proto()
     return fields
 
 
@@ -117,11 +120,15 @@ def policy_targets_from_proto(m: actor_pb2.ActorUpdateRequest, batch: SequenceBa
     def optional(name: str):
         return batch.per_token(getattr(m, name), name) if m.HasField(name) else None
 
+    top = None
+    if m.HasField("teacher_top_ids") or m.HasField("teacher_top_logprobs"):
+        top = TopK.from_proto(m.teacher_top_ids, m.teacher_top_logprobs, batch, TEACHER_TOP_FIELDS)
     return PolicyTargets(
         advantages=batch.per_token(m.advantages, "advantages"),
         old_logprobs=optional("old_logprobs"),
         ref_logprobs=optional("ref_logprobs"),
         rollout_logprobs=optional("rollout_logprobs"),
+        teacher_top=top,
     )
 
 

@@ -8,13 +8,13 @@ from rolefleet.algos.advantages import ADVANTAGE_ESTIMATORS, discounted_returns
 from rolefleet.algos.aggregation import LOSS_AGGREGATIONS, aggregate, aggregation_weight
 from rolefleet.algos.evaluation import pass_at_k
 from rolefleet.algos.is_correction import IS_CORRECTIONS, logprob_mismatch
-from rolefleet.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from rolefleet.algos.kl import KL_CONTROLLERS, KL_ESTIMATORS, TEACHER_KL
 from rolefleet.algos.long_tail import OVERLONG, informative_groups
 from rolefleet.algos.losses import POLICY_LOSSES, VALUE_LOSSES, entropy_from_logits
 from rolefleet.algos.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "IS_CORRECTIONS", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
-    "OVERLONG", "POLICY_LOSSES", "VALUE_LOSSES", "Registry", "aggregate", "aggregation_weight", "discounted_returns", "entropy_from_logits",
+    "OVERLONG", "POLICY_LOSSES", "TEACHER_KL", "VALUE_LOSSES", "Registry", "aggregate", "aggregation_weight", "discounted_returns", "entropy_from_logits",
     "informative_groups", "logprob_mismatch", "pass_at_k",
 ]

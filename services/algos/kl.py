@@ -83,3 +83,52 @@ def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: int
     error = min(max(current_kl / target - 1.0, -ADAPTIVE_MAX_ERROR), ADAPTIVE_MAX_ERROR)
     new = coef * (1.0 + error * min(n_steps / horizon, 1.0))
     return new if math.isfinite(new) else coef
+
+
+# --- KL to a teacher over its most likely tokens (on-policy distillation's loss term) -----------------
+
+TEACHER_KL: Registry = Registry("teacher KL")
+# The tail's probability is kept at least this: the student's top-k may hold all its mass in float32,
+# and log(0) would make the tail term's gradient infinite.
+MIN_TAIL = 1e-6
+
+
+def _with_tail(top: torch.Tensor) -> torch.Tensor:
+    """[..., k] logprobs of k tokens -> [..., k + 1]: the k, then the log-probability of every other
+    token together (the tail, at least `MIN_TAIL`)."""
+    top = upcast(top)
+    mass = torch.logsumexp(top, dim=-1, keepdim=True).clamp(max=math.log1p(-MIN_TAIL))
+    return torch.cat([top, torch.log(-torch.expm1(mass))], dim=-1)
+
+
+def _teacher_pair(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_inputs(None, teacher_logprobs=teacher_logprobs, student_logprobs=student_logprobs)
+    if teacher_logprobs.dim() < 1 or teacher_logprobs.shape[-1] < 1:
+        raise ValueError(f"teacher_logprobs must end in a top-k dimension, got shape {tuple(teacher_logprobs.shape)}")
+    return _with_tail(teacher_logprobs), _with_tail(student_logprobs)
+
+
+def _expected(logp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum(p * x) over the last dimension; an outcome of probability 0 adds 0 (not 0 x inf)."""
+    p = logp.exp()
+    return torch.where(p > 0, p * x, 0).sum(-1)
+
+
+@TEACHER_KL.register("forward")
+def teacher_kl_forward(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, [..., k] -> [...]: the teacher's k most likely tokens
+    (`teacher_logprobs`, log pi_T of each) and the student's logprobs of the same tokens, over k + 1
+    outcomes: the k tokens and the rest of the vocabulary as one (the tail). Exact for the two
+    distributions coarsened to those outcomes, >= 0, and 0 only where the student gives each of the
+    k tokens the teacher's probability (and so the tail too); with k the vocabulary, the full KL.
+    Mode-covering: the student is pulled up on every token the teacher finds likely."""
+    t, s = _teacher_pair(teacher_logprobs, student_logprobs)
+    return _expected(t, t - s)
+
+
+@TEACHER_KL.register("reverse")
+def teacher_kl_reverse(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(student || teacher) per position over the same k + 1 outcomes as `forward`: mode-seeking
+    (the student is pushed down where the teacher is not, but its tail is one outcome)."""
+    t, s = _teacher_pair(teacher_logprobs, student_logprobs)
+    return _expected(s, s - t)

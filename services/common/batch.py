@@ -124,19 +124,24 @@ class SequenceBatch:
     def map_micro_batches(self, max_tokens: int, fn: Callable[[SequenceBatch], tuple[torch.Tensor, ...]],
                           packed: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `fn` on each micro-batch (see `micro_batches`) and put the packed per-token tensors it
-        returns back in this batch's token order: fp32 [N] on the CPU, one per output of `fn`."""
-        done = [(rows, tuple(part.float().cpu() for part in fn(self.select(rows))))
+        returns back in this batch's token order, on the CPU, one per output of `fn`: [N, ...], fp32
+        (integer outputs keep their type)."""
+        done = [(rows, tuple((part.float() if part.is_floating_point() else part).cpu()
+                             for part in fn(self.select(rows))))
                 for rows in self.micro_batches(max_tokens, packed)]
         width = len(done[0][1]) if done else 0
         return tuple(self.merge_rows([(rows, parts[i]) for rows, parts in done]) for i in range(width))
 
     def merge_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One packed [N] tensor from (rows, packed values of those rows) parts that cover the batch
-        (the shares of several workers)."""
-        out = torch.empty(self.num_response_tokens)
+        """One packed [N, ...] tensor from (rows, packed values of those rows) parts that cover the
+        batch (the shares of several workers): fp32, or the parts' integer type."""
+        first = parts[0][1] if parts else torch.empty(0)
+        integer = not first.is_floating_point()
+        out = torch.empty((self.num_response_tokens, *first.shape[1:]),
+                          dtype=first.dtype if integer else torch.float32)
         for rows, values in parts:
             if len(rows):
-                out[self.token_index(rows)] = values.float().cpu()
+                out[self.token_index(rows)] = values.cpu() if integer else values.float().cpu()
         return out
 
     def token_index(self, rows: torch.Tensor) -> torch.Tensor:
@@ -215,10 +220,10 @@ class SequenceBatch:
         return self.loss_mask
 
     def pad_responses(self, packed: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """Packed per-token values [N] -> right-padded [B, R_max]."""
+        """Packed per-token values [N, ...] -> right-padded [B, R_max, ...]."""
         rows, within = self._response_index
         mask = self.response_mask()
-        out = torch.full(mask.shape, fill, dtype=packed.dtype, device=packed.device)
+        out = torch.full((*mask.shape, *packed.shape[1:]), fill, dtype=packed.dtype, device=packed.device)
         # Index assignment keeps autograd: gradients flow from the padded tensor back to `packed`.
         out[rows.to(packed.device), within.to(packed.device)] = packed
         return out

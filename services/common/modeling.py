@@ -224,14 +224,18 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
 
 def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                 entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """From one chunk's logits [n, V]: log p(target) and, unless `entropy` is "none", the entropy
-    of softmax(logits / temperature), fp32 [n]; "metric": the entropy without a graph."""
+    """From one chunk's logits [n, V]: log p(target) (targets [n], or [n, m]: m tokens a position,
+    their logprobs [n, m]) and, unless `entropy` is "none", the entropy of softmax(logits /
+    temperature), fp32 [n]; "metric": the entropy without a graph."""
     x = logits.float()
     if temperature != 1.0:  # a full [chunk, V] pass: skipped at the usual training temperature
         x = x / temperature
-    # Fused log-softmax + gather: its backward writes softmax - onehot in one pass, where
-    # log_softmax(...).gather(...) would allocate and scatter a dense [chunk, V] gradient.
-    token = -torch.nn.functional.cross_entropy(x, targets, reduction="none")
+    if targets.dim() == 1:
+        # Fused log-softmax + gather: its backward writes softmax - onehot in one pass, where
+        # log_softmax(...).gather(...) would allocate and scatter a dense [chunk, V] gradient.
+        token = -torch.nn.functional.cross_entropy(x, targets, reduction="none")
+    else:  # several tokens a position (a teacher's top k beside the sampled one): one normaliser
+        token = x.gather(1, targets) - torch.logsumexp(x, dim=-1, keepdim=True)
     if entropy == "none":
         return token, None
     with torch.no_grad() if entropy == "metric" else contextlib.nullcontext():
@@ -267,13 +271,38 @@ def compiled(fn):
 
 def lm_logprobs(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
                 chunk_tokens: int, with_entropy: bool, packed: bool = False, entropy_grad: bool = True,
-                compile: bool = False, attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor | None]:
+                compile: bool = False, attention: str = "sdpa",
+                also: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed logprobs [N] (and entropy [N]) of the batch's response tokens under a causal LM: its
-    backbone once, then its head a chunk of tokens at a time (`head_logprobs`)."""
+    backbone once, then its head a chunk of tokens at a time (`head_logprobs`). `also` (int64
+    [N, k]): k more tokens at each response position, whose logprobs come after the sampled one's
+    ([N, 1 + k])."""
     backbone, head = split_lm(model)
     hidden = response_hidden(backbone, batch, device, packed, attention)
-    return head_logprobs(hidden, head, batch.response_ids.to(device), temperature, chunk_tokens, with_entropy,
-                         entropy_grad, compile)
+    targets = batch.response_ids.to(device)
+    if also is not None:
+        targets = torch.cat([targets[:, None], also.to(device)], dim=1)
+    return head_logprobs(hidden, head, targets, temperature, chunk_tokens, with_entropy, entropy_grad, compile)
+
+
+@torch.no_grad()
+def lm_top_k(model: PreTrainedModel, batch: SequenceBatch, device: torch.device, temperature: float,
+             chunk_tokens: int, k: int, packed: bool = False,
+             attention: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `lm_logprobs` without gradients, and with each response position's k most likely tokens:
+    (log p of the sampled tokens [N], the k's logprobs [N, k] in falling order, their ids [N, k]
+    int64), all of softmax(head(hidden) / temperature), the head a chunk of tokens at a time."""
+    backbone, head = split_lm(model)
+    hidden = response_hidden(backbone, batch, device, packed, attention)
+    targets = batch.response_ids.to(device)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        x = head(hidden[start:start + chunk_tokens]).float()
+        logp = torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+        top = logp.topk(k, dim=-1)
+        parts.append((logp.gather(1, targets[start:start + chunk_tokens, None])[:, 0], top.values, top.indices))
+    return tuple(torch.cat(p) for p in zip(*parts)) if parts else \
+        (hidden.new_zeros(0), hidden.new_zeros(0, k), targets.new_zeros(0, k))
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

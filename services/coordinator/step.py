@@ -52,6 +52,7 @@ from rolefleet.coordinator.step_metrics import distill_metrics, late_compile, st
 from rolefleet.coordinator.targets import Targets, after_one_pass, shaped_scores, step_targets, truncated
 from rolefleet.critic.types import CriticValues
 from rolefleet.reward.types import ScoreResult
+from rolefleet.teacher.types import TeacherLogProbs
 
 _log = logging.getLogger(__name__)
 
@@ -146,8 +147,9 @@ class StepBody:
                 if teacher is not None and logprobs.logprobs is None else None
             targets = step_targets(self.cfg.preset.estimator, batch, scores, values, logprobs.logprobs,
                                    logprobs.ref_logprobs, group_ids(samples), self.state.kl_coef, t,
-                                   teacher=teacher, rollout_logprobs=rollout_logprobs)
-            policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples)
+                                   teacher=teacher.logprobs if teacher is not None else None,
+                                   rollout_logprobs=rollout_logprobs)
+            policy_targets = policy_targets_for(self.cfg, targets, logprobs, samples, teacher)
         kl_coef = self.state.kl_coef
         own = batch.packed_train_mask()  # multi-turn: the model's tokens (observations have no KL)
         self.state.kl_coef = self.kl_controller(kl_coef, targets.kl[own].mean().item(), t.kl_target, t.kl_horizon,
@@ -225,7 +227,8 @@ class StepBody:
             roles.actor.compute_logprobs(r.batch, self.cfg.sampling.temperature, include_reference=True,
                                          reference_only=one_pass)
             if r.logprobs is None or (not one_pass and r.logprobs.logprobs is None) else _given(r.logprobs),
-            roles.teacher.compute_logprobs(r.batch, self.cfg.sampling.temperature) if roles.teacher else _given(None),
+            roles.teacher.compute_logprobs(r.batch, self.cfg.sampling.temperature, self.cfg.teacher.top_k)
+            if roles.teacher else _given(None),
         )
 
     async def _updates(self, step: int, rollout: Rollout, policy_batch: SequenceBatch, policy: PolicyTargets,
@@ -292,15 +295,17 @@ def group_ids(samples: list[Sample]) -> torch.Tensor:
     return torch.tensor([smp.group_id for smp in samples])
 
 
-def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProbs,
-                       samples: list[Sample]) -> PolicyTargets:
-    """What the actor's update needs; reference and rollout logprobs travel only when its loss uses them."""
+def policy_targets_for(cfg: RoleFleetConfig, targets: Targets, logprobs: LogProbs, samples: list[Sample],
+                       teacher: TeacherLogProbs | None = None) -> PolicyTargets:
+    """What the actor's update needs; reference and rollout logprobs, and the teacher's most likely
+    tokens, travel only when its loss uses them."""
     a = cfg.actor
     return PolicyTargets(
         advantages=targets.advantages,
         old_logprobs=logprobs.logprobs,
         ref_logprobs=logprobs.ref_logprobs if a.kl_loss_coef > 0 else None,
         rollout_logprobs=torch.cat([smp.logprobs for smp in samples]) if a.is_correction != "none" else None,
+        teacher_top=teacher.top if teacher is not None and a.teacher_kl_coef > 0 else None,
     )
 
 

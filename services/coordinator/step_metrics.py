@@ -12,6 +12,7 @@ from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.role_types import UpdateResult
 from rolefleet.coordinator.targets import Targets
 from rolefleet.reward.types import ScoreResult
+from rolefleet.teacher.types import TeacherLogProbs
 
 
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
@@ -34,14 +35,18 @@ def late_compile(record: dict) -> str | None:
 
 
 def distill_metrics(batch: SequenceBatch, logprobs: torch.Tensor | None, samples: list[Sample],
-                    teacher: torch.Tensor) -> dict[str, float]:
+                    teacher: TeacherLogProbs) -> dict[str, float]:
     """How far the student is from its teacher where it samples: the mean per-token reverse KL
     estimate (student minus teacher logprob, k1) over the model's own tokens, and the teacher's
-    mean logprob of them."""
+    mean logprob of them; with the teacher's top k, the mean probability they hold (how much of the
+    teacher's distribution the forward-KL term sees)."""
     own = batch.packed_train_mask()
     student = logprobs if logprobs is not None else torch.cat([s.logprobs for s in samples])
-    return {"distill/reverse_kl": (student - teacher)[own].mean().item(),
-            "distill/teacher_logprob": teacher[own].mean().item()}
+    record = {"distill/reverse_kl": (student - teacher.logprobs)[own].mean().item(),
+              "distill/teacher_logprob": teacher.logprobs[own].mean().item()}
+    if teacher.top is not None:
+        record["distill/teacher_top_k_mass"] = teacher.top.logprobs[own].exp().sum(1).mean().item()
+    return record
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

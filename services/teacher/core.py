@@ -1,5 +1,5 @@
 """TeacherCore: the teacher role without gRPC. A frozen causal LM computing the logprob of every
-token the student sampled (its tokenizer must be the student's: the ids mean the same text), a
+token the student sampled (and, asked for, its k most likely tokens at each of those positions) (its tokenizer must be the student's: the ids mean the same text), a
 micro-batch at a time through the trainers' own logprob pass (`lm_logprobs`: the LM head a chunk
 of tokens at a time, never the whole [tokens, vocabulary] logits). One process; on several GPUs
 (`devices.teacher`) the model's layers are split over them. Tests drive it in-process; the servicer
@@ -23,10 +23,13 @@ from rolefleet.common.modeling import (
     compute_dtype,
     disable_dropout,
     lm_logprobs,
+    lm_top_k,
     load_tokenizer,
     pick_device,
 )
 from rolefleet.common.role_types import RoleStatus
+from rolefleet.common.top_k import MAX_TOP_K, TopK
+from rolefleet.teacher.types import TeacherLogProbs
 
 log = logging.getLogger(__name__)
 ROLE = "teacher"
@@ -58,22 +61,29 @@ class TeacherCore:
         self.digest = hashlib.sha256(f"{path}:{dtype}".encode()).hexdigest()[:16]
         self._lock = threading.Lock()  # one forward at a time: concurrent calls would share the GPU's memory
 
-    def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-        """float32 [N]: log pi_teacher(token) of each response token of `batch` at `temperature`."""
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float, top_k: int = 0) -> TeacherLogProbs:
+        """log pi_teacher(token) of each response token of `batch` at `temperature`, float32 [N];
+        with `top_k`, also the k most likely tokens at each response position and their logprobs."""
         if not temperature > 0:
             raise InvalidArgument("temperature", f"must be > 0, got {temperature}")
+        if not 0 <= top_k <= min(MAX_TOP_K, self.vocab_size):
+            raise InvalidArgument("top_k", f"must lie in [0, {min(MAX_TOP_K, self.vocab_size)}] (0: the sampled "
+                                  f"tokens' logprobs alone), got {top_k}")
         batch.check_limits(self.limits, vocab_size=self.vocab_size)
         cfg = self.cfg
 
-        def one(mb: SequenceBatch) -> tuple[torch.Tensor]:
+        def one(mb: SequenceBatch) -> tuple[torch.Tensor, ...]:
+            if top_k:
+                return lm_top_k(self.model, mb, self.device, temperature, cfg.logprob_chunk_tokens, top_k,
+                                cfg.sequence_packing, self.attention)
             logprobs, _ = lm_logprobs(self.model, mb, self.device, temperature, cfg.logprob_chunk_tokens, False,
                                       cfg.sequence_packing, attention=self.attention)
             return (logprobs,)
 
         with self._lock, torch.inference_mode():
-            (logprobs,) = batch.map_micro_batches(cfg.max_tokens_per_micro_batch, one, cfg.sequence_packing)
+            logprobs, *top = batch.map_micro_batches(cfg.max_tokens_per_micro_batch, one, cfg.sequence_packing)
         metrics.TEACHER_TOKENS.inc(batch.num_response_tokens)
-        return logprobs
+        return TeacherLogProbs(logprobs, TopK(ids=top[1], logprobs=top[0]) if top else None)
 
     def status(self, include_digest: bool = False) -> RoleStatus:
         return RoleStatus(ROLE, weights_digest=self.digest)  # the servicer counts the requests served

@@ -22,8 +22,13 @@ class TeacherServicer(RoleServicer, teacher_pb2_grpc.TeacherServiceServicer):
     @rpc
     async def ComputeLogProbs(self, request: teacher_pb2.TeacherLogProbsRequest, context):
         batch = SequenceBatch.from_proto(request.batch, limits=self.core.limits)
-        logprobs = await asyncio.to_thread(self.core.compute_logprobs, batch, request.temperature)
-        return teacher_pb2.TeacherLogProbsResponse(logprobs=codec.encode(logprobs))
+        answer = await asyncio.to_thread(self.core.compute_logprobs, batch, request.temperature, request.top_k)
+        response = teacher_pb2.TeacherLogProbsResponse(logprobs=codec.encode(answer.logprobs))
+        if answer.top is not None:
+            ids, logprobs = answer.top.to_proto()
+            response.top_ids.CopyFrom(ids)
+            response.top_logprobs.CopyFrom(logprobs)
+        return response
 
 
 def add_to_server(core: TeacherCore, server: grpc.aio.Server) -> list[str]:

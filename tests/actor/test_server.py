@@ -84,6 +84,14 @@ def test_malformed_requests_get_invalid_argument_and_change_nothing(core):
                     "batch.prompt_ids": dict(good, batch=SequenceBatch.from_lists(
                         [torch.tensor([10_000])], [torch.tensor([5, 2])]).to_proto()),
                     "temperature": dict(good, temperature=0.0),
+                    # The teacher's top k (on-policy distillation's KL term): [N, k], in the vocabulary,
+                    # a position's probabilities summing to at most 1.
+                    "teacher_top_ids.shape": dict(good, teacher_top_ids=codec.encode(torch.ones(3, 2, dtype=torch.int64)),
+                                                  teacher_top_logprobs=codec.encode(torch.full((3, 2), -2.0))),
+                    "teacher_top_ids": dict(good, teacher_top_ids=codec.encode(torch.full((2, 2), 10_000)),
+                                            teacher_top_logprobs=codec.encode(torch.full((2, 2), -2.0))),
+                    "teacher_top_logprobs": dict(good, teacher_top_ids=codec.encode(torch.ones(2, 2, dtype=torch.int64)),
+                                                 teacher_top_logprobs=codec.encode(torch.zeros(2, 2))),
                 }
                 for field, fields in bad_updates.items():
                     await expect_invalid(stub.Update(actor_pb2.ActorUpdateRequest(**fields)), field)

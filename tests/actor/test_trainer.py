@@ -83,6 +83,47 @@ def test_kl_loss_raises_the_objective_and_pulls_toward_the_reference(tiny_model_
     assert kl_after < kl_before
 
 
+def test_the_teacher_kl_term_pulls_the_policy_toward_the_teacher_s_most_likely_tokens(tiny_model_dir, tmp_path):
+    from rolefleet.algos import TEACHER_KL
+    from rolefleet.common.config import TeacherSection
+    from rolefleet.common.errors import InvalidArgument
+    from rolefleet.teacher.core import TeacherCore
+
+    other = make_tiny_model(tmp_path / "teacher", task="addition", warm_start_steps=30, seed=3)
+    teacher = TeacherCore(TeacherSection(model_name_or_path=str(other)), student=tiny_model_dir)
+    core = make_core(tiny_model_dir, "actor.teacher_kl_coef=2.0", "actor.lr=2e-3", f"teacher.model_name_or_path={other}",
+                     "teacher.top_k=4", *ONE_STEP)
+    _, batch, lp = rollout(core)
+    top = teacher.compute_logprobs(batch, 1.0, top_k=4).top
+    zeros = torch.zeros(batch.num_response_tokens)
+    digest = core.digest()
+    with pytest.raises(InvalidArgument, match="actor.teacher_kl_coef > 0") as err:
+        core.update(1, 0, batch, PolicyTargets(zeros, lp.logprobs), 1.0)
+    assert err.value.field == "teacher_top_ids" and core.digest() == digest and core.policy_version == 0
+    trainer = core.worker.trainer
+
+    def policy_top():  # the policy's logprobs of the sampled tokens, then of the teacher's top 4
+        with torch.no_grad():
+            packed, _ = trainer.forward(trainer.policy, batch, 1.0, with_entropy=False, also=top.ids)
+        return packed
+
+    def kl_now():  # the forward KL over the teacher's 4 tokens and the rest, per token
+        return TEACHER_KL.get("forward")(top.logprobs, policy_top()[:, 1:]).mean().item()
+
+    before, seen = kl_now(), []
+    for step in range(1, 6):
+        old = core.compute_logprobs(batch, 1.0, include_reference=False).logprobs
+        result = core.update(step, step - 1, batch, PolicyTargets(zeros, old, teacher_top=top), 1.0)
+        # Zero advantages: the loss is the teacher's term alone, weighed by its coefficient.
+        assert result.stats["loss"] == pytest.approx(2.0 * result.stats["teacher_kl"], rel=1e-5)
+        seen.append(result.stats["teacher_kl"])
+    assert seen[-1] < 0.8 * seen[0], seen
+    assert kl_now() < 0.7 * before
+    # The sampled tokens' logprobs beside the top k are the policy's own.
+    torch.testing.assert_close(policy_top()[:, 0], core.compute_logprobs(batch, 1.0, include_reference=False).logprobs,
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_absurd_targets_are_refused_before_the_first_optimizer_step(tiny_model_dir):
     from rolefleet.common.errors import InvalidArgument
 

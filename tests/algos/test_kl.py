@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolefleet.algos import KL_CONTROLLERS, KL_ESTIMATORS
+from rolefleet.algos import KL_CONTROLLERS, KL_ESTIMATORS, TEACHER_KL
 from rolefleet.algos.kl import K3_MAX
 from tests.algos.edge import (
     FAST,
@@ -162,3 +162,78 @@ def test_controllers_reject_meaningless_settings_by_name(name, kwargs, named):
     args = {"coef": 0.1, "current_kl": 0.1, "target": 0.1, "horizon": 10, "n_steps": 1, **kwargs}
     with pytest.raises(ValueError, match=f"^{named} must be"):
         KL_CONTROLLERS.get(name)(**args)
+
+
+# --- the teacher's KL over its top k ------------------------------------------------------------------
+
+def _top(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logp.gather(-1, ids)
+
+
+def test_teacher_kl_over_the_whole_vocabulary_is_the_exact_kl():
+    torch.manual_seed(0)
+    teacher, student = torch.log_softmax(torch.randn(3, 5, 7), -1), torch.log_softmax(torch.randn(3, 5, 7), -1)
+    ids = teacher.argsort(-1, descending=True)  # k = V: nothing in the tail
+    exact_forward = (teacher.exp() * (teacher - student)).sum(-1)
+    exact_reverse = (student.exp() * (student - teacher)).sum(-1)
+    torch.testing.assert_close(TEACHER_KL.get("forward")(_top(teacher, ids), _top(student, ids)), exact_forward,
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(TEACHER_KL.get("reverse")(_top(teacher, ids), _top(student, ids)), exact_reverse,
+                               atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["forward", "reverse"])
+def test_teacher_kl_over_a_top_k_is_the_kl_of_the_top_k_and_the_rest_as_one(name):
+    torch.manual_seed(1)
+    teacher, student = torch.log_softmax(torch.randn(4, 9), -1), torch.log_softmax(torch.randn(4, 9), -1)
+    ids = teacher.topk(3, -1).indices
+    got = TEACHER_KL.get(name)(_top(teacher, ids), _top(student, ids))
+
+    def coarse(logp):  # the 3 tokens, then everything else as one outcome
+        top = logp.gather(-1, ids).exp()
+        return torch.cat([top, 1 - top.sum(-1, keepdim=True)], -1)
+
+    p, q = coarse(teacher), coarse(student)
+    if name == "reverse":
+        p, q = q, p
+    torch.testing.assert_close(got, (p * (p / q).log()).sum(-1), atol=1e-5, rtol=1e-4)
+    assert torch.all(got >= 0)
+    # 0 where the student gives the k tokens the teacher's probabilities, whatever it does in the tail.
+    same = teacher.clone()
+    same[:, :] = torch.log_softmax(torch.randn(4, 9), -1)
+    same.scatter_(-1, ids, _top(teacher, ids))
+    assert torch.allclose(TEACHER_KL.get(name)(_top(teacher, ids), _top(same, ids)), torch.zeros(4), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["forward", "reverse"])
+def test_teacher_kl_gradient_moves_the_student_toward_the_teacher(name):
+    torch.manual_seed(2)
+    teacher = torch.log_softmax(3 * torch.randn(2, 6, 11), -1)
+    logits = torch.randn(2, 6, 11, requires_grad=True)
+    ids = teacher.topk(4, -1).indices
+    opt = torch.optim.Adam([logits], lr=0.1)
+    first = None
+    for _ in range(200):
+        kl = TEACHER_KL.get(name)(_top(teacher, ids), _top(torch.log_softmax(logits, -1), ids)).sum()
+        first = kl.item() if first is None else first
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+    assert kl.item() < 0.05 * first
+    torch.testing.assert_close(_top(torch.log_softmax(logits, -1), ids).exp(), _top(teacher, ids).exp(), atol=0.02,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("name", ["forward", "reverse"])
+def test_teacher_kl_is_finite_with_its_gradient_at_extremes(name):
+    # The student's top k holding all its mass (an empty tail), a teacher token the student finds
+    # near impossible, half precision: finite values and gradients, computed in float32.
+    teacher = torch.tensor([[[-0.01, -5.0, -1e4]], [[0.0, -1e4, -1e4]]])
+    student = torch.tensor([[[-1e4, -0.0, -1e4]], [[-1e-9, -30.0, -40.0]]], requires_grad=True)
+    kl = TEACHER_KL.get(name)(teacher, student)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(student.grad).all() and torch.all(kl >= -1e-6)
+    half = TEACHER_KL.get(name)(teacher.bfloat16(), student.detach().bfloat16())
+    assert half.dtype == torch.float32
+    with pytest.raises(ValueError, match="student_logprobs has shape"):
+        TEACHER_KL.get(name)(teacher, student[..., :2])

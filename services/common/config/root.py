@@ -121,8 +121,17 @@ class RoleFleetConfig(_Section):
                 raise ValueError(f"pipeline.partial_rollouts.token_budget={partial.token_budget} cuts nothing below "
                                  f"sampling.max_new_tokens={self.sampling.max_new_tokens}")
         if self.uses_teacher and not self.teacher.model_name_or_path:
-            raise ValueError(f"teacher.model_name_or_path: {'algorithm distill' if preset.uses_teacher else 'train.distill_coef'} "
-                             "distils from a teacher: set the teacher model (its tokenizer the student's)")
+            why = "algorithm distill" if preset.uses_teacher else \
+                "train.distill_coef" if self.train.distill_coef else "actor.teacher_kl_coef"
+            raise ValueError(f"teacher.model_name_or_path: {why} distils from a teacher: set the teacher model (its "
+                             "tokenizer the student's)")
+        if self.actor.teacher_kl_coef > 0 and not self.teacher.top_k:
+            raise ValueError("teacher.top_k: actor.teacher_kl_coef compares the teacher's and the policy's "
+                             "distributions over the teacher's most likely tokens: set how many (e.g. 16)")
+        if self.teacher.top_k and not self.actor.teacher_kl_coef > 0:
+            raise ValueError(f"actor.teacher_kl_coef: teacher.top_k={self.teacher.top_k} asks the teacher for its "
+                             "most likely tokens, which only that loss term reads: set its weight (e.g. 1.0), or "
+                             "leave teacher.top_k at 0")
         if preset.uses_teacher and self.train.distill_coef:
             raise ValueError("train.distill_coef weighs the teacher's term beside another algorithm's advantages; "
                              "algorithm distill is that term alone: leave train.distill_coef at 0")
@@ -148,7 +157,8 @@ class RoleFleetConfig(_Section):
         for key, on in (("reward.agent", self.reward.agent.enabled),
                         ("train.dynamic_sampling", self.train.dynamic_sampling.enabled),
                         ("pipeline.partial_rollouts", self.pipeline.partial_rollouts.enabled),
-                        ("train.distill_coef", self.train.distill_coef > 0)):
+                        ("train.distill_coef", self.train.distill_coef > 0),
+                        ("actor.teacher_kl_coef", self.actor.teacher_kl_coef > 0)):
             if on:
                 raise ValueError(f"{key}: algorithm sft trains on the data's completions, without rollouts")
         extra = self.data.extra_keys
@@ -188,7 +198,7 @@ class RoleFleetConfig(_Section):
     @property
     def uses_teacher(self) -> bool:
         """Whether the run distils from the teacher role (its algorithm, or the mixed form)."""
-        return self.preset.uses_teacher or self.train.distill_coef > 0
+        return self.preset.uses_teacher or self.train.distill_coef > 0 or self.actor.teacher_kl_coef > 0
 
     @property
     def episode_cap(self) -> int:

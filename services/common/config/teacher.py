@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field
 
 from rolefleet.common.config.base import Endpoint
 from rolefleet.common.config.paths import ExpandedPath
+from rolefleet.common.top_k import MAX_TOP_K
 
 
 class TeacherSection(Endpoint):
@@ -27,6 +28,8 @@ class TeacherSection(Endpoint):
                                       "logits of that many tokens at a time)")
     sequence_packing: bool = Field(False, description="micro-batches as one row of sequences without padding")
     packed_attention: Literal["auto", "sdpa", "flex"] = Field("auto", description="as actor.packed_attention")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="the teacher's k most likely tokens at each sampled position "
+                       "that actor.teacher_kl_coef's term reads (0: only the sampled tokens' logprobs)")
     check_chat_template: bool = Field(True, description="refuse a teacher whose chat template is not the "
                                       "student's (the vocabularies must match regardless)")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
-from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TEACHER_KL
 from rolefleet.common.config.base import Endpoint, _one_of, _Section
 from rolefleet.common.config.paths import ExpandedPath
 
@@ -302,6 +302,12 @@ class ActorSection(_TrainerSection):
     kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference term in the policy loss")
     kl_loss_estimator: str = Field("k3", description="estimator of the kl_loss_coef term: "
                                    f"{' | '.join(KL_ESTIMATORS.names())}")
+    teacher_kl_coef: float = Field(0.0, ge=0, description="on-policy distillation's supervised term in the policy "
+                                   "loss: the KL between the teacher's and the policy's distributions over the "
+                                   "teacher's teacher.top_k most likely tokens (and the rest as one) at every "
+                                   "sampled position; starts the teacher role")
+    teacher_kl: str = Field("forward", description="direction of the teacher_kl_coef term: "
+                            f"{' | '.join(TEACHER_KL.names())} (forward: KL(teacher || policy), mode-covering)")
     is_correction: str = Field("none", description="rollout/train importance-sampling correction")
     is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
     old_logprobs: Literal["auto", "recompute"] = Field(
@@ -321,6 +327,7 @@ class ActorSection(_TrainerSection):
         return data
     _kl = field_validator("kl_loss_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
     _is = field_validator("is_correction")(lambda cls, v: _one_of(IS_CORRECTIONS, v))
+    _teacher_kl = field_validator("teacher_kl")(lambda cls, v: _one_of(TEACHER_KL, v))
 
     @field_validator("loss_agg_mode")
     @classmethod

@@ -192,7 +192,7 @@ class ComputeLogProbsResponse(_message.Message):
     def __init__(self, logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class ActorUpdateRequest(_message.Message):
-    __slots__ = ("step", "policy_version", "batch", "advantages", "old_logprobs", "temperature", "ref_logprobs", "rollout_logprobs")
+    __slots__ = ("step", "policy_version", "batch", "advantages", "old_logprobs", "temperature", "ref_logprobs", "rollout_logprobs", "teacher_top_ids", "teacher_top_logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,8 @@ class ActorUpdateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     batch: _common_pb2.SequenceBatch
@@ -209,7 +211,9 @@ class ActorUpdateRequest(_message.Message):
     temperature: float
     ref_logprobs: _common_pb2.Tensor
     rollout_logprobs: _common_pb2.Tensor
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    teacher_top_ids: _common_pb2.Tensor
+    teacher_top_logprobs: _common_pb2.Tensor
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.SequenceBatch, _Mapping]] = ..., advantages: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., old_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[float] = ..., ref_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., teacher_top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., teacher_top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ActorUpdateResponse(_message.Message):
     __slots__ = ("step", "policy_version", "stats", "logprobs", "entropy")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rolefleet.common.pb import common_pb2 as rolefleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arolefleet/v1/teacher.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"Y\n\x16TeacherLogProbsRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\"A\n\x17TeacherLogProbsResponse\x12&\n\x08logprobs\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor2\xb7\x01\n\x0eTeacherService\x12^\n\x0f\x43omputeLogProbs\x12$.rolefleet.v1.TeacherLogProbsRequest\x1a%.rolefleet.v1.TeacherLogProbsResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arolefleet/v1/teacher.proto\x12\x0crolefleet.v1\x1a\x19rolefleet/v1/common.proto\"h\n\x16TeacherLogProbsRequest\x12*\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1b.rolefleet.v1.SequenceBatch\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\x94\x01\n\x17TeacherLogProbsResponse\x12&\n\x08logprobs\x18\x01 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12%\n\x07top_ids\x18\x02 \x01(\x0b\x32\x14.rolefleet.v1.Tensor\x12*\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x14.rolefleet.v1.Tensor2\xb7\x01\n\x0eTeacherService\x12^\n\x0f\x43omputeLogProbs\x12$.rolefleet.v1.TeacherLogProbsRequest\x1a%.rolefleet.v1.TeacherLogProbsResponse\x12\x45\n\tGetStatus\x12\x1e.rolefleet.v1.GetStatusRequest\x1a\x18.rolefleet.v1.RoleStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rolefleet.v1.teacher_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TEACHERLOGPROBSREQUEST']._serialized_start=71
-  _globals['_TEACHERLOGPROBSREQUEST']._serialized_end=160
-  _globals['_TEACHERLOGPROBSRESPONSE']._serialized_start=162
-  _globals['_TEACHERLOGPROBSRESPONSE']._serialized_end=227
-  _globals['_TEACHERSERVICE']._serialized_start=230
-  _globals['_TEACHERSERVICE']._serialized_end=413
+  _globals['_TEACHERLOGPROBSREQUEST']._serialized_end=175
+  _globals['_TEACHERLOGPROBSRESPONSE']._serialized_start=178
+  _globals['_TEACHERLOGPROBSRESPONSE']._serialized_end=326
+  _globals['_TEACHERSERVICE']._serialized_start=329
+  _globals['_TEACHERSERVICE']._serialized_end=512
 # @@protoc_insertion_point(module_scope)
