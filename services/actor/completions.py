@@ -10,6 +10,14 @@ last, at most a hundred times that, or until a call's worth waits): the agents o
 turns within milliseconds of each other, and a call that took only the first would leave the others
 a call of their own.
 
+The window alone cuts a turn short where agents come back at different times (each ran its tool,
+or its own code, for a while): the engine would make a second call for the stragglers, which costs
+nearly what the first did (decoding is a step per token for every row at once). So where the
+endpoint knows how many sessions are yet to ask (`pending`: open, none in flight, expected to ask
+again: no completion yet, or their last reply called tools), the call waits for them too, past
+quiet windows, but never longer than the last engine call lasted (what a call of their own would
+cost them) nor a hundred windows.
+
 Requests that differ only in how many tokens they may take (a session near its token limit) share
 a call: it generates up to the largest, and each sample is cut to its own request's limit (a
 prefix of a sample is a sample, its logprobs unchanged, ended by length).
@@ -80,11 +88,14 @@ class CompletionBatcher:
     the other requests waiting at the time."""
 
     def __init__(self, generate: Generate, max_sequences: int, window_s: float = 0.0, decode: Decode | None = None,
-                 stats: EndpointStats | None = None):
+                 stats: EndpointStats | None = None, pending: Callable[[], int] | None = None):
         """`generate(continuations, sampling)`: blocking, one sample per continuation (run off the loop);
-        `decode(ids)`: the text of a cut sample (the engines' decoding)."""
+        `decode(ids)`: the text of a cut sample (the engines' decoding); `pending()`: how many
+        sessions are expected to send a request and have not (see the module)."""
         self.generate, self.max_sequences, self.window_s, self.decode = generate, max_sequences, window_s, decode
         self.stats = stats or EndpointStats()
+        self.pending = pending
+        self._last_call_s = float("inf")  # how long the last engine call took: the most a call waits for stragglers
         self._waiting: dict[SamplingParams, list[_Request]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -126,17 +137,21 @@ class CompletionBatcher:
                 await self._call(sampling, batch)
 
     async def _gathered(self) -> None:
-        """Wait while requests keep arriving (the window after the last), until a call's worth of
-        sequences waits, at most `MAX_WINDOWS` windows. The cap is generous: a step's agents reach
-        the endpoint over hundreds of milliseconds (each request is parsed, rendered and tokenized
-        on this loop, a millisecond or more apiece), and a call cut short leaves the rest a whole
+        """Wait while requests keep arriving (the window after the last), or while sessions are yet
+        to ask (for no longer than the last engine call took), until a call's worth of sequences
+        waits, at most `MAX_WINDOWS` windows. The cap is generous: a step's agents reach the
+        endpoint over hundreds of milliseconds (each request is parsed, rendered and tokenized on
+        this loop, a millisecond or more apiece), and a call cut short leaves the rest a whole
         engine call of their own."""
+        start = time.perf_counter()
         for _ in range(MAX_WINDOWS if self.window_s > 0 else 0):
             seen = self._count()
             if seen >= self.max_sequences:
                 return
             await asyncio.sleep(self.window_s)
-            if self._count() == seen:
+            if self._count() > seen:
+                continue
+            if not self.pending or not self.pending() or time.perf_counter() - start >= self._last_call_s:
                 return
 
     def _count(self) -> int:
@@ -162,7 +177,8 @@ class CompletionBatcher:
         sampling = replace(sampling, max_new_tokens=max(r.limit for r in batch))
         start = time.perf_counter()
         samples = await asyncio.to_thread(self.generate, continuations, sampling)
-        self.stats.add(calls=1, sequences=len(continuations), engine_s=time.perf_counter() - start)
+        self._last_call_s = time.perf_counter() - start
+        self.stats.add(calls=1, sequences=len(continuations), engine_s=self._last_call_s)
         answers: dict[int, list[Sample]] = {}
         for s in sorted(samples, key=lambda s: s.prompt_index):
             r = owner[s.prompt_index]

@@ -406,7 +406,7 @@ async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> Ht
     batcher = CompletionBatcher(lambda continuations, sampling: core.generate([], sampling, 0, continuations),
                                 cfg.actor.max_sequences_per_request, ep.batch_window_ms / 1000,
                                 lambda ids: core.tokenizer.decode(ids, skip_special_tokens=True),
-                                core.endpoint_stats)
+                                core.endpoint_stats, core.sessions.pending)
     endpoint = Endpoint(core.sessions, batcher, core.tokenizer, token, "policy", ep.max_new_tokens)
     return HttpServer(endpoint.app(), ep.host, ep.port, tls, role="actor", name="openai-endpoint")
 

@@ -72,6 +72,8 @@ class Session:
     last_text: str = ""
     tool_calls: int = 0
     busy: bool = False
+    asks_again: bool = True             # its agent is expected to ask for a completion: it has none yet,
+                                        # or its last reply called tools (the batcher waits for it)
     task: AgentTask | None = None       # for an agent outside the cluster to claim (reward.agent.external)
     claimed: bool = False
     reward: float | None = None         # what that agent posted
@@ -104,6 +106,15 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def pending(self) -> int:
+        """Open sessions whose agents are expected to ask for a completion and have none in flight:
+        no completion yet (an agent outside the cluster: once it claimed its session), or a last
+        reply that called tools, within `max_turns`. A guess that only paces the batcher: a
+        session it misses is served as any request, one it waits for in vain costs a bounded wait."""
+        with self._lock:
+            return sum(1 for s in self._sessions.values()
+                       if s.asks_again and not s.busy and (s.task is None or s.claimed))
 
     # --- opened and closed by the coordinator ---------------------------------------------------
 
@@ -240,6 +251,7 @@ class SessionStore:
             s.messages = [*turn.messages, _normal(reply, "reply")]
             s.tool_calls += len(reply.get("tool_calls") or ())
             s.turns, s.finish, s.last_text, s.busy = s.turns + 1, piece.finish_reason, piece.response_text, False
+            s.asks_again = bool(reply.get("tool_calls")) and s.turns < self.limits.max_turns
 
     def release(self, turn: Turn) -> None:
         """A request that failed after `begin`: the session is as it was."""

@@ -427,3 +427,67 @@ def test_the_endpoint_reports_its_engine_calls_gathering_and_request_work_with_t
     assert stats["endpoint_engine_s"] > 0 and stats["endpoint_handler_s"] > 0
     assert stats["endpoint_gather_s"] >= 0.015  # each call waited a window (10 ms) for more requests
     assert actor.endpoint_stats.take() == {}  # taken: the next update reports only what follows
+
+
+def test_a_call_waits_past_quiet_windows_for_sessions_yet_to_ask_but_no_longer_than_a_call_lasts():
+    """Agents that come back at different times (each ran a tool): while the endpoint knows sessions
+    are yet to ask, the call waits for them past quiet windows, so a turn is one engine call, not a
+    call for the stragglers too; without such sessions, a quiet window ends the wait as before; and
+    a session that never asks holds a call up no longer than the last engine call took."""
+    calls = []
+
+    def generate(continuations, sampling):
+        calls.append(len(continuations))
+        time.sleep(0.05)  # an engine call's time: the most a call waits for stragglers after the first
+        return [Sample(i, 0, c.context_ids, torch.arange(10, 12), torch.zeros(2), FinishReason.STOP, 0, "x")
+                for i, c in enumerate(continuations)]
+
+    async def agents(delays, expected, first_call=False):
+        asked = []
+        batcher = CompletionBatcher(generate, 64, window_s=0.005, pending=lambda: max(0, expected - len(asked)))
+        if first_call:  # a call before: its duration bounds the wait
+            await batcher.complete(torch.tensor([1, 2]), SamplingParams(max_new_tokens=2))
+            calls.clear()
+
+        async def one(delay):
+            await asyncio.sleep(delay)
+            asked.append(delay)
+            return await batcher.complete(torch.tensor([1, 2]), SamplingParams(max_new_tokens=2))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(d) for d in delays))
+        await batcher.close()
+        return time.perf_counter() - start
+
+    # Three agents, the last back 30 ms after the others (six quiet windows): one call.
+    asyncio.run(agents([0, 0, 0.03], expected=3))
+    assert calls == [3]
+    calls.clear()
+    # No session expected to ask: the quiet window ends the wait, the straggler gets its own call.
+    asyncio.run(agents([0, 0, 0.03], expected=0))
+    assert calls == [2, 1]
+    calls.clear()
+    # A fourth session that never asks: after a 50 ms call, the wait ends 50 ms on, not 100 windows (0.5 s).
+    took = asyncio.run(agents([0, 0], expected=3, first_call=True))
+    assert calls == [2] and took < 0.3, took
+
+
+def test_the_sessions_yet_to_ask_are_those_without_a_completion_or_whose_last_reply_called_tools(actor):
+    store = actor.sessions
+    ids = ["pa", "pb", "pc"]
+    before = store.pending()
+    store.open(ids, SamplingParams(max_new_tokens=4))
+    assert store.pending() == before + 3
+    a, b = store.session("pa", None), store.session("pb", None)
+    messages = [{"role": "user", "content": "1+1?"}]
+    turn = store.begin(a, messages, None, None, a.sampling)
+    assert store.pending() == before + 2  # a request in flight: not pending
+    piece = Sample(0, 0, turn.context, torch.tensor([5, 6]), torch.zeros(2), FinishReason.STOP, 0, "2")
+    store.record(turn, piece, {"role": "assistant", "content": "2"})
+    assert store.pending() == before + 2 and not a.asks_again  # a plain reply: done (b, c are yet to ask)
+    turn = store.begin(b, messages, None, None, b.sampling)
+    store.record(turn, piece, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{\"x\": 1}"}}]})
+    assert b.asks_again and store.pending() == before + 2  # b comes back with the tool's result; c has not asked
+    store.close(ids)
+    assert store.pending() == before

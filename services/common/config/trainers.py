@@ -270,8 +270,10 @@ class EndpointSection(_Section):
                                      "its requests are answered 404 and its episode is not trained")
     batch_window_ms: float = Field(5.0, ge=0, le=1000, description="an idle engine's next call waits while "
                                    "requests keep arriving, this long after the last (at most a hundred times this, or until "
-                                   "actor.max_sequences_per_request wait), so "
-                                   "that the turns agents send together are generated together; 0: no wait")
+                                   "actor.max_sequences_per_request wait), and past quiet "
+                                   "windows for sessions yet to ask (agents running tools; no longer than the last "
+                                   "engine call took), so that the turns agents send together are generated "
+                                   "together; 0: no wait")
     max_new_tokens: int = Field(1024, ge=1, description="completion tokens of a request outside any session "
                                 "(a session's turn is bounded by sampling.max_new_tokens and "
                                 "actor.rollout.max_total_tokens)")
