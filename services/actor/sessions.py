@@ -21,6 +21,7 @@ import json
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +36,7 @@ from rolefleet.tasks.render import template_shows_tools, with_tools_described
 
 MAX_SESSION_ID_CHARS = 128
 TOOLS_SEEN = 64  # tool lists whose rendering by the template is remembered
+FIRSTS_SEEN = 4096  # first requests whose rendered ids are remembered (a step's prompts, each asked n times)
 EXPIRY_SCAN_S = 1.0
 
 
@@ -100,6 +102,10 @@ class SessionStore:
         # Whether the template renders `tools=`, by the tools' JSON: an agent sends the same tools
         # with every episode, and asking the template costs two renderings (~0.3 ms a session).
         self._shows_tools: dict[str, bool] = {}
+        # A first request's ids by its messages and tools: the samples of a prompt open with the same
+        # request, and its rendering (the template, then the tokenizer: ~0.4 ms) runs on the
+        # endpoint's loop while the rest of the step's agents wait to be read.
+        self._firsts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._expired_at = float("-inf")
@@ -269,7 +275,21 @@ class SessionStore:
         return self._shows_tools[key]
 
     def _first(self, messages: list[dict], tools: list[dict] | None) -> torch.Tensor:
-        """The first request's messages (and tools) rendered with the chat template, tokenized once."""
+        """The first request's messages (and tools) rendered with the chat template, tokenized once
+        (the same request again: a copy of the ids of the first time)."""
+        key = json.dumps([messages, tools], sort_keys=True)
+        with self._lock:
+            if (ids := self._firsts.get(key)) is not None:
+                self._firsts.move_to_end(key)
+                return ids.clone()
+        ids = self._render_first(messages, tools)
+        with self._lock:
+            self._firsts[key] = ids
+            if len(self._firsts) > FIRSTS_SEEN:
+                self._firsts.popitem(last=False)
+        return ids.clone()
+
+    def _render_first(self, messages: list[dict], tools: list[dict] | None) -> torch.Tensor:
         if not getattr(self.tokenizer, "chat_template", None):
             raise FailedPrecondition("the actor's tokenizer has no chat template: chat completions render "
                                      "messages with it (serve a model that has one)")

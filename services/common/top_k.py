@@ -10,10 +10,10 @@ import torch
 
 from rolefleet.common import codec
 from rolefleet.common.batch import VALUE_RANGES, SequenceBatch
+from rolefleet.common.config.teacher import MAX_TOP_K
 from rolefleet.common.errors import InvalidArgument
 from rolefleet.common.pb import common_pb2
 
-MAX_TOP_K = 256  # 3 KiB a token on the wire (int64 ids, float32 logprobs); the KL term's tail holds the rest
 # A position's k probabilities sum to at most 1; float32 log-softmax rounds a little above it.
 MASS_SLACK = 1e-3
 TEACHER_TOP_FIELDS = ("teacher_top_ids", "teacher_top_logprobs")  # their names in the actor's Update

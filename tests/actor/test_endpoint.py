@@ -491,3 +491,23 @@ def test_the_sessions_yet_to_ask_are_those_without_a_completion_or_whose_last_re
     assert b.asks_again and store.pending() == before + 2  # b comes back with the tool's result; c has not asked
     store.close(ids)
     assert store.pending() == before
+
+
+def test_a_first_request_asked_again_is_rendered_once(actor, monkeypatch):
+    """The samples of a prompt open with the same request: its template and tokenizer run once."""
+    store = actor.sessions
+    rendered = []
+    real = store._render_first
+
+    def counting(messages, tools):
+        rendered.append(messages[-1]["content"])
+        return real(messages, tools)
+
+    monkeypatch.setattr(store, "_render_first", counting)
+    ask = [{"role": "user", "content": "What is 7 x 8? (asked twice)"}]
+    first, again = store._first(ask, None), store._first(ask, None)
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr() and len(rendered) == 1
+    other = store._first([{"role": "user", "content": "What is 7 x 9? (asked once)"}], None)
+    assert not torch.equal(first, other) and len(rendered) == 2
+    store._first(ask, [{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert len(rendered) == 3  # the tools are part of the request: rendered anew

@@ -10,7 +10,10 @@ from pydantic import ConfigDict, Field
 
 from rolefleet.common.config.base import Endpoint
 from rolefleet.common.config.paths import ExpandedPath
-from rolefleet.common.top_k import MAX_TOP_K
+
+# The most tokens a position the teacher answers with (teacher.top_k): 3 KiB a token on the wire (int64
+# ids, float32 logprobs); the KL term's tail holds the rest of the vocabulary.
+MAX_TOP_K = 256
 
 
 class TeacherSection(Endpoint):
