@@ -253,11 +253,15 @@ def test_an_update_counts_the_graphs_torch_compile_made_since_the_last_one(tiny_
 def test_with_compile_warmup_no_micro_batch_shape_compiles_after_the_start(tiny_model_dir, packed):
     """`actor.compile_warmup`: every shape family a micro-batch takes (padded with padding, one row,
     rows of one length, a single response token; packed) has its graphs before the first step: the
-    updates and logprob passes of ragged batches compile nothing more."""
+    updates (with the teacher's KL term) and logprob passes of ragged batches compile nothing more."""
     from rolefleet.trainer.profiling import compiled_graphs
 
+    from rolefleet.common.top_k import TopK
+
+    # With the teacher's KL term too: its passes gather k more tokens a position (a k the actor is not told).
     core = make_core(tiny_model_dir, "actor.compile_layers=true", "actor.compile_warmup=true",
-                     f"actor.sequence_packing={str(packed).lower()}", *ONE_STEP)
+                     f"actor.sequence_packing={str(packed).lower()}", "actor.teacher_kl_coef=0.5", "teacher.top_k=5",
+                     f"teacher.model_name_or_path={tiny_model_dir}", *ONE_STEP)
     made = compiled_graphs()
     assert made > 0  # the warm-up's
     torch.manual_seed(0)
@@ -266,5 +270,7 @@ def test_with_compile_warmup_no_micro_batch_shape_compiles_after_the_start(tiny_
         batch = SequenceBatch.from_lists([torch.randint(3, 30, (p,)) for p, _ in shapes],
                                          [torch.randint(3, 30, (r,)) for _, r in shapes])
         lp = core.compute_logprobs(batch, 1.0, include_reference=True)
-        core.update(step, step - 1, batch, PolicyTargets(torch.randn(batch.num_response_tokens), lp.logprobs), 1.0)
+        n = batch.num_response_tokens
+        top = TopK(torch.randint(3, 30, (n, 5)), torch.log_softmax(torch.randn(n, 6), -1)[:, :5])
+        core.update(step, step - 1, batch, PolicyTargets(torch.randn(n), lp.logprobs, teacher_top=top), 1.0)
         assert compiled_graphs() == made, (step, shapes)
