@@ -254,9 +254,8 @@ def test_with_compile_warmup_no_micro_batch_shape_compiles_after_the_start(tiny_
     """`actor.compile_warmup`: every shape family a micro-batch takes (padded with padding, one row,
     rows of one length, a single response token; packed) has its graphs before the first step: the
     updates (with the teacher's KL term) and logprob passes of ragged batches compile nothing more."""
-    from rolefleet.trainer.profiling import compiled_graphs
-
     from rolefleet.common.top_k import TopK
+    from rolefleet.trainer.profiling import compiled_graphs
 
     # With the teacher's KL term too: its passes gather k more tokens a position (a k the actor is not told).
     core = make_core(tiny_model_dir, "actor.compile_layers=true", "actor.compile_warmup=true",
