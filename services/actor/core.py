@@ -79,7 +79,8 @@ class ActorCore(TrainerRole):
         # The endpoint's sessions (actor/openai_api.py); kept here, where the coordinator opens and closes them.
         self.sessions = SessionStore(self.tokenizer, SessionLimits(
             cfg.endpoint.max_sessions, cfg.rollout.max_total_tokens or cfg.rollout.max_turns * 4096,
-            cfg.rollout.max_turns, cfg.endpoint.session_timeout_s), self.generate_positions)
+            cfg.rollout.max_turns, cfg.endpoint.session_timeout_s, cfg.endpoint.agents_at_once),
+            self.generate_positions)
         self.endpoint_stats = EndpointStats()  # the endpoint's, reported with every update
 
     # --- the endpoint's sessions ---------------------------------------------------------------------

@@ -54,6 +54,7 @@ class SessionLimits:
     max_tokens: int            # of one episode after its first prompt (turns and rendered messages)
     max_turns: int             # completions per session
     timeout_s: float           # a session's life from its opening
+    agents_at_once: int | None = None  # agents driving sessions at once (pacing only: `pending`)
 
 
 @dataclass
@@ -74,8 +75,8 @@ class Session:
     last_text: str = ""
     tool_calls: int = 0
     busy: bool = False
-    asks_again: bool = True             # its agent is expected to ask for a completion: it has none yet,
-                                        # or its last reply called tools (the batcher waits for it)
+    asks_again: bool = False            # its agent is expected to ask for another completion: its last
+                                        # reply called tools (the batcher waits for it)
     task: AgentTask | None = None       # for an agent outside the cluster to claim (reward.agent.external)
     claimed: bool = False
     reward: float | None = None         # what that agent posted
@@ -115,12 +116,21 @@ class SessionStore:
 
     def pending(self) -> int:
         """Open sessions whose agents are expected to ask for a completion and have none in flight:
-        no completion yet (an agent outside the cluster: once it claimed its session), or a last
-        reply that called tools, within `max_turns`. A guess that only paces the batcher: a
-        session it misses is served as any request, one it waits for in vain costs a bounded wait."""
+        a last reply that called tools (within `max_turns`), an agent outside the cluster that
+        claimed its session and has not asked yet, and of the sessions no agent has asked in yet
+        as many as `agents_at_once` leaves room for beside the agents at work (those with a
+        request in flight or a tool to answer): agents run so many at a time, and a later part's
+        would be waited for in vain. A guess that only paces the batcher: a session it misses is
+        served as any request, one it waits for in vain costs a bounded wait."""
         with self._lock:
-            return sum(1 for s in self._sessions.values()
-                       if s.asks_again and not s.busy and (s.task is None or s.claimed))
+            sessions = self._sessions.values()
+            asks = sum(1 for s in sessions if not s.busy and (s.asks_again or (s.claimed and s.ids is None)))
+            at_once = self.limits.agents_at_once
+            if not at_once:
+                return asks
+            fresh = sum(1 for s in sessions if s.ids is None and not s.busy and s.task is None)
+            working = sum(1 for s in sessions if s.busy or s.asks_again)
+            return asks + min(fresh, max(0, at_once - working))
 
     # --- opened and closed by the coordinator ---------------------------------------------------
 

@@ -472,25 +472,48 @@ def test_a_call_waits_past_quiet_windows_for_sessions_yet_to_ask_but_no_longer_t
     assert calls == [2] and took < 0.3, took
 
 
-def test_the_sessions_yet_to_ask_are_those_without_a_completion_or_whose_last_reply_called_tools(actor):
+def test_the_sessions_yet_to_ask_are_those_whose_last_reply_called_tools(actor):
+    """Not a session no agent has touched (agents run a part at a time: the later parts' would be
+    waited for in vain), nor one whose last reply was plain (its agent is done, as a rule)."""
     store = actor.sessions
     ids = ["pa", "pb", "pc"]
     before = store.pending()
     store.open(ids, SamplingParams(max_new_tokens=4))
-    assert store.pending() == before + 3
+    assert store.pending() == before  # opened, not yet asked in
     a, b = store.session("pa", None), store.session("pb", None)
     messages = [{"role": "user", "content": "1+1?"}]
+    piece = Sample(0, 0, torch.tensor([1]), torch.tensor([5, 6]), torch.zeros(2), FinishReason.STOP, 0, "2")
     turn = store.begin(a, messages, None, None, a.sampling)
-    assert store.pending() == before + 2  # a request in flight: not pending
-    piece = Sample(0, 0, turn.context, torch.tensor([5, 6]), torch.zeros(2), FinishReason.STOP, 0, "2")
     store.record(turn, piece, {"role": "assistant", "content": "2"})
-    assert store.pending() == before + 2 and not a.asks_again  # a plain reply: done (b, c are yet to ask)
+    assert store.pending() == before and not a.asks_again  # a plain reply: done
     turn = store.begin(b, messages, None, None, b.sampling)
     store.record(turn, piece, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{\"x\": 1}"}}]})
-    assert b.asks_again and store.pending() == before + 2  # b comes back with the tool's result; c has not asked
+    assert b.asks_again and store.pending() == before + 1  # b comes back with the tool's result
+    turn = store.begin(b, [*messages, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}], None, None, b.sampling)
+    assert store.pending() == before  # its request in flight
+    store.release(turn)
     store.close(ids)
     assert store.pending() == before
+
+
+def test_fresh_sessions_are_yet_to_ask_as_far_as_the_agents_at_once_leave_room(actor):
+    """`actor.endpoint.agents_at_once` (reward.agent.workers x concurrency): that many agents drive
+    sessions at a time, so of the sessions no agent has asked in yet, as many as the agents at work
+    leave room for are expected."""
+    from rolefleet.actor.sessions import SessionLimits, SessionStore
+
+    store = SessionStore(actor.tokenizer, SessionLimits(64, 64, 4, 3600, agents_at_once=2), None)
+    store.open(["f1", "f2", "f3"], SamplingParams(max_new_tokens=4))
+    assert store.pending() == 2  # two agents at once: the third session's agent waits for a slot
+    s = store.session("f1", None)
+    turn = store.begin(s, [{"role": "user", "content": "2+2?"}], None, None, s.sampling)
+    assert store.pending() == 1  # f1's agent is at work (its request in flight): one slot left
+    piece = Sample(0, 0, torch.tensor([1]), torch.tensor([5, 6]), torch.zeros(2), FinishReason.STOP, 0, "4")
+    store.record(turn, piece, {"role": "assistant", "content": "4"})
+    assert store.pending() == 2  # f1's agent is done: its slot takes f3's
 
 
 def test_a_first_request_asked_again_is_rendered_once(actor, monkeypatch):

@@ -93,6 +93,9 @@ class RoleFleetConfig(_Section):
                 raise ValueError("reward.agent drives its episodes itself (it is their environment): set "
                                  "reward.agent or reward.env, not both")
             self.actor.endpoint.enabled = True  # the agents' way to the policy
+            agent = self.reward.agent
+            if self.actor.endpoint.agents_at_once is None and not agent.external:
+                self.actor.endpoint.agents_at_once = agent.workers * agent.concurrency
             if not self.reward.sources and "function" not in self.reward.model_fields_set:
                 self.reward.function = "none"  # the agent's return is the reward; sources may add to it
         if rollout.max_turns > 1 and not (self.reward.env.enabled or self.reward.agent.enabled):

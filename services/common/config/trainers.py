@@ -266,6 +266,10 @@ class EndpointSection(_Section):
                                "default http://host:port, which `rolefleet up` fills in")
     max_sessions: int = Field(8192, ge=1, description="sessions open at once (a step's samples, and those of "
                               "the steps async mode generates ahead)")
+    agents_at_once: Optional[int] = Field(None, ge=1, description="how many agents drive sessions at once: "
+                                          "the batcher waits for the first requests of that many fresh "
+                                          "sessions (default reward.agent.workers x reward.agent.concurrency "
+                                          "with agents in the reward role; none with agents outside the cluster)")
     session_timeout_s: float = Field(3600.0, gt=0, description="a session's life from its opening; past it "
                                      "its requests are answered 404 and its episode is not trained")
     batch_window_ms: float = Field(5.0, ge=0, le=1000, description="an idle engine's next call waits while "
