@@ -200,7 +200,7 @@ class RoleFleetConfig(_Section):
 
     @property
     def uses_teacher(self) -> bool:
-        """Whether the run distils from the teacher role (its algorithm, or the mixed form)."""
+        """Whether the run distils from the teacher role (its algorithm, the mixed form, or the top-k term)."""
         return self.preset.uses_teacher or self.train.distill_coef > 0 or self.actor.teacher_kl_coef > 0
 
     @property
