@@ -41,6 +41,7 @@ DEPLOYABLE = {
     "gpu_tools.yaml": TO_POLICY,
     "gsm8k.yaml": ["data.path=inputs/gsm8k_sample.jsonl", "eval.path=inputs/eval.jsonl"],  # models/chat-model already
     "smollm2_arithmetic.yaml": TO_POLICY,
+    "smollm2_distill.yaml": [*TO_POLICY, "teacher.model_name_or_path=models/teacher"],
     "tools_warm_start.yaml": TO_POLICY,
 }
 VOLUMES = ["--set", "model.existingClaim=models", "--set", "inputs.hostPath=/data/inputs"]
