@@ -122,15 +122,19 @@ class SessionStore:
         request in flight or a tool to answer): agents run so many at a time, and a later part's
         would be waited for in vain. A guess that only paces the batcher: a session it misses is
         served as any request, one it waits for in vain costs a bounded wait."""
-        with self._lock:
-            sessions = self._sessions.values()
-            asks = sum(1 for s in sessions if not s.busy and (s.asks_again or (s.claimed and s.ids is None)))
-            at_once = self.limits.agents_at_once
-            if not at_once:
-                return asks
-            fresh = sum(1 for s in sessions if s.ids is None and not s.busy and s.task is None)
-            working = sum(1 for s in sessions if s.busy or s.asks_again)
-            return asks + min(fresh, max(0, at_once - working))
+        asks = fresh = working = 0
+        with self._lock:  # one pass: asked every batch window, over up to max_sessions sessions
+            for s in self._sessions.values():
+                if s.busy or s.asks_again:
+                    working += 1
+                if s.busy:
+                    continue
+                if s.asks_again or (s.claimed and s.ids is None):
+                    asks += 1
+                elif s.ids is None and s.task is None:
+                    fresh += 1
+        at_once = self.limits.agents_at_once
+        return asks + (min(fresh, max(0, at_once - working)) if at_once else 0)
 
     # --- opened and closed by the coordinator ---------------------------------------------------
 
