@@ -219,9 +219,12 @@ def read_in_container(service: dict, item: Input) -> Path | None:
 
 
 def deployable(name: str) -> list[str]:
-    """Overrides that make a shipped config deployable by compose: its model under ./models."""
+    """Overrides that make a shipped config deployable by compose: its models under ./models."""
     cfg = load_config(REPO / "configs" / name)
-    return [] if cfg.model.model_name_or_path.startswith("models/") else ["model.model_name_or_path=models/policy"]
+    moves = [] if cfg.model.model_name_or_path.startswith("models/") else ["model.model_name_or_path=models/policy"]
+    if cfg.uses_teacher and not cfg.teacher.model_name_or_path.startswith("models/"):
+        moves.append("teacher.model_name_or_path=models/teacher")
+    return moves
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
