@@ -20,15 +20,16 @@ def test_the_student_moves_toward_the_teacher_on_its_own_samples(tmp_path_factor
                          lambda out: make_tiny_model(out, task="addition", warm_start_steps=300))
     out = tmp_path / "run"
     proc = rolefleet("up", "configs/demo.yaml", "algorithm=distill", f"model.model_name_or_path={student}",
-                     f"teacher.model_name_or_path={teacher}", f"run.output_dir={out}", "train.total_steps=40",
+                     f"teacher.model_name_or_path={teacher}", f"run.output_dir={out}", "train.total_steps=24",
                      "train.prompts_per_step=64", "actor.ppo_epochs=1", "actor.num_mini_batches=1", "actor.lr=1.5e-3",
                      "teacher.top_k=8", "actor.teacher_kl_coef=1.0")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output[-4000:]
-    assert "ended FINISHED after step 40/40" in output
+    assert "ended FINISHED after step 24/24" in output
     assert (out / "logs" / "teacher.log").exists() and not (out / "logs" / "critic.log").exists()
     records = read_metrics(out / "metrics.jsonl")
-    for key, fall in (("distill/reverse_kl", 0.3), ("actor/teacher_kl", 0.1)):  # 3.1 -> 2.3, 1.25 -> 0.95 here
-        first, last = (sum(r[key] for r in part) / 10 for part in (records[:10], records[-10:]))
+    # Means of the first and last 8 steps: 3.0 -> 2.55 and 1.24 -> 1.05 here (seeds 0 and 1 alike).
+    for key, fall in (("distill/reverse_kl", 0.25), ("actor/teacher_kl", 0.1)):
+        first, last = (sum(r[key] for r in part) / 8 for part in (records[:8], records[-8:]))
         assert last < first - fall, (key, [round(r[key], 2) for r in records])
     assert all(0 < r["distill/teacher_top_k_mass"] <= 1.0 + 1e-3 for r in records)
