@@ -13,10 +13,10 @@ a call of their own.
 The window alone cuts a turn short where agents come back at different times (each ran its tool,
 or its own code, for a while): the engine would make a second call for the stragglers, which costs
 nearly what the first did (decoding is a step per token for every row at once). So where the
-endpoint knows how many sessions are yet to ask (`pending`: open, none in flight, and their last
-reply called tools, or no request yet as far as the agents at once leave room: `SessionStore.pending`), the call waits for them too, past quiet windows,
-but never longer than the last engine call lasted (what a call of their own would cost them) nor a
-hundred windows.
+endpoint knows how many sessions are yet to ask (`pending`, `SessionStore.pending`: open, none in
+flight, and their last reply called tools, or no request yet as far as the agents at once leave
+room), the call waits for them too, past quiet windows, but never longer than the last engine call
+lasted (what a call of their own would cost them) nor a hundred windows.
 
 Requests that differ only in how many tokens they may take (a session near its token limit) share
 a call: it generates up to the largest, and each sample is cut to its own request's limit (a

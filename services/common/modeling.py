@@ -300,7 +300,8 @@ def lm_top_k(model: PreTrainedModel, batch: SequenceBatch, device: torch.device,
         x = head(hidden[start:start + chunk_tokens]).float()
         logp = torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
         top = logp.topk(k, dim=-1)
-        parts.append((logp.gather(1, targets[start:start + chunk_tokens, None])[:, 0], top.values, top.indices))
+        sampled = logp.gather(1, targets[start:start + chunk_tokens, None].to(logp.device))[:, 0]
+        parts.append((sampled, top.values, top.indices))
     return tuple(torch.cat(p) for p in zip(*parts)) if parts else \
         (hidden.new_zeros(0), hidden.new_zeros(0, k), targets.new_zeros(0, k))
 

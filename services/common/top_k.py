@@ -31,9 +31,6 @@ class TopK:
     def k(self) -> int:
         return self.ids.shape[1]
 
-    def rows(self, tokens: torch.Tensor) -> TopK:
-        return TopK(self.ids[tokens], self.logprobs[tokens])
-
     def to_proto(self) -> tuple[common_pb2.Tensor, common_pb2.Tensor]:
         return codec.encode(self.ids), codec.encode(self.logprobs)
 

@@ -1,9 +1,9 @@
 """TeacherCore: the teacher role without gRPC. A frozen causal LM computing the logprob of every
-token the student sampled (and, asked for, its k most likely tokens at each of those positions) (its tokenizer must be the student's: the ids mean the same text), a
-micro-batch at a time through the trainers' own logprob pass (`lm_logprobs`: the LM head a chunk
-of tokens at a time, never the whole [tokens, vocabulary] logits). One process; on several GPUs
-(`devices.teacher`) the model's layers are split over them. Tests drive it in-process; the servicer
-wraps it."""
+token the student sampled, and asked for, its k most likely tokens at each of those positions (its
+tokenizer must be the student's: the ids mean the same text), a micro-batch at a time through the
+trainers' own logprob pass (`lm_logprobs`, `lm_top_k`: the LM head a chunk of tokens at a time,
+never the whole [tokens, vocabulary] logits). One process; on several GPUs (`devices.teacher`) the
+model's layers are split over them. Tests drive it in-process; the servicer wraps it."""
 
 from __future__ import annotations
 
