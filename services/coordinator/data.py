@@ -61,7 +61,7 @@ class PromptDataset:
         d = cfg.eval_data()
         try:
             if d.task:  # a draw of its own seed, without repeats (a task may give a problem twice)
-                records = make_task(d.task, 4 * cfg.eval.max_prompts, cfg.run.seed * 1_000_003 + EVAL_SEED)
+                records = make_task(d.task, 4 * cfg.eval.max_prompts, cfg.eval_seed * 1_000_003 + EVAL_SEED)
                 unique = list({json.dumps(r.prompt, sort_keys=True): r for r in records}.values())
                 dataset = cls.from_config(d, 0, cfg.actor.model_name_or_path, records=unique, source=f"eval.task {d.task}",
                                           trust_remote_code=bool(cfg.actor.trust_remote_code))

@@ -47,7 +47,7 @@ class Evaluator:
                         "held out for them", self.overlap, len(self.records))
         self.sampling = SamplingParams(
             temperature=e.temperature, max_new_tokens=e.max_new_tokens or cfg.sampling.max_new_tokens,
-            n=e.samples_per_prompt, seed=cfg.run.seed * 100_003 + EVAL_SEED,
+            n=e.samples_per_prompt, seed=cfg.eval_seed * 100_003 + EVAL_SEED,
             stop_token_ids=tuple(cfg.sampling.stop_token_ids))
 
     @classmethod

@@ -85,6 +85,19 @@ def test_a_built_in_task_evaluates_on_prompts_left_out_of_training(make_config):
     assert PromptDataset.for_run(make_config()).stats.get("data/held_out") is None  # eval off: all of them
 
 
+def test_eval_seed_fixes_the_held_out_draw_across_run_seeds(make_config):
+    def held_out(*overrides):
+        return [r.prompt for r in PromptDataset.for_eval(grpo(make_config, "data.size=400", "eval.max_prompts=50",
+                                                              *overrides)).records]
+
+    assert held_out("run.seed=0") != held_out("run.seed=1")  # by default, the run's seed draws them
+    assert held_out("run.seed=0", "eval.seed=0") == held_out("run.seed=1", "eval.seed=0")
+    assert held_out("run.seed=1", "eval.seed=0") == held_out("run.seed=0")
+    cfg = grpo(make_config, "data.size=400", "eval.max_prompts=50", "run.seed=1", "eval.seed=0")
+    train = {r.prompt for r in PromptDataset.for_run(cfg).records}
+    assert not set(held_out("run.seed=1", "eval.seed=0")) & train  # still left out of training
+
+
 def write_jsonl(path, prompts):
     path.write_text("".join(json.dumps({"prompt": p, "ground_truth": "1"}) + "\n" for p in prompts))
     return str(path)

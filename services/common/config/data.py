@@ -102,6 +102,9 @@ class EvalSection(_Section):
     answer_key: Optional[str] = Field(None, min_length=1, description="ground-truth column; default data.answer_key")
     extra_keys: Optional[list[str]] = Field(None, description="columns passed to the reward; default data.extra_keys")
     max_prompts: int = Field(200, ge=1, description="held-out prompts evaluated (a file's first ones)")
+    seed: Optional[int] = Field(None, description="the seed of a task's held-out draw and of sampled evaluations; "
+                                "default run.seed (runs of several seeds compare on one held-out set when "
+                                "this is fixed)")
     samples_per_prompt: int = Field(1, ge=1, description="k samples per prompt: pass@k and mean@k "
                                     "(eval/reward/mean over all k); more than 1 needs eval.temperature > 0")
     temperature: float = Field(0.0, ge=0, description="0: greedy; else sampled at this temperature (>= 0.01)")

@@ -218,6 +218,11 @@ class RoleFleetConfig(_Section):
         penalty in the rewards (`train.kl_coef`) needs the policy's logprobs before the advantages."""
         return self.actor.old_logprobs == "auto" and self.train.kl_coef == 0 and self.actor.one_pass_problem() is None
 
+    @property
+    def eval_seed(self) -> int:
+        """The seed of the held-out draw and of sampled evaluations: `eval.seed`, else `run.seed`."""
+        return self.run.seed if self.eval.seed is None else self.eval.seed
+
     def eval_data(self) -> DataSection:
         """The held-out prompts as a data source: eval's file or task, read and rendered like
         `data` (its chat template and token limit)."""
