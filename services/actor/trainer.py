@@ -168,7 +168,7 @@ class PolicyTrainer(Trainer):
             top = targets.teacher_top
             stats, seen = self._step(mb, part(targets.advantages), part(targets.old_logprobs),
                                      part(targets.ref_logprobs), part(targets.rollout_logprobs), temperature,
-                                     None if top is None else TopK(part(top.ids), part(top.logprobs)))
+                                     None if top is None else top.map(part))
             if one_pass is not None:
                 one_pass.append((tokens, self.ranks.merge(mb, seen)))
             return stats
@@ -210,8 +210,7 @@ class PolicyTrainer(Trainer):
             part = part_of[id(rows)]
             loss, micro_stats, own = self._micro_loss(
                 mb.select(rows), part(advantages), part(old_logprobs), part(ref_logprobs), part(weights), part(mask),
-                temperature, part(rollout_logprobs),
-                None if teacher_top is None else TopK(part(teacher_top.ids), part(teacher_top.logprobs)))
+                temperature, part(rollout_logprobs), None if teacher_top is None else teacher_top.map(part))
             if own is not None and real:
                 logprobs, entropy, micro_weights = own
                 seen.append((rows, (logprobs, entropy)))

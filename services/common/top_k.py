@@ -29,7 +29,11 @@ class TopK:
 
     @property
     def k(self) -> int:
-        return self.ids.shape[1]
+        return self.ids.shape[-1]
+
+    def map(self, fn) -> TopK:
+        """`fn` applied to both tensors (the trainer's padding and slicing of per-token inputs)."""
+        return TopK(fn(self.ids), fn(self.logprobs))
 
     def to_proto(self) -> tuple[common_pb2.Tensor, common_pb2.Tensor]:
         return codec.encode(self.ids), codec.encode(self.logprobs)
