@@ -60,8 +60,12 @@ def shape_families(packed: bool, attention: str = "sdpa") -> list[SequenceBatch]
         # Many short sequences, not one long one: no position past a short-context model's limit.
         count = -(-packed_attention.AUTO_FLEX_MIN_TOKENS // 256)
         large = [rows(*[(250, 6)] * count)] if attention == "auto" else []
-        return [rows((4, 5), (3, 6)), rows((3, 1)), *large]
-    return [rows((5, 3), (4, 6)), rows((4, 5)), rows((4, 5), (4, 5)), rows((3, 1))]
+        families = [rows((4, 5), (3, 6)), rows((3, 1)), *large]
+        # Each again with its token count a multiple of 8 (and the other way round): on CUDA the
+        # kernels' graphs are guarded on the sizes' alignment, another graph each side.
+        return families + [rows((4, 4), (3, 5)), rows((7, 1))]
+    return [rows((5, 3), (4, 6)), rows((4, 5)), rows((4, 5), (4, 5)), rows((3, 1)),
+            rows((9, 3), (8, 8)), rows((8, 8)), rows((8, 8), (8, 8)), rows((7, 1))]  # widths of 8s
 
 
 class Trainer:

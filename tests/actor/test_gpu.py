@@ -220,3 +220,74 @@ def test_lora_on_cuda_keeps_its_frozen_weights_in_bf16_and_syncs_what_it_trains(
     # Nearer the trained policy than the base model by far (an engine left on the base would be the reverse).
     to_policy, to_base = ((sampled - lp).abs().mean() for lp in (recomputed.logprobs, recomputed.ref_logprobs))
     assert to_policy < 0.02 and to_policy < to_base / 3, (to_policy, to_base)
+
+
+def test_the_teacher_s_top_k_and_the_kl_term_on_cuda_compile_nothing_after_warm_up(tiny_model_dir, tmp_path):
+    """Distillation's top k on CUDA: the teacher's k tokens and logprobs equal a full fp32 softmax of
+    the same model on the CPU; the student's term trains compiled in bf16 (the warm-up covered its
+    passes: no graph after the start) and its KL falls."""
+    from rolefleet.app.tiny_model import make_tiny_model
+    from rolefleet.common.config import TeacherSection
+    from rolefleet.common.modeling import load_causal_lm
+    from rolefleet.teacher.core import TeacherCore
+    from rolefleet.trainer.profiling import compiled_graphs
+
+    other = str(make_tiny_model(tmp_path / "teacher", task="addition", warm_start_steps=30, seed=3))
+    teacher = TeacherCore(TeacherSection(model_name_or_path=other, compute_dtype="float32"), student=tiny_model_dir)
+    assert teacher.device.type == "cuda"
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                       ["actor.rollout.backend=hf", "actor.compute_dtype=bfloat16", "actor.lr=2e-3",
+                        "actor.compile_layers=true", "actor.compile_warmup=true", "actor.teacher_kl_coef=2.0",
+                        f"teacher.model_name_or_path={other}", "teacher.top_k=8", "actor.ppo_epochs=1",
+                        "actor.num_mini_batches=1", "actor.max_tokens_per_micro_batch=40"])
+    actor = ActorCore(cfg.actor)
+    samples = actor.generate(["1+2=", "13+4=", "7+7="] * 4, SamplingParams(max_new_tokens=6, n=2, seed=0))
+    made = compiled_graphs()  # the warm-up's and the decode's (the engine's shapes are its own budget's)
+    batch = SequenceBatch.from_lists([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    top = teacher.compute_logprobs(batch, 1.0, top_k=8).top
+    cpu = load_causal_lm(other, torch.device("cpu"))
+    with torch.no_grad():
+        every = torch.cat([torch.log_softmax(cpu(input_ids=torch.cat([p, r])[None]).logits[0].float(), -1)
+                           [len(p) - 1:len(p) + len(r) - 1] for p, r in zip(batch.prompts(), batch.responses())])
+    expected = every.topk(8, dim=-1)
+    torch.testing.assert_close(top.logprobs, expected.values, atol=1e-4, rtol=1e-4)
+    assert (top.ids == expected.indices).float().mean() > 0.99  # ties within rounding may swap
+    zeros = torch.zeros(batch.num_response_tokens)
+    seen = []
+    for step in range(1, 5):
+        old = actor.compute_logprobs(batch, 1.0, include_reference=False).logprobs
+        seen.append(actor.update(step, step - 1, batch, PolicyTargets(zeros, old, teacher_top=top), 1.0)
+                    .stats["teacher_kl"])
+    assert compiled_graphs() == made, "a graph compiled after the warm-up"
+    assert seen[-1] < 0.8 * seen[0], seen
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_after_compile_warmup_no_width_or_row_count_compiles_on_cuda(tiny_model_dir, packed):
+    """`compile_warmup` on CUDA, where graphs are also guarded on their sizes' alignment: micro-
+    batches of every width from 2 to 40 tokens (one row, rows of one length, ragged rows; a single
+    response token) through the update and the logprob passes compile nothing after the start."""
+    from rolefleet.trainer.profiling import compiled_graphs
+
+    cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir}},
+                       ["actor.rollout.backend=hf", "actor.compute_dtype=bfloat16", "actor.compile_layers=true",
+                        "actor.compile_warmup=true", "actor.ppo_epochs=1", "actor.num_mini_batches=1",
+                        "actor.kl_loss_coef=0.1", f"actor.sequence_packing={str(packed).lower()}"])
+    actor = ActorCore(cfg.actor)
+    made, late = compiled_graphs(), []
+    for width in range(2, 41):
+        p = max(1, width // 2)
+        for shapes in ([(p, width - p)], [(p, width - p)] * 3, [(p, width - p), (p + 1, width - p - 2)],
+                       [(width - 1, 1)] * 2):
+            if min(r for _, r in shapes) < 1 or min(q for q, _ in shapes) < 1:
+                continue
+            batch = SequenceBatch.from_lists([torch.full((q,), 5) for q, _ in shapes],
+                                             [torch.full((r,), 7) for _, r in shapes])
+            lp = actor.compute_logprobs(batch, 1.0, include_reference=True)
+            n = batch.num_response_tokens
+            actor.update(actor.policy_version + 1, actor.policy_version, batch,
+                         PolicyTargets(torch.linspace(-1, 1, n), lp.logprobs, lp.ref_logprobs), 1.0)
+            if compiled_graphs() != made:
+                late.append((shapes, compiled_graphs() - made))
+                made = compiled_graphs()
+    assert late == [], late
