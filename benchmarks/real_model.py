@@ -84,7 +84,17 @@ def run_rolefleet(args, out: Path) -> dict:
         "eval_s": statistics.median(r["eval/time_s"] for r in evals),
         "eval_response_length": [[r["step"], r["eval/response_length/mean"]] for r in evals],
         "eval_s_over_step_s": statistics.median(r["eval/time_s"] for r in evals) / step_s,
+        "stall_phases": stall_phases(steps, args.warmup),
     }
+
+
+def stall_phases(steps: list[dict], warmup: int) -> list[dict]:
+    """Each stall's step as its record tells it: the phases' seconds and what compiled or was
+    rebuilt in it (a stall is then attributed without the run's metrics file)."""
+    stalled = {n for n, _ in spread([r["timing/step_s"] for r in steps], warmup)["stalls"]}
+    keys = ("compile/graphs", "compile/seconds", "actor/decode_shapes_built", "checkpoint/snapshot_s")
+    return [{"step": r["step"], **{k: round(v, 3) for k, v in r.items() if k.startswith("timing/") or k in keys}}
+            for i, r in enumerate(steps, start=1) if i in stalled]
 
 
 def trl_prompts(args) -> tuple[list[str], list[str]]:
@@ -214,7 +224,8 @@ def sweep(args) -> None:
         for part in ("rolefleet", "trl"):
             if part in results:
                 r = results[part]
-                row[part] = {"step_s": r["step_s"], "step_s_p95": r["step_s_p95"], "stalls": r["stalls"]}
+                row[part] = {"step_s": r["step_s"], "step_s_p95": r["step_s_p95"], "stalls": r["stalls"],
+                             **({"stall_phases": r["stall_phases"]} if "stall_phases" in r else {})}
         if "ratio" in results:
             row.update(results["ratio"])
         table.append(row)

@@ -65,7 +65,7 @@ def test_compile_layers_puts_the_compiled_sampler_and_head_maths_in_the_engine_a
     the trainer's and the reference's logprob passes compile the LM head's maths."""
     eager = make_core(tiny_model_dir)
     assert eager.worker.engine._loop.sample is sample_next and not eager.worker.trainer.policy.compile_head
-    core = make_core(tiny_model_dir, "actor.compile_layers=true")
+    core = make_core(tiny_model_dir, "actor.compile_layers=true", "actor.compile_warmup=false")
     assert core.worker.engine._loop.sample is compiled(sample_next)
     assert core.worker.trainer.policy.compile_head and core.worker.trainer.reference.compile_head
 

@@ -252,7 +252,7 @@ def test_an_update_counts_the_graphs_every_worker_compiled(tiny_model_dir):
     only another rank's micro-batches made it compile."""
     cfg = parse_config({"model": {"model_name_or_path": tiny_model_dir},
                         "critic": {**COMMON, "workers": 2, "sharding": "replicate", "compile_layers": True,
-                                   "num_mini_batches": 1, "ppo_epochs": 1}}, [])
+                                   "compile_warmup": False, "num_mini_batches": 1, "ppo_epochs": 1}}, [])
     batch = SequenceBatch.from_lists([torch.tensor([4, 41, 5, 45]), torch.tensor([6, 45])] * 2,
                                      [torch.tensor([9, 2]), torch.tensor([10, 4, 2])] * 2)
     group = WorkerGroup.start("critic", 2, cfg.model_dump(mode="json"), CriticWorker.from_config)

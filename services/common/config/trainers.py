@@ -139,10 +139,11 @@ class _TrainerSection(Endpoint):
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (one compilation "
                                  "shared by all layers; norms, RoPE and activations fused): faster steps after "
                                  "a compile of tens of seconds per new micro-batch shape family")
-    compile_warmup: bool = Field(False, description="with compile_layers: compile at start the graphs of every "
+    compile_warmup: bool = Field(True, description="with compile_layers: compile at start the graphs of every "
                                  "micro-batch shape family (padded with and without a mask, one row, one response "
-                                 "token; packed) for each pass, so that no step compiles later (about 13 graphs "
-                                 "for the actor); off until its start-up cost is measured on a GPU")
+                                 "token; packed; each at widths of 8s and not, which CUDA graphs are guarded on) "
+                                 "for each pass, so that no step stalls on a compile later; false: each family "
+                                 "compiles where a step first meets it")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="autocast dtype of forwards and backwards (auto: bfloat16 on CUDA, float32 on "
         "CPU); master weights and optimizer state stay float32")
