@@ -38,6 +38,7 @@ from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitEx
 from rolefleet.rpc.http_server import HttpServer
 
 SESSION_HEADER = "X-Session-Id"
+ATTEMPT_HEADER = "X-Episode-Attempt"  # set by the reward role's agent runner: one value per call of its (sessions.begin)
 MAX_N = 16
 
 
@@ -133,6 +134,9 @@ BEARER = HTTPBearer(auto_error=False, description="a session's key, or the run's
 Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(BEARER)]
 SessionHeader = Annotated[Optional[str], Header(alias=SESSION_HEADER, description="the session a request under /v1 "
                                                  "acts in (instead of the session's base URL)")]
+AttemptHeader = Annotated[Optional[str], Header(
+    alias=ATTEMPT_HEADER, max_length=64, description="the agent runner's call the request belongs to: a request of "
+    "another call than the session's earlier ones starts its episode over (a repeated call begins from nothing)")]
 
 
 class Reward(BaseModel):
@@ -212,8 +216,8 @@ class Endpoint:
         return {"id": session_id, "reward": body.reward}
 
     async def reset(self, session_id: str, credentials: Credentials = None):
-        """The session's episode starts over (the agent runner calls it before an agent begins, so
-        that a repeated run of the same episodes starts from nothing)."""
+        """The session's episode starts over (an agent outside the cluster that begins again; the
+        reward role's agent runner says so with `X-Episode-Attempt` instead, no request of its own)."""
         try:
             session = await self.caller(session_id, None, credentials)
             self.store.reset(session)
@@ -239,23 +243,26 @@ class Endpoint:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "rolefleet"}]}
 
-    async def chat(self, body: ChatRequest, x_session_id: SessionHeader = None, credentials: Credentials = None):
+    async def chat(self, body: ChatRequest, x_session_id: SessionHeader = None, x_episode_attempt: AttemptHeader = None,
+                   credentials: Credentials = None):
         """A completion outside any session, or in the one `X-Session-Id` names."""
-        return await self._chat(body, None, x_session_id, credentials)
+        return await self._chat(body, None, x_session_id, credentials, x_episode_attempt)
 
-    async def session_chat(self, session_id: str, body: ChatRequest, credentials: Credentials = None):
+    async def session_chat(self, session_id: str, body: ChatRequest, x_episode_attempt: AttemptHeader = None,
+                           credentials: Credentials = None):
         """A completion of session `session_id` (the base URL its agent's client was given)."""
-        return await self._chat(body, session_id, None, credentials)
+        return await self._chat(body, session_id, None, credentials, x_episode_attempt)
 
     async def _chat(self, body: ChatRequest, session_id: Optional[str], x_session_id: Optional[str],
-                    credentials: Optional[HTTPAuthorizationCredentials]):
+                    credentials: Optional[HTTPAuthorizationCredentials], attempt: Optional[str] = None):
         start = time.perf_counter()
         messages = [m.model_dump(exclude_unset=True) for m in body.messages]
         try:
             session = await self.caller(session_id, x_session_id, credentials)
             if session is not None and body.n != 1:
                 raise InvalidArgument("n", f"a session is one conversation: n must be 1, got {body.n} (open n sessions)")
-            turn = self.store.begin(session, messages, _tools(body), _max_tokens(body), self._sampling(body, session))
+            turn = self.store.begin(session, messages, _tools(body), _max_tokens(body), self._sampling(body, session),
+                                    attempt)
         except _Refused as r:
             return error_body(r.status, r.message)
         except (InvalidArgument, LimitExceeded, UnknownSession, Conflict, FailedPrecondition) as exc:
@@ -383,7 +390,10 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 
 def _field(loc: tuple) -> str | None:
     """A validation error's location as the field's path (`messages[2].content`): list indexes in
-    brackets, without the body's root or the union member pydantic tried (`str`, `list[...]`)."""
+    brackets, without the body's root or the union member pydantic tried (`str`, `list[...]`); a
+    header by its name."""
+    if len(loc) == 2 and loc[0] == "header":
+        return str(loc[1])
     out = ""
     for part in loc:
         if part == "body" and not out:

@@ -80,6 +80,7 @@ class Session:
     task: AgentTask | None = None       # for an agent outside the cluster to claim (reward.agent.external)
     claimed: bool = False
     reward: float | None = None         # what that agent posted
+    attempt: str | None = None          # the agent runner's call its requests came from (`begin`)
 
 
 @dataclass(frozen=True)
@@ -211,15 +212,21 @@ class SessionStore:
     def reset(self, s: Session) -> None:
         """The session back to no conversation (its agent starts the episode again: a retried call)."""
         with self._lock:
-            if s.busy:
-                raise Conflict(f"session {s.id!r} has a request in flight")
-            fresh = Session(s.id, s.key, s.sampling, s.opened, task=s.task, claimed=s.claimed)
-            s.__dict__.update(fresh.__dict__)
+            self._restart(s, None)
+
+    def _restart(self, s: Session, attempt: str | None) -> None:
+        if s.busy:
+            raise Conflict(f"session {s.id!r} has a request in flight")
+        fresh = Session(s.id, s.key, s.sampling, s.opened, task=s.task, claimed=s.claimed, attempt=attempt)
+        s.__dict__.update(fresh.__dict__)
 
     def begin(self, s: Session | None, messages: list[dict], tools: list[dict] | None, max_tokens: int | None,
-              sampling: SamplingParams) -> Turn:
+              sampling: SamplingParams, attempt: str | None = None) -> Turn:
         """A request's context: checked, its new messages rendered; the session is busy until
-        `record` or `release`. `sampling`: the request's (a session samples with its own)."""
+        `record` or `release`. `sampling`: the request's (a session samples with its own).
+        `attempt`: the call of the agent runner's that sent it (its header); a request of another
+        call than the session's earlier ones starts the episode over (the reward role repeated the
+        call, its agents begin again), one without leaves the session as it is."""
         messages = [_normal(m, f"messages[{i}]") for i, m in enumerate(messages)]
         if not messages:
             raise InvalidArgument("messages", "at least one message")
@@ -230,6 +237,8 @@ class SessionStore:
             context = self._first(messages, tools)
             return Turn(None, context, 0, messages, self._sized(sampling, max_tokens, len(context), 0))
         with self._lock:
+            if attempt is not None and attempt != s.attempt:
+                self._restart(s, attempt)
             if s.busy:
                 raise Conflict(f"session {s.id!r} has a request in flight: a session is one conversation, "
                                "its completions one after another")

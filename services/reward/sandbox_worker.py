@@ -34,6 +34,7 @@ import importlib.util
 import inspect
 import math
 import resource
+import secrets
 import sys
 import zlib
 from collections.abc import Callable
@@ -194,13 +195,16 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
     client_class = openai.DefaultAsyncHttpxClient  # over the HTTP library this openai version uses
     http_library = importlib.import_module(client_class.__mro__[1].__module__.partition(".")[0])
 
+    # This call's mark on each request: a repeated call of the same episodes (the role restarted)
+    # starts each session over at its first request, with no request of its own to reset it.
+    attempt = {"X-Episode-Attempt": secrets.token_hex(8)}
+
     async def episode(row: tuple, http: Any) -> Outcome:
         base_url, key, prompt, ground_truth, extra = row
         # No retries: the endpoint's refusals (409, 429) are final, and an actor that is gone fails the step.
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s, http_client=http)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s, http_client=http,
+                                    default_headers=attempt)
         try:
-            # From nothing: a repeated call of the same episodes (the role restarted) starts them again.
-            await client.post("/reset", cast_to=object, body={})
             run = drive(fn, options, client, prompt, ground_truth, extra, as_step) if environment \
                 else fn(client, prompt, ground_truth, extra, **options)
             return as_score(await asyncio.wait_for(run, timeout_s))

@@ -534,3 +534,35 @@ def test_a_first_request_asked_again_is_rendered_once(actor, monkeypatch):
     assert not torch.equal(first, other) and len(rendered) == 2
     store._first(ask, [{"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert len(rendered) == 3  # the tools are part of the request: rendered anew
+
+
+def test_a_request_of_another_attempt_starts_its_session_over_and_one_without_leaves_it(actor):
+    """`X-Episode-Attempt` (the reward role's agent runner, one value a call): a session's requests of
+    one call extend it as always (409 for one that does not); the first of another call starts the
+    episode over; a request without the header changes nothing of this."""
+    [key] = actor.open_sessions(["att"], SamplingParams(max_new_tokens=8))
+    tok = actor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    script = Scripted(actor, [tok("1", add_special_tokens=False)["input_ids"] + [end]] * 4)
+    client = client_of(actor, script, "/sessions/att/v1", key)
+
+    async def ask(attempt, messages):
+        headers = {"X-Episode-Attempt": attempt} if attempt else {}
+        return await client.chat.completions.create(model="policy", messages=messages, extra_headers=headers)
+
+    async def episode():
+        await ask("first", QUESTION)
+        with pytest.raises(openai.ConflictError):  # the same call: the conversation must go on
+            await ask("first", QUESTION)
+        with pytest.raises(openai.ConflictError):  # no attempt named: as without the runner
+            await ask(None, QUESTION)
+        await ask("second", QUESTION)  # the call repeated: from the start again
+        again = [*QUESTION, {"role": "assistant", "content": "1"}, {"role": "user", "content": "And?"}]
+        await ask("second", again)
+        with pytest.raises(openai.BadRequestError) as err:  # a header past its bound is named
+            await ask("x" * 65, QUESTION)
+        assert err.value.body["param"] == "X-Episode-Attempt"
+
+    asyncio.run(episode())
+    [t] = actor.close_sessions(["att"])
+    assert t.turns == 2 and len(script.asked) == 3

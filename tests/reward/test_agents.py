@@ -178,3 +178,40 @@ def test_a_stateful_environment_lives_for_its_episode_and_is_closed_however_it_e
     assert len([line for line in lines if line.startswith("reset")]) == 5
     # The environment's observation (with its option) is what the model read before its next turn.
     assert "higher!" in store.tokenizer.decode(trajectories[0].response_ids.tolist())
+
+
+TWO_TURNS = '''
+async def agent(client, prompt, ground_truth, extra):
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    return 1.0
+'''
+
+
+def test_a_repeated_call_of_the_same_episodes_starts_each_session_over_without_a_request_of_its_own(
+        chat_endpoint, tmp_path):
+    """The reward role restarted mid-call and the coordinator sends the same episodes again: their
+    sessions hold the first call's turns, and the agents begin from the prompt. Each request carries
+    its call's `X-Episode-Attempt`, so a session starts over at the new call's first request."""
+    store, url = chat_endpoint
+    (tmp_path / "two.py").write_text(textwrap.dedent(TWO_TURNS))
+    agents = Agents(AgentSection(path=f"{tmp_path}/two.py:agent", workers=1, timeout_s=5.0))
+    seen = []
+    real = store.begin
+    store.begin = lambda *a, **k: (seen.append(k.get("attempt", a[5] if len(a) > 5 else None)), real(*a, **k))[1]
+    try:
+        ids = ["r0", "r1"]
+        keys = store.open(ids, SamplingParams(max_new_tokens=8))
+        items_ = [AgentItem(f"{url}/sessions/{sid}/v1", key, "hello", "gt") for sid, key in zip(ids, keys)]
+        assert [o.reward for o in agents.run(items_)] == [1.0, 1.0]
+        assert [o.reward for o in agents.run(items_)] == [1.0, 1.0]  # the repeat: no 409
+        trajectories = store.close(ids)
+    finally:
+        store.begin = real
+        agents.close()
+    # Two turns each, not four: the repeat replaced the first call's conversation.
+    assert [t.turns for t in trajectories] == [2, 2]
+    # Every request said which call it came from: one value per call, two calls.
+    assert len(seen) == 8 and None not in seen and len(set(seen[:4])) == 1 and len(set(seen)) == 2
