@@ -16,17 +16,19 @@ generate.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rolefleet.actor.completions import CompletionBatcher
@@ -35,10 +37,14 @@ from rolefleet.actor.types import FinishReason, Sample, SamplingParams
 from rolefleet.common import metrics
 from rolefleet.common.config import MIN_TEMPERATURE
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded, Unavailable
+from rolefleet.rpc.http_direct import DirectRoute, DirectRoutes, json_response
 from rolefleet.rpc.http_server import HttpServer
 
+log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
 ATTEMPT_HEADER = "X-Episode-Attempt"  # set by the reward role's agent runner: one value per call of its (sessions.begin)
+ATTEMPT_MAX_CHARS = 64
+MAX_BODY_BYTES = 32 << 20  # a request's body (4096 messages of a long conversation fit): 413 past it
 MAX_N = 16
 
 
@@ -126,7 +132,7 @@ ERRORS = {status: {"model": ErrorBody, "description": why} for status, why in (
     (400, "a malformed request: `param` names the field"), (401, "no valid key (the session's, or the run's token)"),
     (404, "no such session open"), (409, "messages that do not extend the session's conversation, or a request while "
                                     "another of the session is in flight"),
-    (429, "past a session's limits"), (503, "the actor cannot generate now"))}
+    (413, "a body over the endpoint's bound"), (429, "past a session's limits"), (503, "the actor cannot generate now"))}
 # `stream: true` answers server-sent events (chat.completion.chunk objects, then [DONE]).
 STREAMED = {200: {"content": {"application/json": {}, "text/event-stream": {"schema": {}}},
                   "description": "a chat.completion, or with `stream` its chunks as server-sent events"}}
@@ -135,7 +141,7 @@ Credentials = Annotated[Optional[HTTPAuthorizationCredentials], Depends(BEARER)]
 SessionHeader = Annotated[Optional[str], Header(alias=SESSION_HEADER, description="the session a request under /v1 "
                                                  "acts in (instead of the session's base URL)")]
 AttemptHeader = Annotated[Optional[str], Header(
-    alias=ATTEMPT_HEADER, max_length=64, description="the agent runner's call the request belongs to: a request of "
+    alias=ATTEMPT_HEADER, max_length=ATTEMPT_MAX_CHARS, description="the agent runner's call the request belongs to: a request of "
     "another call than the session's earlier ones starts its episode over (a repeated call begins from nothing)")]
 
 
@@ -146,7 +152,7 @@ class Reward(BaseModel):
 
 def error_body(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
-            429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
     metrics.ENDPOINT_REQUESTS.labels("actor", str(status)).inc()
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status,
                         headers=headers)
@@ -161,7 +167,8 @@ class Endpoint:
         self.token, self.model_name, self.max_new_tokens = token, model_name, max_new_tokens
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="RoleFleet actor: OpenAI-compatible chat completions", version="1")
+        app = FastAPI(title="RoleFleet actor: OpenAI-compatible chat completions", version="1",
+                      max_body_size=MAX_BODY_BYTES)
         app.add_exception_handler(RequestValidationError, _invalid_request)
         app.add_exception_handler(StarletteHTTPException, lambda request, exc: error_body(
             exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
@@ -175,7 +182,10 @@ class Endpoint:
         router.add_api_route("/v1/episodes", self.claim, methods=["POST"])
         router.add_api_route("/v1/episodes/{session_id}/reward", self.post_reward, methods=["POST"])
         app.include_router(router)
-        return app
+        # The hot route served directly (rpc/http_direct.py); the app's route above stays its schema.
+        direct = DirectRoute("POST", re.compile(r"/sessions/([^/]+)/v1/chat/completions"), self._direct_session_chat)
+        return DirectRoutes(app, [direct], MAX_BODY_BYTES, lambda limit: error_body(
+            413, f"the request's body exceeds {limit} bytes"))
 
     async def caller(self, session_id: Optional[str], x_session_id: Optional[str],
                      credentials: Optional[HTTPAuthorizationCredentials]) -> Optional[Session]:
@@ -252,6 +262,26 @@ class Endpoint:
                            credentials: Credentials = None):
         """A completion of session `session_id` (the base URL its agent's client was given)."""
         return await self._chat(body, session_id, None, credentials, x_episode_attempt)
+
+    async def _direct_session_chat(self, match: re.Match, headers: dict[str, str], raw: bytes) -> Response:
+        """`session_chat` served directly: the same checks (the header, then the body, as FastAPI
+        orders them) and the same answers."""
+        attempt = headers.get(ATTEMPT_HEADER.lower())
+        if attempt is not None and len(attempt) > ATTEMPT_MAX_CHARS:
+            return error_body(400, f"{ATTEMPT_HEADER}: String should have at most {ATTEMPT_MAX_CHARS} characters",
+                              ATTEMPT_HEADER)
+        if not _json_content(headers.get("content-type")):
+            return error_body(400, "body: Input should be a valid dictionary or object to extract fields from")
+        try:
+            body = ChatRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            return _invalid(exc.errors(), ("body",))
+        try:
+            return json_response(await self._chat(body, match.group(1), None, _bearer(headers.get("authorization")),
+                                                  attempt))
+        except Exception as exc:  # noqa: BLE001 - as the framework would: a 500, the loop serving on
+            log.exception("the endpoint failed a request")
+            return error_body(500, f"{type(exc).__name__}: {exc}")
 
     async def _chat(self, body: ChatRequest, session_id: Optional[str], x_session_id: Optional[str],
                     credentials: Optional[HTTPAuthorizationCredentials], attempt: Optional[str] = None):
@@ -383,9 +413,32 @@ def _error_of(exc: BaseException) -> JSONResponse:
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    param = _field(first.get("loc", ()))
+    return _invalid(exc.errors())
+
+
+def _invalid(errors: Sequence[Any], prefix: tuple = ()) -> JSONResponse:
+    """400 naming the first error's field (`prefix`: where the errors' locations are relative to)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _field((*prefix, *first.get("loc", ())))
     return error_body(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+
+def _bearer(authorization: str | None) -> HTTPAuthorizationCredentials | None:
+    """The `Authorization: Bearer <token>` credentials, as the app's HTTPBearer reads them (None
+    without them)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if not token or scheme.lower() != "bearer":
+        return None
+    return HTTPAuthorizationCredentials(scheme=scheme, credentials=token)
+
+
+def _json_content(content_type: str | None) -> bool:
+    """A body FastAPI reads as JSON: no content type, or application/json or application/*+json."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _field(loc: tuple) -> str | None:
@@ -419,4 +472,5 @@ async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> Ht
                                 core.endpoint_stats, core.sessions.pending)
     endpoint = Endpoint(core.sessions, batcher, core.tokenizer, token, "policy", ep.max_new_tokens)
     return HttpServer(endpoint.app(), ep.host, ep.port, tls, role="actor", name="openai-endpoint")
+
 

@@ -566,3 +566,102 @@ def test_a_request_of_another_attempt_starts_its_session_over_and_one_without_le
     asyncio.run(episode())
     [t] = actor.close_sessions(["att"])
     assert t.turns == 2 and len(script.asked) == 3
+
+
+def test_the_directly_served_session_route_answers_as_the_app_s_own_route(actor):
+    """`rpc/http_direct.py`: session completions skip the framework's per-request layers; what they
+    answer, good requests and bad, is what the FastAPI route of the same path answers."""
+    tok = actor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    direct = Endpoint(actor.sessions, CompletionBatcher(Scripted(actor, [tok("7")["input_ids"] + [end]] * 8), 16),
+                      actor.tokenizer, TOKEN, "policy", 32).app()
+    framework = direct.app  # the FastAPI app the direct routes stand in front of
+    through_app = []
+
+    async def counted(scope, receive, send):  # what reaches the app from the direct routes' side
+        through_app.append(scope["path"])
+        await framework(scope, receive, send)
+
+    direct.app = counted
+    good = {"model": "policy", "messages": QUESTION}
+    cases = [  # (headers, body): each sent to a fresh session of its own through each app
+        ({}, good),
+        ({}, {"model": "policy"}),
+        ({}, {"messages": []}),
+        ({}, {"messages": QUESTION, "n": 99}),
+        ({}, {"messages": [{"role": "user", "content": 5}]}),
+        ({}, {"messages": QUESTION, "tool_choice": {"type": "function"}}),
+        ({}, {"messages": QUESTION, "n": 2}),
+        ({}, b"{not json"),
+        ({}, b""),
+        ({"content-type": "text/plain"}, b'{"messages": []}'),
+        ({"content-type": "application/vnd.x+json"}, good),
+        ({"X-Episode-Attempt": "x" * 65}, good),
+        ({"X-Episode-Attempt": "x" * 65}, {"messages": []}),  # the header is named before the body
+        ({"Authorization": "Basic abc"}, good),
+        ({"Authorization": "Bearer wrong-key"}, good),
+        ({"Authorization": None}, good),
+    ]
+
+    async def answer(app, sid: str, headers: dict, body) -> tuple[int, dict]:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://actor")
+        [key] = actor.open_sessions([sid], SamplingParams(max_new_tokens=4))
+        sent = {"Authorization": f"Bearer {key}", **headers}
+        sent = {k: v for k, v in sent.items() if v is not None}
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = await http.post(f"/sessions/{sid}/v1/chat/completions", headers=sent, **kwargs)
+        actor.close_sessions([sid])
+        data = r.json()
+        for volatile in ("id", "created"):
+            data.pop(volatile, None)
+        return r.status_code, data
+
+    async def both():
+        for i, (headers, body) in enumerate(cases):
+            ours = await answer(direct, f"s{i}", headers, body)
+            theirs = await answer(framework, f"s{i}", headers, body)  # the same id, opened again
+            if isinstance(body, bytes):  # not JSON of an object: both refuse it, in their own words
+                assert ours[0] == theirs[0] == 400 and ours[1]["error"]["message"].startswith("body: "), (i, ours)
+            else:
+                assert ours == theirs, (i, headers, body, ours, theirs)
+        assert through_app == []  # every session completion above was answered directly
+        # A path or method the direct routes do not take goes to the app.
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=direct), base_url="http://actor")
+        assert (await http.get("/sessions/x/v1/chat/completions")).status_code == 405
+        assert (await http.get("/openapi.json")).json()["paths"]["/sessions/{session_id}/v1/chat/completions"]
+
+    asyncio.run(both())
+
+
+def test_a_body_over_the_bound_is_refused_before_it_is_read_whole():
+    from starlette.responses import JSONResponse
+
+    from rolefleet.rpc.http_direct import DirectRoute, DirectRoutes
+
+    seen = []
+
+    async def handle(match, headers, body):
+        seen.append(body)
+        return JSONResponse({"size": len(body)})
+
+    async def fallback(scope, receive, send):
+        await JSONResponse({"app": True})(scope, receive, send)
+
+    app = DirectRoutes(fallback, [DirectRoute("POST", __import__("re").compile(r"/x"), handle)], 100,
+                       lambda limit: JSONResponse({"limit": limit}, status_code=413))
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        assert (await http.post("/x", content=b"a" * 100)).json() == {"size": 100}
+        r = await http.post("/x", content=b"a" * 101)
+        assert r.status_code == 413 and r.json() == {"limit": 100}
+
+        async def chunks():  # no declared length: counted as it arrives
+            for _ in range(5):
+                yield b"a" * 30
+
+        assert (await http.post("/x", content=chunks())).status_code == 413
+        assert (await http.post("/y", content=b"a" * 500)).json() == {"app": True}
+
+    asyncio.run(go())
+    assert seen == [b"a" * 100]
