@@ -226,13 +226,24 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
 
     async def every() -> list[Outcome]:
         http = Shared(limits=http_library.Limits(max_connections=None, max_keepalive_connections=None),
-                      timeout=timeout_s)
+                      timeout=timeout_s, **_tls_context(http_library))
         try:
             return list(await asyncio.gather(*(episode(row, http) for row in rows)))
         finally:
             await http.close_pool()
 
     return asyncio.run(every())
+
+
+_TLS: dict[str, Any] = {}
+
+
+def _tls_context(http_library: Any) -> dict[str, Any]:
+    """The HTTP library's default TLS context, made once a worker (~20 ms of the loop each time,
+    before a step's first request goes out), as `verify=` of each call's client."""
+    if "verify" not in _TLS and hasattr(http_library, "create_ssl_context"):
+        _TLS["verify"] = http_library.create_ssl_context()
+    return dict(_TLS)
 
 
 def _limit_memory(memory_mb: int) -> None:
