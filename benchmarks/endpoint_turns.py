@@ -5,12 +5,13 @@ A step here is what `benchmarks/tools_task.py`'s agent way does in one: `--sessi
 example calculator agent (`examples/agents/calculator_agent.py`, the openai client) run by the
 reward role's agent workers (`--workers` processes, all episodes at once), over real HTTP on
 loopback, against the actor's real endpoint (uvicorn, the session store, the chat template, the
-batcher) and a scripted engine: every first turn calls the calculator, every second answers, and
+batcher) and a scripted engine: every first turn calls the calculator on its question (`--prompts`
+distinct ones, each asked of as many episodes as a prompt's samples), every second answers, and
 each engine call lasts `--engine-ms` (a GPU's call; sleeping, so the loop is free meanwhile as it
 is while a real engine computes). The environment way would take its two calls and nothing else:
 the step's wall time minus its calls' time is what the agent way adds.
 
-    python benchmarks/endpoint_turns.py --out OUT [--sessions 256] [--workers 4] [--steps 6] [--engine-ms 300]
+    python benchmarks/endpoint_turns.py --out OUT [--sessions 256] [--prompts 32] [--workers 4] [--steps 6] [--engine-ms 300]
 
 Writes OUT/endpoint_turns.json: per step the wall time, engine calls, the engine's time, the batcher's
 gathering and the handler's time (`actor/endpoint_*`), and the medians.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import threading
@@ -42,9 +44,7 @@ class ScriptedEngine:
         self.Sample, self.stop = Sample, FinishReason.STOP
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] + [end]  # noqa: E731
-        self.call = torch.tensor(ids('<tool_call>{"name": "calculator", "arguments": {"expression": "12 + 30"}}'
-                                     '</tool_call>'))
-        self.answer = torch.tensor(ids("42"))
+        self.ids = ids
         self.tool_turn = tokenizer("<|im_start|>tool", add_special_tokens=False)["input_ids"]
         self.tokenizer, self.engine_s, self.calls = tokenizer, engine_s, 0
         self.events: list[tuple[str, float, int]] = []  # (what, when, rows): the step's timeline
@@ -57,7 +57,9 @@ class ScriptedEngine:
         for i, c in enumerate(continuations):
             context = c.context_ids.tolist()
             seen_tool = any(context[j:j + len(self.tool_turn)] == self.tool_turn for j in range(len(context)))
-            ids = self.answer if seen_tool else self.call
+            a, b = re.search(r"What is (\d+) \+ (\d+)\?", self.tokenizer.decode(context)).groups()
+            call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} + {b}"}})
+            ids = torch.tensor(self.ids(str(int(a) + int(b)) if seen_tool else f"<tool_call>{call}</tool_call>"))
             out.append(self.Sample(i, 0, c.context_ids, ids, torch.full((len(ids),), -0.5), self.stop, 3,
                                    self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)))
         return out
@@ -85,6 +87,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--sessions", type=int, default=256)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=32, help="distinct questions among the sessions")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--engine-ms", type=float, default=300.0)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
@@ -131,7 +134,9 @@ def main() -> None:
         for step in range(args.steps):
             ids = [f"s{step}-{i}" for i in range(args.sessions)]
             keys = core.open_sessions(ids, SamplingParams(max_new_tokens=64))
-            rows = [(f"{base}/sessions/{sid}/v1", key, "What is 12 + 30?", "42", {}) for sid, key in zip(ids, keys)]
+            # --prompts questions, each asked of sessions / prompts episodes (a prompt's samples)
+            rows = [(f"{base}/sessions/{sid}/v1", key, f"What is {12 + i % args.prompts} + 30?", str(42 + i % args.prompts),
+                     {}) for i, (sid, key) in enumerate(zip(ids, keys))]
             core.endpoint_stats.take()
             calls, start = engine.calls, time.perf_counter()
             outcomes = pool.agents("agent", rows, agent.concurrency, agent.timeout_s)
@@ -157,7 +162,7 @@ def main() -> None:
     later = steps[1:] or steps
     summary = {k: statistics.median(r[k] for r in later) for k in ("wall_s", "calls", "engine_s", "gather_s",
                                                                    "handler_s", "beyond_engine_s")}
-    result = {"sessions": args.sessions, "workers": args.workers, "engine_ms": args.engine_ms, "set": args.set,
+    result = {"sessions": args.sessions, "prompts": args.prompts, "workers": args.workers, "engine_ms": args.engine_ms, "set": args.set,
               "median": summary, "steps": steps}
     (out / "endpoint_turns.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({"median": {k: round(v, 3) for k, v in summary.items()}}), flush=True)
