@@ -9,9 +9,6 @@ train on ids the model never sampled wherever a tokenizer merges differently acr
 
 from __future__ import annotations
 
-import json
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -25,37 +22,19 @@ from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitEx
 _MARKER = "RoleFleetTurnProbe"
 _BASE = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": _MARKER}]
 MAX_OBSERVATION_MESSAGES = 64
-RENDERED_KEPT = 4096  # observations kept rendered (`TurnRenderer`)
 
 
 class TurnRenderer:
     """Renders observations with the tokenizer's chat template, as the text that follows an
-    assistant turn, and tokenizes that text alone. The last `RENDERED_KEPT` renderings are kept:
-    the samples of a prompt often get the same observation (the same tool call's result), and the
-    template's render is most of a turn's host work (docs/benchmarks.md, "The agent way's own cost")."""
+    assistant turn, and tokenizes that text alone."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self._rendered: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()  # the endpoint's loop and the gRPC server's threads render
 
-    def observation_ids(self, observation: list[dict[str, Any]], after: int, field: str) -> list[int]:
+    def observation_ids(self, observation: list[dict[str, str]], after: int, field: str) -> list[int]:
         """The ids to append to a context whose last token is `after` (the turn's stop token): the
         template's text after an assistant message, less that stop token's own text when the
         template writes it there (the context has it already)."""
-        key = json.dumps([after, observation], sort_keys=True, default=repr)
-        with self._lock:
-            if (kept := self._rendered.get(key)) is not None:
-                self._rendered.move_to_end(key)
-                return list(kept)
-        ids = self._render(observation, after, field)
-        with self._lock:
-            self._rendered[key] = tuple(ids)
-            if len(self._rendered) > RENDERED_KEPT:
-                self._rendered.popitem(last=False)
-        return ids
-
-    def _render(self, observation: list[dict[str, Any]], after: int, field: str) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise FailedPrecondition("the actor's tokenizer has no chat template: multi-turn rollouts render the "
                                      "environment's observations with it (give the model one)")

@@ -46,41 +46,6 @@ def test_an_observation_renders_as_the_template_writes_it_after_a_turn(actor):
     assert tok.decode(eos).startswith("<|im_end|>\n<|im_start|>tool")
 
 
-def test_an_observation_rendered_again_is_the_kept_rendering_and_the_oldest_goes_first(actor, monkeypatch):
-    """The samples of a prompt often get the same observation: its template runs once while it is
-    among the last `RENDERED_KEPT`; another content or another preceding token renders anew, and a
-    refusal is not kept."""
-    from rolefleet.actor import turns
-
-    tok = actor.tokenizer
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    renderer, calls = TurnRenderer(tok), []
-    real = tok.apply_chat_template
-    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(turns, "RENDERED_KEPT", 2)
-    tool = [{"role": "tool", "content": "42"}]
-    first = renderer.observation_ids(tool, end, "o")
-    first.append(-1)  # the caller's list is its own
-    assert renderer.observation_ids([{"role": "tool", "content": "42"}], end, "o") == first[:-1] and len(calls) == 1
-    other = renderer.observation_ids([{"role": "tool", "content": "43"}], end, "o")
-    assert other != first[:-1] and len(calls) == 2
-    assert renderer.observation_ids(tool, end + 1, "o") and len(calls) == 3  # after another token: anew
-    renderer.observation_ids(tool, end, "o")  # evicted by the two since (two kept): rendered again
-    assert len(calls) == 4
-    refusing = TurnRenderer(tok)
-    answers = iter([ValueError("no tools here"), None])
-
-    def once(*a, **k):
-        if (exc := next(answers)) is not None:
-            raise exc
-        return real(*a, **k)
-
-    monkeypatch.setattr(tok, "apply_chat_template", once)
-    with pytest.raises(InvalidArgument, match="refused the observation"):
-        refusing.observation_ids(tool, end, "o")
-    assert refusing.observation_ids(tool, end, "o") == first[:-1]
-
-
 def test_the_end_of_turn_token_stops_a_turn_when_asked(actor):
     end = actor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert actor.end_of_turn == end
