@@ -14,7 +14,9 @@ the step's wall time minus its calls' time is what the agent way adds.
     python benchmarks/endpoint_turns.py --out OUT [--sessions 256] [--prompts 32] [--workers 4] [--steps 6] [--engine-ms 300]
 
 Writes OUT/endpoint_turns.json: per step the wall time, engine calls, the engine's time, the batcher's
-gathering and the handler's time (`actor/endpoint_*`), and the medians.
+gathering and the handler's time (`actor/endpoint_*`), the endpoint loop's CPU seconds (one thread:
+the part no number of cores spreads; on a machine of few cores the agent workers' CPU competes with
+it and the wall time says less), and the medians.
 """
 
 from __future__ import annotations
@@ -126,6 +128,13 @@ def main() -> None:
     token = "bench-token"
     server = asyncio.run_coroutine_threadsafe(start_endpoint(core, cfg, None, token), loop).result()
     base = f"http://127.0.0.1:{server.port}"
+
+    async def thread_time() -> float:
+        return time.thread_time()
+
+    def loop_cpu_s() -> float:  # the endpoint loop's thread's CPU seconds so far: the agent way's serial part
+        return asyncio.run_coroutine_threadsafe(thread_time(), loop).result()
+
     pool = SandboxPool({"agent": Target("file", str(AGENT), "agent", {"score": False})}, args.workers, 60.0, 0,
                        "reward.agent")
     agent = cfg.reward.agent
@@ -138,9 +147,11 @@ def main() -> None:
             rows = [(f"{base}/sessions/{sid}/v1", key, f"What is {12 + i % args.prompts} + 30?", str(42 + i % args.prompts),
                      {}) for i, (sid, key) in enumerate(zip(ids, keys))]
             core.endpoint_stats.take()
+            cpu = loop_cpu_s()
             calls, start = engine.calls, time.perf_counter()
             outcomes = pool.agents("agent", rows, agent.concurrency, agent.timeout_s)
             wall = time.perf_counter() - start
+            cpu = loop_cpu_s() - cpu
             trajectories = core.close_sessions(ids)
             failed = [o for o in outcomes if isinstance(o, str)]
             if failed:
@@ -151,6 +162,7 @@ def main() -> None:
                       "engine_s": stats.get("endpoint_engine_s", 0.0), "gather_s": stats.get("endpoint_gather_s", 0.0),
                       "handler_s": stats.get("endpoint_handler_s", 0.0)}
             record["beyond_engine_s"] = wall - record["engine_s"]
+            record["endpoint_cpu_s"] = cpu
             record["timeline"] = timeline(engine.events, start, wall)
             engine.events.clear()
             steps.append(record)
@@ -161,7 +173,7 @@ def main() -> None:
         loop.call_soon_threadsafe(loop.stop)
     later = steps[1:] or steps
     summary = {k: statistics.median(r[k] for r in later) for k in ("wall_s", "calls", "engine_s", "gather_s",
-                                                                   "handler_s", "beyond_engine_s")}
+                                                                   "handler_s", "beyond_engine_s", "endpoint_cpu_s")}
     result = {"sessions": args.sessions, "prompts": args.prompts, "workers": args.workers, "engine_ms": args.engine_ms, "set": args.set,
               "median": summary, "steps": steps}
     (out / "endpoint_turns.json").write_text(json.dumps(result, indent=1))
