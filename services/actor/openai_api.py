@@ -166,7 +166,8 @@ class Endpoint:
         self.store, self.batcher, self.tokenizer = store, batcher, tokenizer
         self.token, self.model_name, self.max_new_tokens = token, model_name, max_new_tokens
 
-    def app(self) -> FastAPI:
+    def app(self) -> DirectRoutes:
+        """The ASGI app: the FastAPI app of the routes below, its session completions served directly."""
         app = FastAPI(title="RoleFleet actor: OpenAI-compatible chat completions", version="1",
                       max_body_size=MAX_BODY_BYTES)
         app.add_exception_handler(RequestValidationError, _invalid_request)
@@ -472,5 +473,3 @@ async def start_endpoint(core: Any, cfg: Any, tls: Any, token: str | None) -> Ht
                                 core.endpoint_stats, core.sessions.pending)
     endpoint = Endpoint(core.sessions, batcher, core.tokenizer, token, "policy", ep.max_new_tokens)
     return HttpServer(endpoint.app(), ep.host, ep.port, tls, role="actor", name="openai-endpoint")
-
-

@@ -3,7 +3,7 @@
 The actor's OpenAI-compatible endpoint answers hundreds of agents' requests a step on one event
 loop, the rollout engine waiting meanwhile: its session completions are the step's critical path.
 Through FastAPI each request also goes through the middleware stack, the router and the dependency
-solver (the bearer, headers and body resolved and validated field by field), about a third of the
+solver (the bearer, headers and body resolved and validated field by field), about 40% of the
 loop's time a request on the CPU (`benchmarks/endpoint_turns.py`, docs/benchmarks.md). `DirectRoutes`
 answers the routes it is given itself: the body read (bounded), then the route's handler, which
 parses it in one pass (pydantic's JSON validation) and returns the same responses the app's own

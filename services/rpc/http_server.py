@@ -1,5 +1,6 @@
-"""FastAPI apps served by uvicorn inside a role server's event loop, beside its gRPC server: the
-coordinator's HTTP control plane and the actor's OpenAI-compatible endpoint."""
+"""FastAPI apps (or ASGI apps in front of one, `http_direct.py`) served by uvicorn inside a role
+server's event loop, beside its gRPC server: the coordinator's HTTP control plane and the actor's
+OpenAI-compatible endpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import ssl
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from rolefleet.common.config import TlsSection
 
@@ -28,7 +29,7 @@ class HttpServer:
     """The app bound to `host:port` (0: a free port, known once bound) and served as a task; over
     TLS with `tls` (`role`'s certificate; mutual TLS asks each client for one of the CA's)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsSection | None = None, role: str = "coordinator",
+    def __init__(self, app: ASGIApp, host: str, port: int, tls: TlsSection | None = None, role: str = "coordinator",
                  name: str = "http-control-plane"):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
