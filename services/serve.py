@@ -54,7 +54,7 @@ def _reward(cfg: RoleFleetConfig, group=None):
     from rolefleet.reward import server  # role core: as in _actor
     from rolefleet.reward.core import RewardCore  # role core: as in _actor
 
-    core = RewardCore(cfg.reward)
+    core = RewardCore(cfg.reward, cfg.security.tls)
     return core, functools.partial(server.add_to_server, core)
 
 

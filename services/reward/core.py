@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rolefleet.common import metrics
-from rolefleet.common.config import RewardSection
+from rolefleet.common.config import RewardSection, TlsSection
 from rolefleet.common.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 from rolefleet.common.role_types import RoleStatus
 from rolefleet.reward.agents import Agents
@@ -32,7 +32,8 @@ class RewardCore:
     rolefleet_reward_errors_total{function=<source>} counts it. The request itself succeeds: one
     bad sample must not cost a whole step. Only malformed or oversized requests are refused."""
 
-    def __init__(self, cfg: RewardSection):
+    def __init__(self, cfg: RewardSection, tls: TlsSection | None = None):
+        """`tls`: the run's (security.tls), for the agents' clients of the actor's endpoint."""
         self.cfg = cfg
         self.version = definition_digest(cfg)
         self.sources, self.pool = build_sources(cfg)
@@ -41,7 +42,7 @@ class RewardCore:
         try:
             # Multi-turn rollouts' environment: its own worker pool, limits and metrics.
             self.env = Environment(cfg.env) if cfg.env.enabled else None
-            self.agents = Agents(cfg.agent) if cfg.agent.in_cluster else None
+            self.agents = Agents(cfg.agent, tls) if cfg.agent.in_cluster else None
         except BaseException:
             self._close_sources()
             raise

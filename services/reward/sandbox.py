@@ -241,21 +241,23 @@ class SandboxPool:
         futures = [self._threads.submit(self._run_part, key, part, False, "step") for part in parts]
         return [outcome for f in futures for outcome in f.result()]
 
-    def agents(self, key: str, rows: Sequence[tuple], concurrency: int, timeout_s: float) -> list[Outcome]:
+    def agents(self, key: str, rows: Sequence[tuple], concurrency: int, timeout_s: float,
+               tls: dict[str, str] | None = None) -> list[Outcome]:
         """Agent episodes (rows of base_url, key, prompt, ground_truth, extra) in parts of at most
         `concurrency`, each part run at once by one worker, each episode within `timeout_s`. A
         worker that does not answer by then (an agent that blocks its loop) is killed: its part's
-        episodes fail, no other."""
+        episodes fail, no other. `tls`: the clients' files (`agents.client_tls`)."""
         rows = list(rows)
         parts = [rows[i:i + concurrency] for i in range(0, len(rows), concurrency)]
-        futures = [self._threads.submit(self._agents_part, key, part, timeout_s) for part in parts]
+        futures = [self._threads.submit(self._agents_part, key, part, timeout_s, tls) for part in parts]
         return [outcome for f in futures for outcome in f.result()]
 
-    def _agents_part(self, key: str, rows: list[tuple], timeout_s: float) -> list[Outcome]:
+    def _agents_part(self, key: str, rows: list[tuple], timeout_s: float,
+                     tls: dict[str, str] | None) -> list[Outcome]:
         slot = self._idle.get()
         try:
             slot.ensure(key)
-            slot.send(("agents", key, (rows, timeout_s)))
+            slot.send(("agents", key, (rows, timeout_s, tls)))
             # Each episode ends by its own deadline in the worker; the grace covers the loop's wind-down.
             return slot.receive(timeout_s + AGENT_GRACE_S)
         except WorkerFailed as e:

@@ -16,7 +16,9 @@ Protocol (pickled tuples over a multiprocessing Connection; each request gets it
                     ("batch", key, rows)           one ("ok", [outcome per row] or why none) back
                     ("step", key, rows)            an environment's turn: one ("ok", step dict or why
                                                    none) back per row, as each finishes
-                    ("agents", key, (rows, s))     agent episodes run at once, each within s seconds:
+                    ("agents", key, (rows, s, tls))
+                                                   agent episodes run at once, each within s seconds
+                                                   (tls: their clients' files, or None):
                                                    one ("ok", [outcome per row]) back
   worker -> server  ("fatal", message)             instead of a reply; the worker exits (MemoryError)
 A row is (prompt, response, ground_truth, extra); an outcome is a float score or a str saying why
@@ -35,6 +37,7 @@ import inspect
 import math
 import resource
 import secrets
+import ssl
 import sys
 import zlib
 from collections.abc import Callable
@@ -109,7 +112,13 @@ _MEMORY_KEY = ["reward.user_memory_mb"]  # the config key of the limit, named in
 def _raised(exc: BaseException, memory_mb: int) -> str:
     if isinstance(exc, MemoryError):
         raise _Fatal(f"ran out of memory (MemoryError, over {_MEMORY_KEY[0]}={memory_mb})")
-    return one_line(f"raised {type(exc).__name__}: {exc}")
+    message = f"raised {type(exc).__name__}: {exc}"
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:  # a wrapper's reason (a TLS failure under
+        root = root.__cause__                                        # "Connection error.") says what went wrong
+    if root is not exc:
+        message += f" (from {type(root).__name__}: {root})"
+    return one_line(message)
 
 
 def call_each(fn: Callable, options: dict, row: tuple, memory_mb: int) -> Outcome:
@@ -181,10 +190,12 @@ def call_step(fn: Callable, options: dict, row: tuple, memory_mb: int) -> Union[
         return _raised(exc, memory_mb)
 
 
-def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float, memory_mb: int) -> list[Outcome]:
+def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float, memory_mb: int,
+                tls: dict[str, str] | None = None) -> list[Outcome]:
     """Agent episodes, all at once in this worker's loop (they spend their time awaiting the
     endpoint, which batches their turns): each gets an `openai.AsyncOpenAI` client of its session.
-    `fn` is the user's agent, or a stateful environment class that `stateful.drive` runs."""
+    `fn` is the user's agent, or a stateful environment class that `stateful.drive` runs. `tls`:
+    the files the clients verify the endpoint with and present to it (`agents.client_tls`)."""
     environment = is_environment(fn)
     if not environment and not inspect.iscoroutinefunction(fn):
         return [f"reward.agent.path must name an `async def` agent or an environment class with reset and step "
@@ -226,7 +237,7 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
 
     async def every() -> list[Outcome]:
         http = Shared(limits=http_library.Limits(max_connections=None, max_keepalive_connections=None),
-                      timeout=timeout_s, **_tls_context(http_library))
+                      timeout=timeout_s, verify=_tls_context(http_library, tls))
         try:
             return list(await asyncio.gather(*(episode(row, http) for row in rows)))
         finally:
@@ -235,15 +246,23 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
     return asyncio.run(every())
 
 
-_TLS: dict[str, Any] = {}
+_TLS: dict[tuple, Any] = {}
 
 
-def _tls_context(http_library: Any) -> dict[str, Any]:
-    """The HTTP library's default TLS context, made once a worker (~20 ms of the loop each time,
-    before a step's first request goes out), as `verify=` of each call's client."""
-    if "verify" not in _TLS and hasattr(http_library, "create_ssl_context"):
-        _TLS["verify"] = http_library.create_ssl_context()
-    return dict(_TLS)
+def _tls_context(http_library: Any, tls: dict[str, str] | None) -> Any:
+    """The clients' TLS context, made once a worker for each setting (~20 ms of the loop each time,
+    before a step's first request goes out): the run's CA (and, under mutual TLS, the reward role's
+    certificate) where the run has TLS on, else the HTTP library's default."""
+    key = tuple(sorted((tls or {}).items()))
+    if key not in _TLS:
+        if tls:
+            context = ssl.create_default_context(cafile=tls.get("cafile"))
+            if tls.get("certfile"):
+                context.load_cert_chain(tls["certfile"], tls.get("keyfile"))
+        else:
+            context = http_library.create_ssl_context()
+        _TLS[key] = context
+    return _TLS[key]
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -272,8 +291,8 @@ def serve(conn: Connection) -> int:
                 conn.send(("ok", _load_target(functions, key, targets[key], memory_mb)))
             elif op == "agents":
                 fn, options = functions[key]
-                agent_rows, timeout_s = rows
-                conn.send(("ok", call_agents(fn, options, agent_rows, timeout_s, memory_mb)))
+                agent_rows, timeout_s, tls = rows
+                conn.send(("ok", call_agents(fn, options, agent_rows, timeout_s, memory_mb, tls)))
             elif op == "batch":
                 fn, options = functions[key]  # the server loads a target before it calls it
                 conn.send(("ok", call_batch(fn, options, rows, memory_mb)))

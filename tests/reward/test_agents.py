@@ -215,3 +215,42 @@ def test_a_repeated_call_of_the_same_episodes_starts_each_session_over_without_a
     assert [t.turns for t in trajectories] == [2, 2]
     # Every request said which call it came from: one value per call, two calls.
     assert len(seen) == 8 and None not in seen and len(set(seen[:4])) == 1 and len(set(seen)) == 2
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_agents_reach_an_endpoint_over_the_run_s_tls(tmp_path, mutual):
+    """With `security.tls` on the actor's endpoint is https with the run's certificates: the agents'
+    clients verify it with the run's CA (and present the reward role's certificate under mutual TLS);
+    without them the episode fails on the certificate, naming it."""
+    import asyncio
+    import threading
+
+    from rolefleet.certs import make_certs
+    from rolefleet.common.config import TlsSection
+    from rolefleet.rpc.http_server import HttpServer
+
+    make_certs(tmp_path / "tls")
+    tls = TlsSection(cert_file=str(tmp_path / "tls" / "{role}.pem"), key_file=str(tmp_path / "tls" / "{role}-key.pem"),
+                     ca_file=str(tmp_path / "tls" / "ca.pem"), mutual=mutual)
+    store = SessionStore(None, SessionLimits(64, 64, 4, 3600), None)
+    app = Endpoint(store, CompletionBatcher(lambda c, s: [], 8), None, "run-token", "policy", 8).app()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def serve():
+        return HttpServer(app, "127.0.0.1", 0, tls, role="actor", name="endpoint")
+
+    server = asyncio.run_coroutine_threadsafe(serve(), loop).result(10)
+    (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
+    ours = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=1, timeout_s=5.0), tls)
+    plain = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=1, timeout_s=5.0))
+    try:
+        url = f"https://127.0.0.1:{server.port}"
+        assert ours.run(items(store, url, [("models", {})]))[0].reward == 1.0  # its own session's /models
+        [refused] = plain.run(items(store, url, [("models", {})]))
+        assert "Connection error" in refused.error and "CERTIFICATE_VERIFY_FAILED" in refused.error, refused.error
+    finally:
+        ours.close()
+        plain.close()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
