@@ -111,7 +111,8 @@ def phase(record: dict) -> dict:
 
 def run_rl(args, model: Path, out: Path, way: str) -> dict:
     run_dir = out / f"rl-{way}"
-    cmd = [sys.executable, "-m", "rolefleet.cli", "up", CONFIG, *settings(args, str(model)), *WAYS[way],
+    # The way's settings first: `--set` may change them (the agent workers, say).
+    cmd = [sys.executable, "-m", "rolefleet.cli", "up", CONFIG, *WAYS[way], *settings(args, str(model)),
            f"run.output_dir={run_dir}", "checkpoint.at_end=false", "checkpoint.every_minutes=0"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
