@@ -243,12 +243,16 @@ class SandboxPool:
 
     def agents(self, key: str, rows: Sequence[tuple], concurrency: int, timeout_s: float,
                tls: dict[str, str] | None = None) -> list[Outcome]:
-        """Agent episodes (rows of base_url, key, prompt, ground_truth, extra) in parts of at most
-        `concurrency`, each part run at once by one worker, each episode within `timeout_s`. A
-        worker that does not answer by then (an agent that blocks its loop) is killed: its part's
-        episodes fail, no other. `tls`: the clients' files (`agents.client_tls`)."""
+        """Agent episodes (rows of base_url, key, prompt, ground_truth, extra) in nearly equal parts
+        of at most `concurrency`, one per worker where they fit, each part run at once by one
+        worker, each episode within `timeout_s`. A worker that does not answer by then (an agent
+        that blocks its loop) is killed: its part's episodes fail, no other. `tls`: the clients'
+        files (`agents.client_tls`)."""
         rows = list(rows)
-        parts = [rows[i:i + concurrency] for i in range(0, len(rows), concurrency)]
+        # Spread over every worker, not filled one worker's concurrency at a time: a worker's loop
+        # runs its agents' clients one after another (~1 ms a request each), so a part twice as big
+        # makes its turn's requests reach the endpoint twice as late, and the engine waits for them.
+        parts = _split(rows, max(self.workers, -(-len(rows) // concurrency)))
         futures = [self._threads.submit(self._agents_part, key, part, timeout_s, tls) for part in parts]
         return [outcome for f in futures for outcome in f.result()]
 

@@ -25,8 +25,19 @@ pytestmark = pytest.mark.procs
 
 AGENTS = '''
 import asyncio
+import os
+
+live = 0
 
 async def agent(client, prompt, ground_truth, extra):
+    global live
+    if prompt == "where":  # its worker's pid, and how many agents of its worker run beside it
+        live += 1
+        await asyncio.sleep(0.3)
+        beside = live
+        await asyncio.sleep(0.3)
+        live -= 1
+        return float(os.getpid() * 1000 + beside)
     if prompt == "models":  # its client reaches its own session's endpoint with its key
         return float(len([m async for m in client.models.list()]))
     if prompt == "raise":
@@ -76,6 +87,26 @@ def test_each_agent_s_outcome_is_its_own(endpoint, tmp_path):
         [item] = items(store, url, [("models", {})])
         stolen = AgentItem(item.base_url.replace("/a0/", "/a1/"), item.key, "models", "gt")
         assert "404" in agents.run([stolen])[0].error
+    finally:
+        agents.close()
+
+
+@pytest.mark.parametrize("concurrency", [64, 2])
+def test_a_call_s_episodes_spread_over_every_worker_each_running_at_most_its_concurrency(endpoint, tmp_path, concurrency):
+    """A worker's loop runs its agents' clients one after another: 12 episodes on 3 workers are 4 on
+    each, not 12 on one, and never more at once on one than `concurrency`."""
+    store, url = endpoint
+    (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
+    agents = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=3, concurrency=concurrency, timeout_s=20.0))
+    try:
+        outcomes = agents.run(items(store, url, [("where", {})] * 12))
+        assert not [o.error for o in outcomes if o.error]
+        by_worker: dict[int, list[int]] = {}
+        for o in outcomes:
+            pid, beside = divmod(int(o.reward), 1000)
+            by_worker.setdefault(pid, []).append(beside)
+        assert sorted(len(b) for b in by_worker.values()) == [4, 4, 4]
+        assert max(max(b) for b in by_worker.values()) == min(4, concurrency)
     finally:
         agents.close()
 
