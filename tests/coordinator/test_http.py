@@ -98,6 +98,29 @@ def test_errors_are_json_naming_what_is_wrong(served):
     assert served.call("DELETE", "/v1/status")[0] == 405
 
 
+def test_a_kept_alive_connection_has_nagle_off(served):
+    """uvicorn writes a response's head and body apart: with Nagle's algorithm on, the body waited
+    for the client's delayed ACK, 40 ms a request on a kept-alive connection (each of an agent's
+    turns at the actor's endpoint, which shares this server). asyncio turns it off for sockets it
+    knows to be TCP, so the listening socket says it is."""
+    import http.client
+    import socket
+
+    connection = http.client.HTTPConnection("127.0.0.1", served.plane.port, timeout=10)
+    try:
+        for _ in range(2):  # the second on the same connection
+            connection.request("GET", "/healthz")
+            assert json.load(connection.getresponse()) == {"status": "ok"}
+
+        async def nodelay() -> list[int]:
+            return [p.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                    for p in served.plane.server.server_state.connections]
+
+        assert asyncio.run_coroutine_threadsafe(nodelay(), served.loop).result(10) == [1]
+    finally:
+        connection.close()
+
+
 def test_pause_resume_stop_and_what_an_ended_run_refuses(served):
     served.status.state = RunState.RUNNING
     served.status.stepping = True
