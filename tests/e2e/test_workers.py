@@ -27,7 +27,10 @@ def actor_pid(config_path: str) -> int:
 
 def test_a_dead_worker_ends_its_role_and_the_run_clearly(make_config, tmp_path):
     cfg = make_config("algorithm=grpo", "train.samples_per_prompt=2", "train.total_steps=100000", "actor.workers=2",
-                      "run.max_restarts=0")  # GRPO: no critic process, which this test has no use for
+                      "run.max_restarts=0",  # GRPO: no critic process, which this test has no use for
+                      # How long the coordinator's step waits for the lost actor to come back (300 s):
+                      # `up`, stopping the run, gives it 20 s of that before a kill, all waited out here.
+                      "train.connect_timeout_s=5")
     config = write_config(cfg, tmp_path / "config.yaml")
     resolved = str(cfg.run.out / "config.yaml")
     proc = rolefleet("up", str(config))
