@@ -19,8 +19,9 @@ def test_grpo_of_the_real_model_with_its_chat_template_stop_token_and_evaluation
                      f"model.model_name_or_path={real_model_dir}",
                      f"run.output_dir={out}", "train.total_steps=1", "train.prompts_per_step=2",
                      "train.samples_per_prompt=4", "sampling.max_new_tokens=32", "eval.every=1", "eval.max_prompts=4",
-                     # Checkpoints: tests/e2e/test_chaos.py; here, a gigabyte of writing each.
-                     "checkpoint.at_end=false", "checkpoint.every_minutes=0")
+                     # Checkpoints and the per-step snapshots: tests/e2e/test_chaos.py; here, a gigabyte
+                     # of writing each.
+                     "checkpoint.at_end=false", "checkpoint.every_minutes=0", "checkpoint.snapshot.enabled=false")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
     records = read_metrics(out / "metrics.jsonl")
