@@ -99,22 +99,27 @@ def built_once(tmp_path_factory, name: str, build) -> str:
 @pytest.fixture
 def make_config(tiny_model_dir, tmp_path):
     def make(*overrides: str) -> RoleFleetConfig:
-        raw = {
-            "run": {"name": "test", "output_dir": str(tmp_path / "run")},
-            "model": {"model_name_or_path": tiny_model_dir},
-            "data": {"task": "addition", "size": 64},
-            "sampling": {"max_new_tokens": 4},
-            "train": {"total_steps": 2, "prompts_per_step": 8},
-            # float32 compute on any device: these tests compare engines and runs number for number
-            # (bf16 on CUDA is tests/actor/test_gpu.py's and the benchmarks').
-            "actor": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
-            "critic": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
-            # Under the test's own directory, not /dev/shm: a test that ends a run abruptly leaves no memory behind.
-            "checkpoint": {"snapshot": {"dir": str(tmp_path / "snapshots")}},
-        }
-        return parse_config(raw, list(overrides))
+        return tiny_config(tiny_model_dir, tmp_path, *overrides)
 
     return make
+
+
+def tiny_config(model_dir: str, tmp_path, *overrides: str) -> RoleFleetConfig:
+    """`make_config`'s config, for a fixture of a wider scope than a test's (its own `tmp_path`)."""
+    raw = {
+        "run": {"name": "test", "output_dir": str(tmp_path / "run")},
+        "model": {"model_name_or_path": model_dir},
+        "data": {"task": "addition", "size": 64},
+        "sampling": {"max_new_tokens": 4},
+        "train": {"total_steps": 2, "prompts_per_step": 8},
+        # float32 compute on any device: these tests compare engines and runs number for number
+        # (bf16 on CUDA is tests/actor/test_gpu.py's and the benchmarks').
+        "actor": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
+        "critic": {"lr": 1e-3, "num_threads": 1, "compute_dtype": "float32"},
+        # Under the test's own directory, not /dev/shm: a test that ends a run abruptly leaves no memory behind.
+        "checkpoint": {"snapshot": {"dir": str(tmp_path / "snapshots")}},
+    }
+    return parse_config(raw, list(overrides))
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import pytest
 
 from rolefleet.coordinator.journal import Journal
 from rolefleet.trainer.checkpoint import complete_checkpoints
+from tests.conftest import tiny_config
 from tests.e2e.procs import processes_mentioning, read_metrics, rolefleet, write_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.e2e]
@@ -121,13 +122,28 @@ def test_a_killed_reward_costs_no_rollback_and_needs_no_checkpoint(make_config, 
     assert not (cfg.run.out / "checkpoints").exists() or not any((cfg.run.out / "checkpoints").iterdir())
 
 
+TRAINER_RUN = ("algorithm=ppo", "train.total_steps=8", "train.samples_per_prompt=2", "data.size=256")
+
+
+@pytest.fixture(scope="module")
+def straight_weights(tiny_model_dir, tmp_path_factory) -> dict[str, dict[str, list]]:
+    """The final weights of a run of TRAINER_RUN that lost nothing, which each killed trainer's run
+    must end with (sync mode: the same seed gives the same weights): one run for both tests."""
+    tmp = tmp_path_factory.mktemp("straight")
+    straight = tiny_config(tiny_model_dir, tmp, *TRAINER_RUN, f"run.output_dir={tmp / 'straight'}")
+    run = rolefleet("up", str(write_config(straight, tmp / "straight.yaml")))
+    output, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, output
+    return {part: final_weights(straight, part) for part in ("actor", "critic")}
+
+
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_under_the_defaults_a_killed_trainer_costs_at_most_the_step_in_flight(make_config, tmp_path, role):
+def test_under_the_defaults_a_killed_trainer_costs_at_most_the_step_in_flight(make_config, tmp_path, role,
+                                                                               straight_weights):
     """The shipped defaults protect a trainer with a snapshot after every step (and the checkpoint of
     step 0 behind it): the run goes on after the last finished step, and ends with the weights of a
     run that lost nothing."""
-    cfg = make_config("algorithm=ppo", "train.total_steps=8", "train.samples_per_prompt=2", "data.size=256",
-                      f"run.output_dir={tmp_path / 'killed'}")
+    cfg = make_config(*TRAINER_RUN, f"run.output_dir={tmp_path / 'killed'}")
     assert cfg.checkpoint.every == 0 and cfg.checkpoint.snapshot.enabled  # the shipped defaults
     output, records = kill_once(cfg, tmp_path, role, at_step=4)
     # Loaded alone from the snapshot of the run's step, the step going on where it was; or (the
@@ -141,13 +157,8 @@ def test_under_the_defaults_a_killed_trainer_costs_at_most_the_step_in_flight(ma
         trained_once(cfg, journal)
         # At most the step in flight was trained again: its update may have been applied, its snapshot not.
         assert [step for step, _ in journal.rewound()] in ([], [after["step"]])
-    straight = make_config("algorithm=ppo", "train.total_steps=8", "train.samples_per_prompt=2", "data.size=256",
-                           f"run.output_dir={tmp_path / 'straight'}")
-    run = rolefleet("up", str(write_config(straight, tmp_path / "straight.yaml")))
-    output, _ = run.communicate(timeout=240)
-    assert run.returncode == 0, output
-    for part in ("actor", "critic"):  # sync mode: the same seed gives the same weights
-        assert final_weights(cfg, part) == final_weights(straight, part), part
+    for part in ("actor", "critic"):
+        assert final_weights(cfg, part) == straight_weights[part], part
 
 
 def final_weights(cfg, part: str) -> dict[str, list]:
