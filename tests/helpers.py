@@ -97,10 +97,10 @@ def served_on_loopback(app):
 
 @contextlib.contextmanager
 def scripted_chat_endpoint(chat_model_dir: str, answer: Callable[[int], str], max_turns: int,
-                           max_total_tokens: int = 1024):
+                           max_total_tokens: int = 1024, wrap: Callable | None = None):
     """The actor's OpenAI-compatible endpoint on loopback over the tiny chat model's tokenizer, whose
     'policy' answers `answer(n)` on a session's n-th turn (then its end-of-turn token): (its session
-    store, its base URL) while the block runs."""
+    store, its base URL) while the block runs. `wrap`: an ASGI app around the endpoint's, served instead."""
     import torch
     from transformers import AutoTokenizer
 
@@ -122,5 +122,5 @@ def scripted_chat_endpoint(chat_model_dir: str, answer: Callable[[int], str], ma
 
     store = SessionStore(tok, SessionLimits(64, max_total_tokens, max_turns, 3600), None)
     app = OpenAIEndpoint(store, CompletionBatcher(generate, 16), tok, "run-token", "policy", 8).app()
-    with served_on_loopback(app) as url:
+    with served_on_loopback(wrap(app) if wrap else app) as url:
         yield store, url

@@ -15,6 +15,7 @@ generate.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -46,6 +47,9 @@ ATTEMPT_HEADER = "X-Episode-Attempt"  # set by the reward role's agent runner: o
 ATTEMPT_MAX_CHARS = 64
 MAX_BODY_BYTES = 32 << 20  # a request's body (4096 messages of a long conversation fit): 413 past it
 MAX_N = 16
+MAX_BATCH = 1024  # requests of one batch (reward/batching.py sends at most 256)
+BATCH_PATH = "/v1/batch/chat/completions"
+SESSION_CHAT = re.compile(r"/sessions/([^/]+)/v1/chat/completions")
 
 
 class ToolFunction(BaseModel):
@@ -145,6 +149,17 @@ AttemptHeader = Annotated[Optional[str], Header(
     "another call than the session's earlier ones starts its episode over (a repeated call begins from nothing)")]
 
 
+class BatchItem(BaseModel):
+    path: str = Field(description="the request's path: a session's completions, /sessions/<id>/v1/chat/completions")
+    headers: dict[str, str] = Field(default_factory=dict, description="the request's headers that route reads "
+                                    "(authorization, x-episode-attempt, content-type)")
+    body: str = Field(description="the request's JSON body, as text")
+
+
+class BatchRequest(BaseModel):
+    requests: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 class Reward(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
     reward: float = Field(description="the episode's reward (finite)")
@@ -180,12 +195,14 @@ class Endpoint:
         router.add_api_route("/sessions/{session_id}/v1/chat/completions", self.session_chat, methods=["POST"],
                              responses=STREAMED)
         router.add_api_route("/sessions/{session_id}/v1/reset", self.reset, methods=["POST"])
+        router.add_api_route(BATCH_PATH, self.batch, methods=["POST"])
         router.add_api_route("/v1/episodes", self.claim, methods=["POST"])
         router.add_api_route("/v1/episodes/{session_id}/reward", self.post_reward, methods=["POST"])
         app.include_router(router)
-        # The hot route served directly (rpc/http_direct.py); the app's route above stays its schema.
-        direct = DirectRoute("POST", re.compile(r"/sessions/([^/]+)/v1/chat/completions"), self._direct_session_chat)
-        return DirectRoutes(app, [direct], MAX_BODY_BYTES, lambda limit: error_body(
+        # The hot routes served directly (rpc/http_direct.py); the app's routes above stay their schema.
+        direct = [DirectRoute("POST", SESSION_CHAT, self._direct_session_chat),
+                  DirectRoute("POST", re.compile(re.escape(BATCH_PATH)), self._direct_batch)]
+        return DirectRoutes(app, direct, MAX_BODY_BYTES, lambda limit: error_body(
             413, f"the request's body exceeds {limit} bytes"))
 
     async def caller(self, session_id: Optional[str], x_session_id: Optional[str],
@@ -264,9 +281,42 @@ class Endpoint:
         """A completion of session `session_id` (the base URL its agent's client was given)."""
         return await self._chat(body, session_id, None, credentials, x_episode_attempt)
 
-    async def _direct_session_chat(self, match: re.Match, headers: dict[str, str], raw: bytes) -> Response:
+    async def batch(self, body: BatchRequest):
+        """Session completions of many agents in one request (the reward role's agent workers send
+        each turn's so: reward/batching.py): `responses` in the requests' order, each the status,
+        headers and JSON body the request alone would have been answered with; none is streamed."""
+        return await self._batch(body.requests)
+
+    async def _direct_batch(self, match: re.Match, headers: dict[str, str], raw: bytes) -> Response:  # noqa: ARG002
+        if not _json_content(headers.get("content-type")):
+            return error_body(400, "body: Input should be a valid dictionary or object to extract fields from")
+        try:
+            body = BatchRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            return _invalid(exc.errors(), ("body",))
+        return await self._batch(body.requests)
+
+    async def _batch(self, items: list[BatchItem]) -> Response:
+        # All at once: their completions reach the batcher together, as the requests alone would.
+        answers = await asyncio.gather(*(self._batch_item(item) for item in items))
+        return Response(b'{"responses":[' + b",".join(answers) + b"]}", media_type="application/json")
+
+    async def _batch_item(self, item: BatchItem) -> bytes:
+        match = SESSION_CHAT.fullmatch(item.path)
+        if match is None:
+            response = error_body(400, f"requests[].path: {item.path[:200]!r} is not a session's completions "
+                                       "(/sessions/<id>/v1/chat/completions)", "path")
+        else:
+            response = await self._direct_session_chat(match, {k.lower(): v for k, v in item.headers.items()},
+                                                       item.body.encode(), streamed=False)
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return b'{"status":%d,"headers":%s,"body":%s}' % (response.status_code, json.dumps(headers).encode(),
+                                                          response.body)
+
+    async def _direct_session_chat(self, match: re.Match, headers: dict[str, str], raw: bytes,
+                                   streamed: bool = True) -> Response:
         """`session_chat` served directly: the same checks (the header, then the body, as FastAPI
-        orders them) and the same answers."""
+        orders them) and the same answers. `streamed`: whether it may answer as a stream."""
         attempt = headers.get(ATTEMPT_HEADER.lower())
         if attempt is not None and len(attempt) > ATTEMPT_MAX_CHARS:
             return error_body(400, f"{ATTEMPT_HEADER}: String should have at most {ATTEMPT_MAX_CHARS} characters",
@@ -277,6 +327,9 @@ class Endpoint:
             body = ChatRequest.model_validate_json(raw)
         except ValidationError as exc:
             return _invalid(exc.errors(), ("body",))
+        if body.stream and not streamed:
+            return error_body(400, "stream: a batch's completions are answered whole; stream a request on its own",
+                              "stream")
         try:
             return json_response(await self._chat(body, match.group(1), None, _bearer(headers.get("authorization")),
                                                   attempt))

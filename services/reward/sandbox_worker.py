@@ -200,11 +200,13 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
     if not environment and not inspect.iscoroutinefunction(fn):
         return [f"reward.agent.path must name an `async def` agent or an environment class with reset and step "
                 f"(got {type(fn).__name__})"] * len(rows)
-    # Imported here, in agent workers alone: the reward functions' workers never need it.
+    # Imported here, in agent workers alone: the reward functions' workers never need them.
     import openai
 
+    from rolefleet.reward.batching import batching_transport, openai_http_library
+
     client_class = openai.DefaultAsyncHttpxClient  # over the HTTP library this openai version uses
-    http_library = importlib.import_module(client_class.__mro__[1].__module__.partition(".")[0])
+    http_library = openai_http_library()
 
     # This call's mark on each request: a repeated call of the same episodes (the role restarted)
     # starts each session over at its first request, with no request of its own to reset it.
@@ -236,8 +238,11 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
             await super().aclose()
 
     async def every() -> list[Outcome]:
-        http = Shared(limits=http_library.Limits(max_connections=None, max_keepalive_connections=None),
-                      timeout=timeout_s, verify=_tls_context(http_library, tls))
+        # A turn's requests of this worker's agents go out as one (reward/batching.py).
+        connections = http_library.AsyncHTTPTransport(
+            verify=_tls_context(http_library, tls),
+            limits=http_library.Limits(max_connections=None, max_keepalive_connections=None))
+        http = Shared(transport=batching_transport(http_library, connections), timeout=timeout_s)
         try:
             return list(await asyncio.gather(*(episode(row, http) for row in rows)))
         finally:

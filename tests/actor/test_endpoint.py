@@ -665,3 +665,56 @@ def test_a_body_over_the_bound_is_refused_before_it_is_read_whole():
 
     asyncio.run(go())
     assert seen == [b"a" * 100]
+
+
+def test_a_batch_s_requests_are_each_answered_as_it_alone_would_be_in_one_engine_call(actor):
+    """`POST /v1/batch/chat/completions` (the reward role's agent workers send a turn's requests so,
+    reward/batching.py): each item gets the status and body its request alone gets, in order, and
+    the good ones share one engine call; a streamed or non-session item is refused alone."""
+    tok = actor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    engine_calls = Scripted(actor, [tok("7")["input_ids"] + [end]] * 16)
+    app = Endpoint(actor.sessions, CompletionBatcher(engine_calls, 16), actor.tokenizer, TOKEN, "policy", 32).app()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://actor")
+    good = {"model": "policy", "messages": QUESTION}
+    cases = [({}, good), ({}, {"messages": []}), ({}, {"messages": [{"role": "user", "content": 5}]}),
+             ({}, {"messages": QUESTION, "n": 2}), ({"content-type": "text/plain"}, good),
+             ({"x-episode-attempt": "x" * 65}, good), ({"authorization": "Bearer wrong-key"}, good), ({}, good)]
+
+    def strip(data: dict) -> dict:
+        return {k: v for k, v in data.items() if k not in ("id", "created")}
+
+    def item(sid: str, key: str, headers: dict, body) -> dict:
+        return {"path": f"/sessions/{sid}/v1/chat/completions", "body": body if isinstance(body, str) else json.dumps(body),
+                "headers": {"authorization": f"Bearer {key}", "content-type": "application/json", **headers}}
+
+    async def run():
+        alone = []
+        for i, (headers, body) in enumerate(cases):
+            [key] = actor.open_sessions([f"b{i}"], SamplingParams(max_new_tokens=4))
+            one = item(f"b{i}", key, headers, body)
+            r = await http.post(one["path"], content=one["body"].encode(), headers=one["headers"])
+            alone.append((r.status_code, strip(r.json())))
+            actor.close_sessions([f"b{i}"])
+        keys = actor.open_sessions([f"b{i}" for i in range(len(cases))], SamplingParams(max_new_tokens=4))
+        calls_before = len(engine_calls.asked)
+        extra = [item("b0", keys[0], {}, {**good, "stream": True}), {"path": "/v1/models", "body": "{}"},
+                 item("b1", keys[1], {}, "{not json")]
+        r = await http.post("/v1/batch/chat/completions",
+                            json={"requests": [item(f"b{i}", k, h, b) for i, (k, (h, b)) in enumerate(zip(keys, cases))] + extra})
+        assert r.status_code == 200
+        answers = r.json()["responses"]
+        assert [(a["status"], strip(a["body"])) for a in answers[:len(cases)]] == alone
+        assert [status for status, _ in alone] == [200, 400, 400, 400, 400, 400, 404, 200]
+        assert len(engine_calls.asked) == calls_before + 1  # the two good ones, in one call
+        streamed, elsewhere, not_json = answers[len(cases):]
+        assert streamed["status"] == 400 and streamed["body"]["error"]["param"] == "stream"
+        assert elsewhere["status"] == 400 and "not a session's completions" in elsewhere["body"]["error"]["message"]
+        assert not_json["status"] == 400 and not_json["body"]["error"]["message"].startswith("body: ")
+        actor.close_sessions([f"b{i}" for i in range(len(cases))])
+        # The batch itself malformed: a 400 naming the field, nothing answered.
+        bad = await http.post("/v1/batch/chat/completions", json={"requests": []})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "requests"
+        assert (await http.get("/openapi.json")).json()["paths"]["/v1/batch/chat/completions"]
+
+    asyncio.run(run())
