@@ -49,10 +49,21 @@ class TurnRenderer:
         ended_with = self.tokenizer.convert_ids_to_tokens(after)
         if isinstance(ended_with, str) and ended_with and tail.startswith(ended_with):
             tail = tail[len(ended_with):]
-        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        ids = self.encode(tail)
         if not ids:
             raise InvalidArgument(field, "renders to no tokens")
         return ids
+
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s ids, without special tokens added: the fast tokenizer's own Rust encoder where
+        it is all the call does (special tokens kept whole, as the call keeps them by default). The
+        transformers call around it builds its full encoding (masks, offsets) and costs twice the
+        encoding itself, on the endpoint's loop for every turn of every session."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.tokenizer, "split_special_tokens", False):
+            return backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def check_observation(messages: list[dict[str, str]], field: str, max_bytes: int) -> None:

@@ -213,3 +213,19 @@ def test_generate_with_continuations_over_grpc(actor):
                 await expect_invalid(stub.Generate(bad).read(), "continuations[0].context_ids")
 
     asyncio.run(scenario())
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("which", ["chat", "real"])
+def test_the_rendered_text_s_ids_are_the_tokenizer_call_s(chat_model_dir, real_model_dir, which):
+    """`TurnRenderer.encode` (the fast tokenizer's own encoder) gives what the transformers call
+    gives: special tokens whole, spaces, newlines, digits and text the vocabulary splits."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model_dir if which == "chat" else real_model_dir)
+    texts = ["\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n", " leading space", "  two\n\n\tlines ",
+             "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"347 * 29\"}}</tool_call>",
+             "ünïcödé — 日本語 🙂", "<|im_end|><|im_end|>", "<|im_start", "1234567890" * 3, ""]
+    renderer = TurnRenderer(tok)
+    for text in texts:
+        assert renderer.encode(text) == tok(text, add_special_tokens=False)["input_ids"], text
