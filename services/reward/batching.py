@@ -13,8 +13,9 @@ HTTP response. The agent code sees its client as it was: nothing but the transpo
 
 Everything else (other routes, streamed completions, a request whose body is not JSON) goes out as
 it came; so does a batch the endpoint does not take (a batch past its size limit: its requests are
-then sent one by one; an endpoint without the route: every request from then on). A batch that fails on the way (the
-connection) fails each of its requests with that error, as it would have failed them one by one.
+then sent one by one; an endpoint without the route: every request from then on). A batch that
+fails on the way (the connection) fails each of its requests with that error, as it would have
+failed them one by one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 BATCH_PATH = "/v1/batch/chat/completions"
-SESSION_CHAT = re.compile(r"/sessions/[^/]+/v1/chat/completions")
+# A session's completions, under whatever prefix the endpoint is reached at (a proxy's path).
+SESSION_CHAT = re.compile(r"(?P<prefix>.*)(?P<path>/sessions/[^/]+/v1/chat/completions)")
 # The headers of a session completion the endpoint reads (its key, the agent runner's attempt, the body's type).
 FORWARDED = ("authorization", "x-episode-attempt", "content-type")
 # A batch goes out as soon as it holds FLUSH_AT requests: the worker's agents read their answers
@@ -45,6 +47,8 @@ MAX_WAIT_S = 0.010
 @dataclass
 class _Held:
     request: Any
+    prefix: str  # the endpoint's, before /sessions/...
+    path: str  # the route's path, /sessions/<id>/v1/chat/completions
     body: str
     answer: asyncio.Future
 
@@ -69,10 +73,10 @@ def batching_transport(http_library: Any, inner: Any) -> Any:
             self._one_by_one = False  # the endpoint has no batch route: every request goes out alone
 
         async def handle_async_request(self, request: Any) -> Any:
-            body = None if self._one_by_one else _batchable(request)
-            if body is None:
+            route = None if self._one_by_one else _batchable(request)
+            if route is None:
                 return await inner.handle_async_request(request)
-            held = _Held(request, body, asyncio.get_running_loop().create_future())
+            held = _Held(request, *route, asyncio.get_running_loop().create_future())
             self._held.append(held)
             self._seen += 1
             if len(self._held) >= FLUSH_AT:
@@ -104,9 +108,9 @@ def batching_transport(http_library: Any, inner: Any) -> Any:
 
         async def _send(self, part: list[_Held]) -> None:
             first = part[0].request
-            url = first.url.copy_with(path=BATCH_PATH, query=None)
+            url = first.url.copy_with(path=part[0].prefix + BATCH_PATH, query=None)
             payload = json.dumps({"requests": [
-                {"path": h.request.url.path, "body": h.body,
+                {"path": h.path, "body": h.body,
                  "headers": {k: h.request.headers[k] for k in FORWARDED if k in h.request.headers}}
                 for h in part]}).encode()
             batch = http_library.Request("POST", url, content=payload, extensions=first.extensions,
@@ -146,16 +150,18 @@ def batching_transport(http_library: Any, inner: Any) -> Any:
     return BatchingTransport()
 
 
-def _batchable(request: Any) -> str | None:
-    """The JSON body of a session completion that is not streamed, else None (sent as it is)."""
-    if request.method != "POST" or not SESSION_CHAT.fullmatch(request.url.path):
+def _batchable(request: Any) -> tuple[str, str, str] | None:
+    """A session completion that is not streamed: its endpoint's prefix, route path and JSON body;
+    else None (sent as it is)."""
+    match = SESSION_CHAT.fullmatch(request.url.path) if request.method == "POST" else None
+    if match is None:
         return None
     try:
         body = request.content.decode()
         parsed = json.loads(body)
     except Exception:  # noqa: BLE001 - a body not read yet, not text or not JSON: the endpoint says what is wrong
         return None
-    return body if isinstance(parsed, dict) and not parsed.get("stream") else None
+    return (match["prefix"], match["path"], body) if isinstance(parsed, dict) and not parsed.get("stream") else None
 
 
 def _parts(held: list[_Held]) -> list[list[_Held]]:
@@ -163,7 +169,7 @@ def _parts(held: list[_Held]) -> list[list[_Held]]:
     by_origin: dict[tuple, list[_Held]] = {}
     for h in held:
         url = h.request.url
-        by_origin.setdefault((url.scheme, url.host, url.port), []).append(h)
+        by_origin.setdefault((url.scheme, url.host, url.port, h.prefix), []).append(h)
     parts: list[list[_Held]] = []
     for same in by_origin.values():
         size = 0

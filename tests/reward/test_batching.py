@@ -21,16 +21,20 @@ QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
 class Seen:
-    """An ASGI app in front of the endpoint's: the paths it was asked, and (`refuse`) a 404 for batches."""
+    """An ASGI app in front of the endpoint's: the paths it was asked, (`refuse`) a 404 for batches,
+    and (`prefix`) the endpoint under a path prefix, as a proxy would serve it."""
 
-    def __init__(self, refuse: bool = False):
+    def __init__(self, refuse: bool = False, prefix: str = ""):
         self.paths: list[str] = []
-        self.refuse = refuse
+        self.refuse, self.prefix = refuse, prefix
 
     def __call__(self, app):
         async def seen(scope, receive, send):
             if scope["type"] == "http":
                 self.paths.append(scope["path"])
+                if not scope["path"].startswith(self.prefix):
+                    return await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+                scope = {**scope, "path": scope["path"][len(self.prefix):]}
                 if self.refuse and scope["path"] == BATCH_PATH:
                     return await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
             await app(scope, receive, send)
@@ -61,11 +65,12 @@ async def two_turns(client: openai.AsyncOpenAI, start: asyncio.Event) -> list[st
     return said
 
 
-@pytest.mark.parametrize("refuse", [False, True], ids=["batched", "endpoint-without-batches"])
-def test_each_client_gets_its_own_answers_and_a_turn_s_requests_travel_together(chat_model_dir, refuse):
-    seen = Seen(refuse)
+@pytest.mark.parametrize("refuse, prefix", [(False, ""), (True, ""), (False, "/actor")],
+                         ids=["batched", "endpoint-without-batches", "behind-a-path-prefix"])
+def test_each_client_gets_its_own_answers_and_a_turn_s_requests_travel_together(chat_model_dir, refuse, prefix):
+    seen = Seen(refuse, prefix)
     with scripted_chat_endpoint(chat_model_dir, lambda n: f"answer {n}", max_turns=4, wrap=seen) as (store, url):
-        agents, http = clients(store, url, 12)
+        agents, http = clients(store, url + prefix, 12)
 
         async def run():
             start = asyncio.Event()
@@ -80,11 +85,11 @@ def test_each_client_gets_its_own_answers_and_a_turn_s_requests_travel_together(
         trajectories = store.close([f"t{i}" for i in range(12)])
         assert [t.turns for t in trajectories] == [2] * 12  # every request was recorded in its own session
     turns = [p for p in seen.paths if not p.endswith("/models")]
-    session_paths = [p for p in turns if p != BATCH_PATH]
-    if refuse:  # the first batches refused (those sent before the first refusal came back), then one by one
+    session_paths = [p for p in turns if p != prefix + BATCH_PATH]
+    if refuse:  # the first batch refused, then one by one
         assert turns.count(BATCH_PATH) == 1 and len(session_paths) == 24
     else:  # one batch a turn: the two turns' 24 requests in 2 HTTP requests
-        assert turns == [BATCH_PATH, BATCH_PATH]
+        assert turns == [prefix + BATCH_PATH] * 2
 
 
 def test_streams_and_other_routes_go_out_as_they_came(chat_model_dir):
