@@ -8,6 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One torch (OpenMP) thread in each test process and in the processes the tests start, where a
+# config does not set num_threads: `make test` runs three test processes on two cores, and a second
+# thread spins at OpenMP's barriers for a core that another process holds (a 150-step warm start
+# beside three busy processes: 40 s and 28 s of CPU at two threads, 7 s and 4 s at one). Before
+# torch is imported, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from rolefleet.app.tiny_model import make_tiny_model  # noqa: E402
 from rolefleet.common.config import RoleFleetConfig, parse_config  # noqa: E402
