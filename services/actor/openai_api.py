@@ -288,13 +288,8 @@ class Endpoint:
         return await self._batch(body.requests)
 
     async def _direct_batch(self, match: re.Match, headers: dict[str, str], raw: bytes) -> Response:  # noqa: ARG002
-        if not _json_content(headers.get("content-type")):
-            return error_body(400, "body: Input should be a valid dictionary or object to extract fields from")
-        try:
-            body = BatchRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            return _invalid(exc.errors(), ("body",))
-        return await self._batch(body.requests)
+        body = _parsed(BatchRequest, headers, raw)
+        return body if isinstance(body, Response) else await self._batch(body.requests)
 
     async def _batch(self, items: list[BatchItem]) -> Response:
         # All at once: their completions reach the batcher together, as the requests alone would.
@@ -321,12 +316,9 @@ class Endpoint:
         if attempt is not None and len(attempt) > ATTEMPT_MAX_CHARS:
             return error_body(400, f"{ATTEMPT_HEADER}: String should have at most {ATTEMPT_MAX_CHARS} characters",
                               ATTEMPT_HEADER)
-        if not _json_content(headers.get("content-type")):
-            return error_body(400, "body: Input should be a valid dictionary or object to extract fields from")
-        try:
-            body = ChatRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            return _invalid(exc.errors(), ("body",))
+        body = _parsed(ChatRequest, headers, raw)
+        if isinstance(body, Response):
+            return body
         if body.stream and not streamed:
             return error_body(400, "stream: a batch's completions are answered whole; stream a request on its own",
                               "stream")
@@ -475,6 +467,16 @@ def _invalid(errors: Sequence[Any], prefix: tuple = ()) -> JSONResponse:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _field((*prefix, *first.get("loc", ())))
     return error_body(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+
+def _parsed(model: type[BaseModel], headers: dict[str, str], raw: bytes) -> Any:
+    """A directly served route's JSON body as `model`, in one pass; or the 400 FastAPI would answer."""
+    if not _json_content(headers.get("content-type")):
+        return error_body(400, "body: Input should be a valid dictionary or object to extract fields from")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        return _invalid(exc.errors(), ("body",))
 
 
 def _bearer(authorization: str | None) -> HTTPAuthorizationCredentials | None:
