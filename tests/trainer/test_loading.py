@@ -107,12 +107,14 @@ def test_each_rank_reads_its_chunk_of_the_plain_loads_weights_and_holds_less_wit
         for name, buffer in plain.named_buffers():
             assert torch.equal(got["buffers"][name], buffer), name
         assert got["eos"] == plain.generation_config.eos_token_id
-    # The whole fp32 model is ~130 MB: one rank holds it all, each of four a quarter (measured: 147,
-    # 85 and 54 MB above the resident size before loading; each with about 9 MB of the libraries'
-    # pages, which a forked rank maps as it first runs them).
+    # Each rank's peak is a fixed overhead (the libraries' pages a forked rank maps as it first runs
+    # them, gloo's buffers: ~43 MB, more than a quarter of the model) plus its share of the fp32 model,
+    # so the peaks' ratios sit near the bar while their differences are exact: going from 1 to 2 ranks
+    # must save half the model a rank, from 2 to 4 a quarter (measured: 100.4% and 100.1% of that).
+    model_kib = sum(v.numel() * 4 for v in expected.values()) / 1024
     peaks = {world: max(r["peak_kib"] for r in ranks) for world, ranks in runs.items()}
-    assert peaks[2] < 0.7 * peaks[1], peaks
-    assert peaks[4] < 0.7 * peaks[2], peaks
+    assert peaks[1] - peaks[2] > 0.8 * model_kib / 2, (peaks, model_kib)
+    assert peaks[2] - peaks[4] > 0.8 * model_kib / 4, (peaks, model_kib)
 
 
 def test_a_checkpoint_that_is_not_readable_by_shard_loads_whole(bf16_model, tmp_path):
