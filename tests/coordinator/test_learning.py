@@ -198,7 +198,7 @@ def test_partial_rollouts_train_each_sample_once_within_the_bound(demo_model, tm
 
     monkeypatch.setattr(InProcessActorClient, "update", spy)
     records = run_demo(demo_model, tmp_path / "run", "demo_grpo.yaml",
-                       ["train.total_steps=4", "train.prompts_per_step=8", "pipeline.partial_rollouts.enabled=true",
+                       ["train.total_steps=6", "train.prompts_per_step=8", "pipeline.partial_rollouts.enabled=true",
                         "pipeline.partial_rollouts.token_budget=1",
                         f"train.dynamic_sampling.enabled={str(dynamic).lower()}"])
     with Journal(tmp_path / "run" / FILENAME) as journal:

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
+from rolefleet.app.tiny_model import make_tiny_model
 from rolefleet.tasks import DataError
+from tests.conftest import built_once, tiny_config
 from tests.coordinator.test_checkpoints import metrics, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -17,7 +19,16 @@ SFT = ("algorithm=sft", "actor.lr=1e-3", "train.prompts_per_step=16", "eval.ever
        "eval.temperature=0.0")
 
 
-def test_sft_lowers_the_held_out_completion_loss_and_trains_completion_tokens_only(make_config, monkeypatch):
+@pytest.fixture(scope="module")
+def untrained_model(tmp_path_factory) -> str:
+    """The tiny model with random weights: its completion loss starts near ln(vocabulary), so what
+    SFT teaches shows in a few steps on any CPU. (The suite's warm-started model already knows the
+    task: twelve steps moved its loss by less than the steps' noise, up or down by the machine.)"""
+    return built_once(tmp_path_factory, "untrained-model", make_tiny_model)
+
+
+def test_sft_lowers_the_held_out_completion_loss_and_trains_completion_tokens_only(untrained_model, tmp_path,
+                                                                                   monkeypatch):
     from rolefleet.actor.core import ActorCore
 
     seen = []
@@ -28,12 +39,13 @@ def test_sft_lowers_the_held_out_completion_loss_and_trains_completion_tokens_on
         return real(self, step, version, batch, targets, temperature)
 
     monkeypatch.setattr(ActorCore, "update", spy)
-    cfg = make_config(*SFT, "train.total_steps=12")
+    cfg = tiny_config(untrained_model, tmp_path, *SFT, "train.total_steps=12")
     status, actor, _ = run(cfg)
     records = metrics(cfg)
     losses = [r["eval/sft_loss"] for r in records if "eval/sft_loss" in r]
     assert [r["step"] for r in records if "eval/sft_loss" in r] == [0, 4, 8, 12]
-    assert losses[-1] < 0.9 * losses[0], losses  # (a 64-wide model on 64 distinct sums: it learns, slowly)
+    # Seeds 0-4: 3.93-4.02 at the start, 2.76-2.79 after 12 steps, falling at every evaluation.
+    assert losses == sorted(losses, reverse=True) and losses[-1] < 0.8 * losses[0], losses
     assert all("eval/pass@1" in r for r in records if "eval/sft_loss" in r)  # the generation evaluation too
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == list(range(1, 13)) and actor.policy_version == 12
