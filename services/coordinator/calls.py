@@ -52,14 +52,16 @@ POLL_S = 0.5  # between looks at a role that is away: a restart under `rolefleet
 
 
 async def answering(client: Any, deadline: float, poll_s: float = POLL_S,
-                    clock: Callable[[], float] = time.monotonic) -> RoleStatus | None:
+                    clock: Callable[[], float] = time.monotonic,
+                    give_up: Callable[[], bool] = lambda: False) -> RoleStatus | None:
     """The role's status once it answers, looked for every `poll_s` until `deadline` (`clock`'s
-    time); None if it has not answered by then."""
+    time); None if it has not answered by then, or as soon as `give_up()` (the run was asked to
+    stop: a role lost for good must not hold a stopping run for the whole wait)."""
     while True:
         try:
             return await client.status()
         except Unavailable:
-            if clock() > deadline:
+            if clock() > deadline or give_up():
                 return None
             await asyncio.sleep(poll_s)
 
@@ -79,14 +81,17 @@ class Retries:
 
     def __init__(self, retries: int, state: CoordinatorState, warmup: int = 0,
                  restore: Callable[[str, int, float], Awaitable[bool]] | None = None, wait_s: float = 0.0,
-                 stateless_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S):
+                 stateless_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S,
+                 stopping: Callable[[], bool] = lambda: False):
         """`restore(role, step, since)`: load trainer `role` alone from the run's snapshot or
         checkpoint of run step `step` (False: there is none), the loss having begun at `since`
         (time.monotonic); `wait_s`: how long a trainer that does not answer is waited for;
-        `stateless_wait_s`: how long a call to a role without training state is repeated."""
+        `stateless_wait_s`: how long a call to a role without training state is repeated;
+        `stopping()`: the run was asked to stop, which ends either wait at once (the call fails
+        as at the wait's end: a stop is not held for minutes by a role that may never return)."""
         self.retries, self.state, self.warmup = retries, state, warmup
         self.restore, self.wait_s, self.stateless_wait_s = restore, wait_s, stateless_wait_s
-        self.clock, self.poll_s = clock, poll_s
+        self.clock, self.poll_s, self.stopping = clock, poll_s, stopping
         self.repeated: dict[str, int] = {}  # calls to a stateless role sent again: what its loss cost
         self._clients: dict[str, Any] = {}  # the clients `wrap` was given, asked for status unrepeated
         # Per trainer, set while its calls may go out: cleared from its first failure until it is
@@ -127,8 +132,12 @@ class Retries:
 
     async def _stateless_back(self, role: str, name: str, exc: Unavailable, since: float) -> None:
         """Before the call of `name` to stateless `role` is sent again: a pause, unless
-        `stateless_wait_s` have passed since its first failure (`since`), which fails the run."""
+        `stateless_wait_s` have passed since its first failure (`since`), or the run is stopping,
+        which fails the run."""
         key = STATELESS_KEY[role]
+        if self.stopping():
+            raise FailedPrecondition(f"the run was asked to stop while the {role} role did not answer {name}: {exc}") \
+                from exc
         if self.clock() - since >= self.stateless_wait_s:
             raise FailedPrecondition(f"the {role} role has not answered {name} for {self.stateless_wait_s:g} s "
                                      f"({key}): {exc}") from exc
@@ -197,7 +206,8 @@ class Retries:
                             self._expected(role))
                 raise exc
             if status is None:  # restarting: only this call waits for it
-                status = await answering(self._clients[role], since + self.wait_s, self.poll_s)
+                status = await answering(self._clients[role], since + self.wait_s, self.poll_s,
+                                         give_up=self.stopping)
                 if status is None:
                     raise exc
             if status.last_step < self._expected(role) and not await self.restore(role, self.state.step, since):

@@ -92,7 +92,7 @@ async def train(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: R
                     if failures > cfg.run.max_restarts or status.stop_requested:
                         raise
                     lost_at, since = status.step, time.monotonic()
-                    resumed = await _recover(cfg, roles, checkpointer, exc, failures)
+                    resumed = await _recover(cfg, roles, checkpointer, exc, failures, status)
                     # Whole steps trained again (the one in flight is not counted: it never ended).
                     checkpointer.recovery = {"recovery/steps_lost": float(lost_at - resumed.step),
                                              "recovery/seconds": time.monotonic() - since}
@@ -122,7 +122,7 @@ async def _steps(cfg: RoleFleetConfig, roles: Roles, logger: RunLogger, status: 
 
 
 async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointer, lost: Unavailable,
-                   attempt: int) -> CoordinatorState:
+                   attempt: int, status: RunStatus) -> CoordinatorState:
     """A role went away mid-run (its process died; `rolefleet up`, compose or Kubernetes start it
     again): once every role answers, the newest snapshot (the step before the one in flight) or
     checkpoint goes back into the trainer roles (a restarted one starts from its initial weights,
@@ -131,7 +131,9 @@ async def _recover(cfg: RoleFleetConfig, roles: Roles, checkpointer: Checkpointe
           "role, then resuming from the newest snapshot or checkpoint", flush=True)
     deadline = time.monotonic() + cfg.train.connect_timeout_s
     for name, client in (("actor", roles.actor), ("reward", roles.reward), ("critic", roles.critic)):
-        if client is not None and await answering(client, deadline) is None:
+        if client is not None and await answering(client, deadline, give_up=lambda: status.stop_requested) is None:
+            if status.stop_requested:  # a stop is not held for the whole wait by a role that may not return
+                raise Unavailable(f"the run was asked to stop while waiting for the {name} after the loss ({lost})")
             raise Unavailable(f"the {name} has not answered for train.connect_timeout_s={cfg.train.connect_timeout_s:g} s "
                               f"after the loss ({lost})")
     resumed = await checkpointer.restore(roles)

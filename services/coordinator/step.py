@@ -97,7 +97,8 @@ class StepBody:
         self.retries = Retries(cfg.pipeline.retries, self.state, cfg.train.critic_warmup_steps,
                                lambda name, step, since: checkpointer.restore_role(getattr(roles, name), name, step,
                                                                                    since),
-                               wait_s=cfg.train.connect_timeout_s, stateless_wait_s=cfg.reward.restart_wait_s)
+                               wait_s=cfg.train.connect_timeout_s, stateless_wait_s=cfg.reward.restart_wait_s,
+                               stopping=lambda: self.status.stop_requested)
         self.roles = self.retries.wrap(roles)
         self.kl_controller = KL_CONTROLLERS.get(cfg.train.kl_controller)
         self._reward_replicas: dict[str, str] = {}  # label -> reward version, as last said

@@ -88,7 +88,8 @@ class SupervisedSteps:
         self.retries = Retries(cfg.pipeline.retries, self.state, 0,
                                lambda name, step, since: checkpointer.restore_role(getattr(roles, name), name, step,
                                                                                    since),
-                               wait_s=cfg.train.connect_timeout_s, stateless_wait_s=cfg.reward.restart_wait_s)
+                               wait_s=cfg.train.connect_timeout_s, stateless_wait_s=cfg.reward.restart_wait_s,
+                               stopping=lambda: self.status.stop_requested)
         self.roles = self.retries.wrap(roles)
         self.episodes = EpisodeStage(cfg, self.roles.actor, self.roles.reward)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rolefleet.common.errors import InvalidArgument, Unavailable
+from rolefleet.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolefleet.common.role_types import RoleStatus
 from rolefleet.coordinator import calls
 from rolefleet.coordinator.calls import Retries, Roles
@@ -193,3 +193,31 @@ def test_a_trainer_restarted_between_calls_is_caught_before_a_call_reaches_it(mo
     critic.restart()
     assert asyncio.run(roles.critic.update(5)) == "update 5"
     assert loaded == [("critic", 3)] and critic.sent == [("first", 3), ("second", 3)]
+
+
+def test_a_stop_ends_the_wait_for_a_role_that_does_not_come_back():
+    """A trainer (or the reward) lost for good is waited for `wait_s` (minutes, train.connect_timeout_s);
+    a run asked to stop meanwhile gives up at once, the call failing as at the wait's end, so SIGTERM
+    does not hold the coordinator until its supervisor kills it."""
+    state = CoordinatorState(step=3, kl_coef=0.0)
+    stop = {"asked": False}
+
+    async def restore(role, step, since):
+        raise AssertionError("nothing to load: the trainer never answered")
+
+    critic, reward = Flaky(10**6, last_step=None), Flaky(10**6)
+    roles = Retries(2, state, restore=restore, wait_s=300.0, stateless_wait_s=300.0, poll_s=0.01,
+                    stopping=lambda: stop["asked"]).wrap(Roles(Flaky(0), reward, critic))
+
+    async def asked_to_stop(call):
+        task = asyncio.create_task(call)
+        await asyncio.sleep(0.3)
+        assert not task.done()  # waiting for the role to come back
+        stop["asked"] = True
+        return await asyncio.wait_for(task, timeout=2.0)  # ends within a poll, not after 300 s
+
+    with pytest.raises(Unavailable, match="refused"):
+        asyncio.run(asked_to_stop(roles.critic.update(4)))
+    stop["asked"] = False
+    with pytest.raises(FailedPrecondition, match="asked to stop while the reward role did not answer update"):
+        asyncio.run(asked_to_stop(roles.reward.update(4)))
