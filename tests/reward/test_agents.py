@@ -94,7 +94,8 @@ def test_each_agent_s_outcome_is_its_own(endpoint, tmp_path):
 @pytest.mark.parametrize("concurrency", [64, 2])
 def test_a_call_s_episodes_spread_over_every_worker_each_running_at_most_its_concurrency(endpoint, tmp_path, concurrency):
     """A worker's loop runs its agents' clients one after another: 12 episodes on 3 workers are 4 on
-    each, not 12 on one, and never more at once on one than `concurrency`."""
+    each, not 12 on one, and never more at once on one than `concurrency` (at 2: six parts of 2, on
+    every worker, each taking the next part as it is free, so which worker ran how many is timing)."""
     store, url = endpoint
     (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
     agents = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=3, concurrency=concurrency, timeout_s=20.0))
@@ -105,7 +106,10 @@ def test_a_call_s_episodes_spread_over_every_worker_each_running_at_most_its_con
         for o in outcomes:
             pid, beside = divmod(int(o.reward), 1000)
             by_worker.setdefault(pid, []).append(beside)
-        assert sorted(len(b) for b in by_worker.values()) == [4, 4, 4]
+        if concurrency >= 4:
+            assert sorted(len(b) for b in by_worker.values()) == [4, 4, 4]
+        else:
+            assert len(by_worker) == 3 and all(len(b) % concurrency == 0 for b in by_worker.values())
         assert max(max(b) for b in by_worker.values()) == min(4, concurrency)
     finally:
         agents.close()
