@@ -62,12 +62,15 @@ class Agents:
 
 def client_tls(tls: TlsSection | None) -> dict[str, str] | None:
     """What an agent worker's HTTP client needs of the run's TLS (None: off): the CA it verifies the
-    endpoint with (the system's roots without one), and the reward role's certificate and key where
-    the endpoint asks clients for one (mutual TLS)."""
+    endpoint with (the system's roots without one), the reward role's certificate and key where
+    the endpoint asks clients for one (mutual TLS), and the name to check in the endpoint's
+    certificate instead of the host dialled (`security.tls.server_name`)."""
     if tls is None or not tls.enabled:
         return None
     files = tls.paths(ROLE)
     out = {"cafile": files["ca_file"]} if files["ca_file"] else {}
     if tls.mutual:
         out.update(certfile=files["cert_file"], keyfile=files["key_file"])
+    if tls.server_name:
+        out["server_name"] = tls.server_name
     return out

@@ -242,6 +242,8 @@ def call_agents(fn: Callable, options: dict, rows: list[tuple], timeout_s: float
         connections = http_library.AsyncHTTPTransport(
             verify=_tls_context(http_library, tls),
             limits=http_library.Limits(max_connections=None, max_keepalive_connections=None))
+        if tls and tls.get("server_name"):
+            connections = _named_server(http_library, connections, tls["server_name"])
         http = Shared(transport=batching_transport(http_library, connections), timeout=timeout_s)
         try:
             return list(await asyncio.gather(*(episode(row, http) for row in rows)))
@@ -258,7 +260,7 @@ def _tls_context(http_library: Any, tls: dict[str, str] | None) -> Any:
     """The clients' TLS context, made once a worker for each setting (~20 ms of the loop each time,
     before a step's first request goes out): the run's CA (and, under mutual TLS, the reward role's
     certificate) where the run has TLS on, else the HTTP library's default."""
-    key = tuple(sorted((tls or {}).items()))
+    key = tuple(sorted((k, v) for k, v in (tls or {}).items() if k != "server_name"))
     if key not in _TLS:
         if tls:
             context = ssl.create_default_context(cafile=tls.get("cafile"))
@@ -268,6 +270,23 @@ def _tls_context(http_library: Any, tls: dict[str, str] | None) -> Any:
             context = http_library.create_ssl_context()
         _TLS[key] = context
     return _TLS[key]
+
+
+def _named_server(http_library: Any, inner: Any, server_name: str) -> Any:
+    """`inner` checking `server_name` in the endpoint's certificate (and sending it as the TLS server
+    name) instead of the host of the URL: the run's certificates may name the actor by a name its
+    dialled address is not (`security.tls.server_name`). Every request carries it, the batches the
+    transport above makes too, so the pool's one connection per endpoint is always made with it."""
+
+    class NamedServer(http_library.AsyncBaseTransport):
+        async def handle_async_request(self, request: Any) -> Any:
+            request.extensions["sni_hostname"] = server_name  # the HTTP library's documented extension
+            return await inner.handle_async_request(request)
+
+        async def aclose(self) -> None:
+            await inner.aclose()
+
+    return NamedServer()
 
 
 def _limit_memory(memory_mb: int) -> None:

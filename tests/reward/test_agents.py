@@ -252,11 +252,14 @@ def test_a_repeated_call_of_the_same_episodes_starts_each_session_over_without_a
     assert len(seen) == 8 and None not in seen and len(set(seen[:4])) == 1 and len(set(seen)) == 2
 
 
-@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
-def test_agents_reach_an_endpoint_over_the_run_s_tls(tmp_path, mutual):
+@pytest.mark.parametrize("mutual,server_name", [(False, None), (True, None), (True, "actor")],
+                         ids=["tls", "mutual-tls", "server-name"])
+def test_agents_reach_an_endpoint_over_the_run_s_tls(tmp_path, mutual, server_name):
     """With `security.tls` on the actor's endpoint is https with the run's certificates: the agents'
     clients verify it with the run's CA (and present the reward role's certificate under mutual TLS);
-    without them the episode fails on the certificate, naming it."""
+    without them the episode fails on the certificate, naming it. With `server_name` the endpoint is
+    dialled at an address its certificate does not name (127.0.0.2): the clients check the name
+    instead, and without it fail on the certificate, as they would without the run's CA."""
     import asyncio
     import threading
 
@@ -266,21 +269,24 @@ def test_agents_reach_an_endpoint_over_the_run_s_tls(tmp_path, mutual):
 
     make_certs(tmp_path / "tls")
     tls = TlsSection(cert_file=str(tmp_path / "tls" / "{role}.pem"), key_file=str(tmp_path / "tls" / "{role}-key.pem"),
-                     ca_file=str(tmp_path / "tls" / "ca.pem"), mutual=mutual)
+                     ca_file=str(tmp_path / "tls" / "ca.pem"), mutual=mutual, server_name=server_name)
+    host = "127.0.0.2" if server_name else "127.0.0.1"  # the certificates name 127.0.0.1, localhost and the role
     store = SessionStore(None, SessionLimits(64, 64, 4, 3600), None)
     app = Endpoint(store, CompletionBatcher(lambda c, s: [], 8), None, "run-token", "policy", 8).app()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def serve():
-        return HttpServer(app, "127.0.0.1", 0, tls, role="actor", name="endpoint")
+        return HttpServer(app, host, 0, tls, role="actor", name="endpoint")
 
     server = asyncio.run_coroutine_threadsafe(serve(), loop).result(10)
     (tmp_path / "agents.py").write_text(textwrap.dedent(AGENTS))
     ours = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=1, timeout_s=5.0), tls)
-    plain = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=1, timeout_s=5.0))
+    # Without the run's CA; or, where the name is what counts, with everything but the name.
+    plain = Agents(AgentSection(path=f"{tmp_path}/agents.py:agent", workers=1, timeout_s=5.0),
+                   tls.model_copy(update={"server_name": None}) if server_name else None)
     try:
-        url = f"https://127.0.0.1:{server.port}"
+        url = f"https://{host}:{server.port}"
         assert ours.run(items(store, url, [("models", {})]))[0].reward == 1.0  # its own session's /models
         [refused] = plain.run(items(store, url, [("models", {})]))
         assert "Connection error" in refused.error and "CERTIFICATE_VERIFY_FAILED" in refused.error, refused.error
