@@ -37,7 +37,7 @@ COMMANDS = {
     "plan": "rolefleet.app.commands.local:cmd_plan",
     "env": "rolefleet.app.commands.local:cmd_env",
     "data": "rolefleet.app.commands.local:cmd_data",
-    "certs": "rolefleet.app.commands.local:cmd_certs",
+    "certs": "rolefleet.app.commands.certs:cmd_certs",
     "tiny-model": "rolefleet.app.commands.models:cmd_tiny_model",
     "export": "rolefleet.app.commands.models:cmd_export",
     "import-gguf": "rolefleet.app.commands.models:cmd_import_gguf",

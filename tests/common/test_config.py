@@ -222,3 +222,17 @@ def test_multi_turn_keys_are_checked_together(make_config):
     with _pytest.raises(ConfigError, match="episode's cap of 40 tokens"):
         make_config("actor.rollout.max_turns=2", "reward.env.name=tools", "train.overlong.mode=penalty",
                     "sampling.max_new_tokens=10", "actor.rollout.max_total_tokens=40", "train.overlong.buffer_tokens=41")
+
+
+@pytest.mark.parametrize("field,registry", [
+    ("TrainSection.kl_estimator", "KL_ESTIMATORS"), ("ActorSection.kl_loss_estimator", "KL_ESTIMATORS"),
+    ("ActorSection.policy_loss", "POLICY_LOSSES"), ("ActorSection.teacher_kl", "TEACHER_KL")])
+def test_a_field_s_description_lists_its_registry_s_names(field, registry):
+    """The descriptions name the choices without importing the maths (the config imports no torch):
+    a name registered or removed must show here too."""
+    import rolefleet.algos
+    import rolefleet.common.config as config
+
+    section, name = field.split(".")
+    description = getattr(config, section).model_fields[name].description
+    assert " | ".join(getattr(rolefleet.algos, registry).names()) in description, description

@@ -15,3 +15,22 @@ def test_the_coordinator_imports_no_model_library_and_no_role_core():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.procs
+def test_the_command_line_and_the_config_import_no_torch():
+    """`rolefleet --help`, `status`, `scale` and `certs` answer in a fraction of a second: the config
+    imports the RL maths' registries (and torch with them) only when a validator checks a name in
+    them, and those commands' modules import nothing that loads torch."""
+    code = ("import sys, rolefleet.cli, rolefleet.common.config, rolefleet.app.commands.remote, "
+            "rolefleet.app.commands.certs, rolefleet.algos.presets; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    # A config that names a registry's entry is still checked against it (the maths load then).
+    code = ("from rolefleet.common.config import parse_config, ConfigError\n"
+            "try:\n    parse_config({'model': {'model_name_or_path': 'm'}}, ['actor.policy_loss=nope'])\n"
+            "except ConfigError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "unknown policy loss 'nope'; valid: gspo, ppo_clip, sft" in out.stdout, out.stdout + out.stderr

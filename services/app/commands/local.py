@@ -1,5 +1,5 @@
-"""`rolefleet deploy`, `plan`, `env`, `data` and `certs`: files and reports made on this machine, with
-no model loaded."""
+"""`rolefleet deploy`, `plan`, `env` and `data`: files and reports made on this machine, with no model
+loaded."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import sys
 import yaml
 
 from rolefleet.app import environment, memory, placement
-from rolefleet.certs import CertsError, make_certs
 from rolefleet.common.config import ConfigError, load_config, overridden
 from rolefleet.deploy.compose import render_compose
 from rolefleet.deploy.helm import render_values
@@ -75,16 +74,4 @@ def cmd_data(args) -> int:
         print(f"{w.path}: {w.rows} rows ({w.source})")
     train, test = (w.path for w in written)
     print(f"train on them: rolefleet up configs/gsm8k.yaml data.path={train} eval.path={test}")
-    return 0
-
-
-def cmd_certs(args) -> int:
-    try:
-        paths = make_certs(args.out, hosts=args.host, days=args.days, force=args.force)
-    except CertsError as e:
-        raise ConfigError(str(e)) from None
-    except OSError as e:  # an unwritable OUT is the user's argument, not a crash
-        raise ConfigError(f"certs: cannot write {args.out}: {e.strerror or e}") from None
-    for path in paths:
-        print(path)
     return 0

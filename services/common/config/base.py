@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 import struct
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rolefleet.algos.registry import Registry
+if TYPE_CHECKING:
+    from rolefleet.algos.registry import Registry
+
 
 ROLES = ("actor", "reward", "critic", "teacher", "coordinator")
 # Logits are divided by the temperature: below this the sampling distribution is one-hot in bf16 and
@@ -30,6 +32,15 @@ def split_device(entry: Union[int, str]) -> tuple[Optional[str], int]:
     """(node, GPU index) of a validated `devices.*` entry; node is None for a local index."""
     match = _DEVICE.match(str(entry))
     return match.group("node"), int(match.group("gpu"))
+
+
+def _algos() -> Any:
+    """The RL maths' registries (`rolefleet.algos`), imported when a validator first checks a name in
+    them: they load torch, which the config module itself, and the commands that import it without
+    validating a run's config (`rolefleet status`, `scale`, `certs`, `--help`), do without."""
+    import rolefleet.algos
+
+    return rolefleet.algos
 
 
 def _one_of(registry: Registry, value: str) -> str:

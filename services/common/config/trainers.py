@@ -9,8 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
-from rolefleet.algos import IS_CORRECTIONS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, TEACHER_KL
-from rolefleet.common.config.base import Endpoint, _one_of, _Section
+from rolefleet.common.config.base import Endpoint, _algos, _one_of, _Section
 from rolefleet.common.config.paths import ExpandedPath
 
 
@@ -48,7 +47,7 @@ class TrainSection(_Section):
     norm_adv_by_std: Optional[bool] = Field(None, description="GRPO std scaling; default: the algorithm's")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference penalty in the token rewards")
     kl_estimator: str = Field("k1", description="estimator of the per-token KL to the reference, for the reward "
-                              f"penalty and the kl metric: {' | '.join(KL_ESTIMATORS.names())}")
+                              "penalty and the kl metric: k1 | k2 | k3")
     kl_controller: str = Field("fixed", description="fixed | adaptive (targets kl_target)")
     kl_target: float = Field(0.1, gt=0, description="adaptive controller: per-token KL to track")
     kl_horizon: int = Field(10000, ge=1, description="adaptive controller: samples to close the gap")
@@ -63,8 +62,8 @@ class TrainSection(_Section):
     overlong: OverlongSection = Field(default_factory=OverlongSection)
     dynamic_sampling: DynamicSamplingSection = Field(default_factory=DynamicSamplingSection)
 
-    _kl = field_validator("kl_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
-    _ctl = field_validator("kl_controller")(lambda cls, v: _one_of(KL_CONTROLLERS, v))
+    _kl = field_validator("kl_estimator")(lambda cls, v: _one_of(_algos().KL_ESTIMATORS, v))
+    _ctl = field_validator("kl_controller")(lambda cls, v: _one_of(_algos().KL_CONTROLLERS, v))
 
     @model_validator(mode="after")
     def _adaptive_needs_a_start(self) -> TrainSection:
@@ -296,7 +295,7 @@ class ActorSection(_TrainerSection):
                               "ComputeLogProbs calls (frees its GPU memory for training)")
     logprob_chunk_tokens: int = Field(2048, ge=1, description="tokens per LM-head chunk when computing "
                                       "logprobs and entropy (bounds the [tokens, vocab] logits)")
-    policy_loss: str = Field("ppo_clip", description=f"the policy loss: {' | '.join(POLICY_LOSSES.names())} "
+    policy_loss: str = Field("ppo_clip", description="the policy loss: gspo | ppo_clip | sft "
                              "(gspo: the sequence-level ratio)")
     clip_ratio: Optional[float] = Field(None, gt=0, description="lower clip epsilon (and upper unless set); "
                                         "default: the policy loss's")
@@ -308,13 +307,13 @@ class ActorSection(_TrainerSection):
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus in the policy loss")
     kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference term in the policy loss")
     kl_loss_estimator: str = Field("k3", description="estimator of the kl_loss_coef term: "
-                                   f"{' | '.join(KL_ESTIMATORS.names())}")
+                                   "k1 | k2 | k3")
     teacher_kl_coef: float = Field(0.0, ge=0, description="on-policy distillation's supervised term in the policy "
                                    "loss: the KL between the teacher's and the policy's distributions over the "
                                    "teacher's teacher.top_k most likely tokens (and the rest as one) at every "
                                    "sampled position; starts the teacher role")
     teacher_kl: str = Field("forward", description="direction of the teacher_kl_coef term: "
-                            f"{' | '.join(TEACHER_KL.names())} (forward: KL(teacher || policy), mode-covering)")
+                            "forward | reverse (forward: KL(teacher || policy), mode-covering)")
     is_correction: str = Field("none", description="rollout/train importance-sampling correction")
     is_threshold: float = Field(2.0, gt=1, description="truncation / masking bound C of the IS weights")
     old_logprobs: Literal["auto", "recompute"] = Field(
@@ -322,7 +321,7 @@ class ActorSection(_TrainerSection):
         "own forward (no ComputeLogProbs pass of the policy) where nothing needs them earlier; recompute: always "
         "a separate pass before the update")
 
-    _loss = field_validator("policy_loss")(lambda cls, v: _one_of(POLICY_LOSSES, v))
+    _loss = field_validator("policy_loss")(lambda cls, v: _one_of(_algos().POLICY_LOSSES, v))
 
     @model_validator(mode="before")
     @classmethod
@@ -332,14 +331,14 @@ class ActorSection(_TrainerSection):
             if moved:
                 raise ValueError("; ".join(moved))
         return data
-    _kl = field_validator("kl_loss_estimator")(lambda cls, v: _one_of(KL_ESTIMATORS, v))
-    _is = field_validator("is_correction")(lambda cls, v: _one_of(IS_CORRECTIONS, v))
-    _teacher_kl = field_validator("teacher_kl")(lambda cls, v: _one_of(TEACHER_KL, v))
+    _kl = field_validator("kl_loss_estimator")(lambda cls, v: _one_of(_algos().KL_ESTIMATORS, v))
+    _is = field_validator("is_correction")(lambda cls, v: _one_of(_algos().IS_CORRECTIONS, v))
+    _teacher_kl = field_validator("teacher_kl")(lambda cls, v: _one_of(_algos().TEACHER_KL, v))
 
     @field_validator("loss_agg_mode")
     @classmethod
     def _agg(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else _one_of(LOSS_AGGREGATIONS, v)
+        return None if v is None else _one_of(_algos().LOSS_AGGREGATIONS, v)
 
     @model_validator(mode="after")
     def _clip_defaults(self) -> ActorSection:
@@ -402,7 +401,7 @@ class ActorSection(_TrainerSection):
         if self.ppo_epochs * self.num_mini_batches > 1:
             return (f"the update makes {self.ppo_epochs * self.num_mini_batches} optimizer steps (actor.ppo_epochs "
                     "x actor.num_mini_batches), and every one after the first needs the policy before the first")
-        if IS_CORRECTIONS.get(self.is_correction).drops_tokens:
+        if _algos().IS_CORRECTIONS.get(self.is_correction).drops_tokens:
             return (f"actor.is_correction={self.is_correction} drops tokens by their old logprobs, which fixes "
                     "the loss's divisor before the first forward")
         return None
