@@ -12,18 +12,24 @@ is while a real engine computes). The environment way would take its two calls a
 the step's wall time minus its calls' time is what the agent way adds.
 
     python benchmarks/endpoint_turns.py --out OUT [--sessions 256] [--prompts 32] [--workers 4] [--steps 6] [--engine-ms 300]
+                                        [--profile]
 
 Writes OUT/endpoint_turns.json: per step the wall time, engine calls, the engine's time, the batcher's
 gathering and the handler's time (`actor/endpoint_*`), the endpoint loop's CPU seconds (one thread:
 the part no number of cores spreads; on a machine of few cores the agent workers' CPU competes with
-it and the wall time says less), and the medians.
+it and the wall time says less), and the medians. `--profile`: cProfile on the endpoint loop's thread
+over the steps after the first, its functions by own time in OUT/endpoint_loop_profile.txt (the
+profiler slows the loop: read the shares, not the step times, of such a run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import json
+import pstats
 import re
 import statistics
 import sys
@@ -93,6 +99,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--engine-ms", type=float, default=300.0)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--profile", action="store_true", help="cProfile the endpoint loop's thread (steps after the first)")
     args = p.parse_args()
 
     from rolefleet.actor.core import ActorCore
@@ -135,12 +142,19 @@ def main() -> None:
     def loop_cpu_s() -> float:  # the endpoint loop's thread's CPU seconds so far: the agent way's serial part
         return asyncio.run_coroutine_threadsafe(thread_time(), loop).result()
 
+    profiler = cProfile.Profile() if args.profile else None
+
+    async def profiling(on: bool) -> None:  # a profiler sees the thread it was enabled on: the loop's
+        profiler.enable() if on else profiler.disable()
+
     pool = SandboxPool({"agent": Target("file", str(AGENT), "agent", {"score": False})}, args.workers, 60.0, 0,
                        "reward.agent")
     agent = cfg.reward.agent
     steps = []
     try:
         for step in range(args.steps):
+            if profiler is not None and step == 1:
+                asyncio.run_coroutine_threadsafe(profiling(True), loop).result()
             ids = [f"s{step}-{i}" for i in range(args.sessions)]
             keys = core.open_sessions(ids, SamplingParams(max_new_tokens=64))
             # --prompts questions, each asked of sessions / prompts episodes (a prompt's samples)
@@ -168,6 +182,11 @@ def main() -> None:
             steps.append(record)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
     finally:
+        if profiler is not None and args.steps > 1:
+            asyncio.run_coroutine_threadsafe(profiling(False), loop).result()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(60)
+            (out / "endpoint_loop_profile.txt").write_text(text.getvalue())
         pool.close()
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
