@@ -18,7 +18,8 @@ Writes OUT/endpoint_turns.json: per step the wall time, engine calls, the engine
 gathering and the handler's time (`actor/endpoint_*`), the endpoint loop's CPU seconds (one thread:
 the part no number of cores spreads; on a machine of few cores the agent workers' CPU competes with
 it and the wall time says less), and the medians. `--profile`: cProfile on the endpoint loop's thread
-over the steps after the first, its functions by own time in OUT/endpoint_loop_profile.txt (the
+over the steps after the first, its functions by own time in OUT/endpoint_loop_profile.txt (and
+OUT/endpoint_loop.prof for pstats; the
 profiler slows the loop: read the shares, not the step times, of such a run).
 """
 
@@ -187,6 +188,7 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(60)
             (out / "endpoint_loop_profile.txt").write_text(text.getvalue())
+            profiler.dump_stats(out / "endpoint_loop.prof")  # for pstats' callers and callees
         pool.close()
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
