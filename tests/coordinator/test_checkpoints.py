@@ -235,6 +235,46 @@ def test_a_lost_role_is_recovered_from_the_newest_snapshot_or_checkpoint(make_co
     assert not (tmp_path / "shm").exists() or not any((tmp_path / "shm").iterdir())  # a finished run's are gone
 
 
+def test_a_stop_ends_the_recovery_s_wait_for_a_role_that_does_not_come_back(make_config, tmp_path):
+    """The critic dies for good in step 2; the run, recovering, waits for it up to
+    train.connect_timeout_s. A stop asked meanwhile (SIGTERM) ends that wait at once: the run fails
+    naming the stop, not after the whole wait (which `up`, compose or Kubernetes would cut with a kill)."""
+    import time
+
+    from rolefleet.common.errors import Unavailable
+
+    cfg = make_config("algorithm=ppo", "train.total_steps=4", "checkpoint.every=1", "pipeline.retries=0",
+                      "train.connect_timeout_s=120", f"checkpoint.snapshot.dir={tmp_path / 'shm'}")
+    status = RunStatus(cfg.run.name, cfg.train.total_steps)
+
+    class GoneCritic(InProcessCriticClient):
+        dead, asked = False, 0
+
+        async def update(self, step, *args):
+            if step == 2:
+                GoneCritic.dead = True
+            if GoneCritic.dead:
+                raise Unavailable("critic: connection refused")
+            return await super().update(step, *args)
+
+        async def status(self, *args, **kwargs):
+            if not GoneCritic.dead:
+                return await super().status(*args, **kwargs)
+            GoneCritic.asked += 1
+            if GoneCritic.asked == 3:  # the recovery has been waiting a while: SIGTERM arrives
+                status.request_stop()
+            raise Unavailable("critic: connection refused")
+
+    roles = Roles(InProcessActorClient(ActorCore(cfg.actor, cfg.run.seed, cfg.pipeline.staleness_bound)),
+                  InProcessRewardClient(RewardCore(cfg.reward)), GoneCritic(fresh_critic(cfg)))
+    logger = RunLogger(cfg.run.out, cfg.train.total_steps, progress=False)
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="asked to stop while waiting for the critic"):
+        asyncio.run(train(cfg, roles, logger, status))
+    logger.close()
+    assert GoneCritic.asked == 3 and time.monotonic() - start < 60  # a poll after the stop, not 120 s
+
+
 def test_a_trainer_lost_while_writing_a_snapshot_resumes_from_the_complete_one_before(make_config, tmp_path):
     """The critic dies halfway through its part of the snapshot of step 3 (its directory left
     `.partial`, no manifest): the run goes back to the snapshot of step 2, the newest complete one,
