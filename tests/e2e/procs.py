@@ -109,7 +109,10 @@ def counter(metrics_port: int | str, name: str, **labels: str) -> float:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run's metrics.jsonl, read while the run may be writing it: its complete lines
+    (each record ends with a newline; the text after the last one is a record still being written)."""
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def running_run(proc: subprocess.Popen, metrics: Path, timeout_s: float = 180) -> str:
