@@ -20,7 +20,7 @@ from rolefleet.coordinator.scaling import RewardScaling
 from rolefleet.coordinator.state import ControlError, RunState, RunStatus
 from rolefleet.rpc.auth import AUTH_REFUSED, HEADER, token_matches
 from rolefleet.rpc.http_server import HttpServer as HttpControlPlane  # noqa: F401 - the coordinator's server
-from rolefleet.rpc.roles import check_health, fetch_status
+from rolefleet.rpc.roles import ChannelSource, check_health, fetch_status, open_channel
 
 STATES = tuple(s.name for s in RunState)
 ROLE_TIMEOUT_S = 2.0
@@ -84,8 +84,9 @@ HTTP_ROLE = "coordinator-http"  # the role label of the control plane's refusals
 
 
 def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScaling | None = None,
-             token: str | None = None) -> FastAPI:
-    """The control plane; with `token`, every route but /healthz needs `Authorization: Bearer <token>`."""
+             token: str | None = None, channels: ChannelSource = open_channel) -> FastAPI:
+    """The control plane; with `token`, every route but /healthz needs `Authorization: Bearer <token>`;
+    `channels`: where the role views' calls find their channels."""
     # Long by nature: one short handler per route, closed over the run's status, so the API reads as
     # the table it is (docs/http-api.md) and FastAPI builds its OpenAPI schema from these signatures.
     app = FastAPI(title="RoleFleet coordinator", version="1", responses=INVALID,
@@ -124,7 +125,7 @@ def make_app(status: RunStatus, addresses: dict[str, str], scaling: RewardScalin
 
     @api.get("/v1/roles", summary="each role server: address, health, GPUs, workers, version")
     async def get_roles() -> list[RoleView]:
-        return list(await asyncio.gather(*(role_view(label, address) for label, address in addresses.items())))
+        return list(await asyncio.gather(*(role_view(label, address, channels) for label, address in addresses.items())))
 
     @api.get("/v1/reward/replicas", summary="the reward replicas in use")
     async def get_replicas() -> Replicas:
@@ -191,15 +192,16 @@ def role_of(label: str) -> str:
     return label.split("#", 1)[0]
 
 
-async def role_view(label: str, address: str) -> RoleView:
+async def role_view(label: str, address: str, channels: ChannelSource = open_channel) -> RoleView:
     role = role_of(label)
-    health, view = await asyncio.gather(check_health(address, ROLE_TIMEOUT_S), _status(role, address))
+    health, view = await asyncio.gather(check_health(address, ROLE_TIMEOUT_S, channels),
+                                        _status(role, address, channels))
     return RoleView(role=role, address=address, health=health, **view)
 
 
-async def _status(role: str, address: str) -> dict[str, Any]:
+async def _status(role: str, address: str, channels: ChannelSource) -> dict[str, Any]:
     try:
-        s = await fetch_status(role, address, ROLE_TIMEOUT_S)
+        s = await fetch_status(role, address, ROLE_TIMEOUT_S, channels=channels)
     except RoleFleetError as exc:
         return {"error": str(exc)}
     return {"devices": s.devices, "workers": s.workers, "model_version": s.model_version,

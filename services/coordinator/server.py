@@ -20,7 +20,7 @@ from rolefleet.coordinator.trackers import open_trackers
 from rolefleet.critic.client import GrpcCriticClient
 from rolefleet.reward.client import GrpcRewardClient
 from rolefleet.reward.replicas import ReplicatedRewardClient
-from rolefleet.rpc.roles import fetch_status, wait_healthy
+from rolefleet.rpc.roles import ChannelSource, KeptChannels, fetch_status, open_channel, wait_healthy
 from rolefleet.rpc.run_files import write_endpoints
 from rolefleet.rpc.security import OPEN, Security
 from rolefleet.rpc.server import (
@@ -39,9 +39,11 @@ from rolefleet.teacher.client import GrpcTeacherClient
 class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceServicer):
     role = "coordinator"
 
-    def __init__(self, status: RunStatus, addresses: dict[str, str] | None = None):
+    def __init__(self, status: RunStatus, addresses: dict[str, str] | None = None,
+                 channels: ChannelSource = open_channel):
         self.status = status
         self.addresses = addresses or {}
+        self.channels = channels
 
     def _message(self) -> coordinator_pb2.RunStatus:
         s = self.status
@@ -52,7 +54,7 @@ class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceS
     @rpc
     async def GetRunStatus(self, request, context):
         message = self._message()
-        message.roles.extend(await asyncio.gather(*(role_view(role_of(label), address)
+        message.roles.extend(await asyncio.gather(*(role_view(role_of(label), address, channels=self.channels)
                                                     for label, address in self.addresses.items())))
         return message
 
@@ -62,17 +64,20 @@ class CoordinatorServicer(RoleServicer, coordinator_pb2_grpc.CoordinatorServiceS
         return coordinator_pb2.StopResponse(state=int(self.status.state))
 
 
-async def role_view(role: str, address: str, timeout_s: float = 2.0) -> coordinator_pb2.RoleView:
+async def role_view(role: str, address: str, timeout_s: float = 2.0,
+                    channels: ChannelSource = open_channel) -> coordinator_pb2.RoleView:
     """A role server's cheap status (its GPUs, workers, version), or why it did not answer."""
     try:
-        status = await fetch_status(role, address, timeout_s)
+        status = await fetch_status(role, address, timeout_s, channels=channels)
     except RoleFleetError as exc:
         return coordinator_pb2.RoleView(address=address, error=f"{role}: {exc}")
     return coordinator_pb2.RoleView(address=address, status=status.to_proto())
 
 
-def add_to_server(status: RunStatus, server: grpc.aio.Server, addresses: dict[str, str] | None = None) -> list[str]:
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(status, addresses), server)
+def add_to_server(status: RunStatus, server: grpc.aio.Server, addresses: dict[str, str] | None = None,
+                  channels: ChannelSource = open_channel) -> list[str]:
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(status, addresses, channels),
+                                                                  server)
     return [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
 
 
@@ -88,12 +93,14 @@ def role_addresses(cfg: RoleFleetConfig) -> dict[str, str]:
     return addresses
 
 
-async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status: RunStatus) -> Roles:
+async def connect_roles(cfg: RoleFleetConfig, addresses: dict[str, str], status: RunStatus,
+                        channels: ChannelSource = open_channel) -> Roles:
     """gRPC clients for the configured roles, once each answers SERVING on its health service
-    (a stop request ends the wait)."""
+    (a stop request ends the wait; `channels`: where the health checks' channels come from)."""
     timeout = cfg.train.rpc_timeout_s
     for role, address in addresses.items():
-        await wait_healthy(role, address, cfg.train.connect_timeout_s, give_up=lambda: status.stop_requested)
+        await wait_healthy(role, address, cfg.train.connect_timeout_s, give_up=lambda: status.stop_requested,
+                           channels=channels)
     rewards = [a for label, a in addresses.items() if role_of(label) == "reward"]
     return Roles(
         actor=GrpcActorClient(addresses["actor"], timeout),
@@ -121,13 +128,16 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     (out / "config.yaml").write_text(dump_config(cfg))
     status = RunStatus(run_name=cfg.run.name, total_steps=cfg.train.total_steps)
     scaling = RewardScaling(cfg.train.rpc_timeout_s)
-    http = start_http(cfg, status, addresses, scaling, security)
+    # The status views' channels, opened by the start's health checks: a view then connects to nothing.
+    channels = KeptChannels()
+    http = start_http(cfg, status, addresses, scaling, security, channels)
     try:
         handle = await start_server("coordinator", cfg.coordinator,
-                                    lambda server: add_to_server(status, server, addresses), security)
+                                    lambda server: add_to_server(status, server, addresses, channels), security)
     except BaseException:
         if http is not None:
             await http.stop()
+        await channels.close()
         raise
     if ready_file:
         write_ready_file(ready_file, handle, **({"http_port": http.port} if http else {}))
@@ -140,7 +150,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
               f"{dial_host(cfg.coordinator.host)}:{handle.grpc_port}`) shows its progress"
               + (f"; HTTP control plane on {http.scheme}://{dial_host(http.host)}:{http.port}" if http else ""), flush=True)
         try:
-            roles = await connect_roles(cfg, addresses, status)
+            roles = await connect_roles(cfg, addresses, status, channels)
         except Unavailable as exc:
             if status.stop_requested:
                 status.state = RunState.STOPPED
@@ -167,6 +177,7 @@ async def run_coordinator(cfg: RoleFleetConfig, ready_file: Optional[str] = None
     finally:
         if http is not None:
             await http.stop()
+        await channels.close()
 
 
 def run_logger(cfg: RoleFleetConfig, progress: bool) -> RunLogger:
@@ -183,13 +194,14 @@ async def close_clients(roles: Roles) -> None:
 
 
 def start_http(cfg: RoleFleetConfig, status: RunStatus, addresses: dict[str, str],
-               scaling: Optional[RewardScaling] = None, security: Security = OPEN) -> Optional[HttpControlPlane]:
+               scaling: Optional[RewardScaling] = None, security: Security = OPEN,
+               channels: ChannelSource = open_channel) -> Optional[HttpControlPlane]:
     """The HTTP control plane, bound (None when `coordinator.http_enabled` is false)."""
     c = cfg.coordinator
     if not c.http_enabled:
         return None
     try:
-        http = HttpControlPlane(make_app(status, addresses, scaling, security.token), c.http_host, c.http_port,
+        http = HttpControlPlane(make_app(status, addresses, scaling, security.token, channels), c.http_host, c.http_port,
                                 cfg.security.tls)
     except OSError as exc:
         raise StartupError(busy_port_error("coordinator", "http", c.http_host, c.http_port, exc)) from None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import AsyncContextManager, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,6 +36,33 @@ def open_channel(address: str) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, _security.tls.channel_credentials(), options=options,
                                    interceptors=interceptors)
+
+
+# Where a call finds its channel: `open_channel` (a channel of its own, closed after the call) or a
+# `KeptChannels` (one channel an address, kept for the process's next calls).
+ChannelSource = Callable[[str], AsyncContextManager[grpc.aio.Channel]]
+
+
+class KeptChannels:
+    """One channel an address, opened at its first call and kept until `close`, for calls a process
+    repeats to the same servers (the coordinator's status views, polled by dashboards and `rolefleet
+    status`): one connection, and under TLS one handshake, a server instead of one a call. A call
+    given up before its connection was made would otherwise leave a handshake no call follows, which
+    the server counts as refused (rpc/tls.py). The channels belong to the event loop that opened them."""
+
+    def __init__(self):
+        self._open: dict[str, grpc.aio.Channel] = {}
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, address: str) -> AsyncIterator[grpc.aio.Channel]:
+        if address not in self._open:
+            self._open[address] = open_channel(address)
+        yield self._open[address]  # gRPC reconnects it on its own when its server restarts
+
+    async def close(self) -> None:
+        channels, self._open = list(self._open.values()), {}
+        for channel in channels:
+            await channel.close()
 
 
 class GrpcRoleClient:
@@ -93,9 +121,10 @@ def _status_stubs() -> dict[str, type]:
             "reward": reward_pb2_grpc.RewardServiceStub, "teacher": teacher_pb2_grpc.TeacherServiceStub}
 
 
-async def fetch_status(role: str, address: str, timeout_s: float, include_digest: bool = False) -> RoleStatus:
+async def fetch_status(role: str, address: str, timeout_s: float, include_digest: bool = False,
+                       channels: ChannelSource = open_channel) -> RoleStatus:
     """GetStatus of the `role` server at `address`, with nothing but the stubs (no role client)."""
-    async with open_channel(address) as channel:
+    async with channels(address) as channel:
         stub = _status_stubs()[role](channel)
         request = common_pb2.GetStatusRequest(include_weights_digest=include_digest)
         return RoleStatus.from_proto(await call(stub.GetStatus(request, timeout=timeout_s)))
@@ -109,10 +138,10 @@ async def call(awaitable: Awaitable[T]) -> T:
         raise error_from_rpc(e) from None
 
 
-async def check_health(address: str, timeout_s: float) -> str:
+async def check_health(address: str, timeout_s: float, channels: ChannelSource = open_channel) -> str:
     """What the standard health service at `address` answers (SERVING, NOT_SERVING, ...), or
     UNREACHABLE when nothing answers within `timeout_s`."""
-    async with open_channel(address) as channel:
+    async with channels(address) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:
@@ -121,11 +150,11 @@ async def check_health(address: str, timeout_s: float) -> str:
 
 
 async def wait_healthy(role: str, address: str, timeout_s: float,
-                       give_up: Callable[[], bool] = lambda: False) -> None:
+                       give_up: Callable[[], bool] = lambda: False, channels: ChannelSource = open_channel) -> None:
     """Poll the standard health service until `address` answers SERVING; raise Unavailable on
     timeout or as soon as `give_up()` is true."""
     deadline = time.monotonic() + timeout_s
-    async with open_channel(address) as channel:
+    async with channels(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

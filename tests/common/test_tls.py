@@ -216,3 +216,37 @@ def test_a_request_that_is_not_its_message_is_invalid_argument():
             await handle.stop()
 
     asyncio.run(scenario())
+
+
+def test_kept_channels_make_one_handshake_a_server_for_repeated_status_calls(certs):
+    """The coordinator's status views (KeptChannels): health and status polled again and again cost
+    the server one TLS handshake; a channel of each call's own costs one a call."""
+    from rolefleet.rpc.roles import KeptChannels, check_health
+
+    role = "kept"
+
+    def handshakes() -> float:
+        return tls_module.TLS_HANDSHAKES.labels(role)._value.get()
+
+    async def scenario():
+        handle = await start_server(role, Endpoint(port=0, metrics_port=0), add_echo,
+                                    security(certs / "run", "actor", True))
+        address = f"127.0.0.1:{handle.grpc_port}"
+        try:
+            use_security(security(certs / "run", "client", False))
+            kept, before = KeptChannels(), handshakes()
+            for _ in range(3):
+                assert await check_health(address, 5, kept) == "SERVING"
+            assert handshakes() - before == 1
+            await kept.close()
+            assert await check_health(address, 5, kept) == "SERVING"  # reopened after a close
+            assert handshakes() - before == 2
+            await kept.close()
+            before = handshakes()
+            for _ in range(3):
+                assert await check_health(address, 5) == "SERVING"
+            assert handshakes() - before == 3
+        finally:
+            await handle.stop()
+
+    asyncio.run(scenario())

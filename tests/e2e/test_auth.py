@@ -81,7 +81,9 @@ def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_confi
         assert asyncio.run(status(runs, bearer)).role == "actor"
 
         # The CLI, each call its own process, all at once: without the token, with it over gRPC and
-        # over HTTPS (each with the run's certificates: no handshake of theirs is refused).
+        # over HTTPS (each with the run's certificates: no handshake of theirs is refused). The
+        # coordinator answers their role views over the channels it keeps: no new connection to the actor.
+        handshakes = counter(metrics_port, "rolefleet_tls_handshakes", role="actor")
         monkeypatch.setenv("ROLEFLEET_TOKEN", "")
         denied = rolefleet("status", "--address", address, "--certs", str(certs))
         monkeypatch.setenv("ROLEFLEET_TOKEN", TOKEN)
@@ -106,6 +108,7 @@ def test_a_run_with_a_token_and_mutual_tls_refuses_every_other_caller(make_confi
             assert cli.returncode == 0 and "run test: RUNNING" in out, out
         out, _ = uncertified.communicate(timeout=60)
         assert uncertified.returncode == 1, out
+        assert counter(metrics_port, "rolefleet_tls_handshakes", role="actor") == handshakes
         assert len(read_metrics(cfg.run.out / "metrics.jsonl")) >= 1
     finally:
         assert terminate(proc, timeout=120) == 143  # `up` ends on SIGTERM as it always does
