@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import AsyncContextManager, TypeVar
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,8 +30,8 @@ def use_security(security: Security) -> None:
     _security = security
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    options, interceptors = client_options(_security), client_interceptors(_security.token)
+def open_channel(address: str, extra_options: tuple[tuple[str, int], ...] = ()) -> grpc.aio.Channel:
+    options, interceptors = [*client_options(_security), *extra_options], client_interceptors(_security.token)
     if _security.tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, _security.tls.channel_credentials(), options=options,
@@ -40,7 +40,7 @@ def open_channel(address: str) -> grpc.aio.Channel:
 
 # Where a call finds its channel: `open_channel` (a channel of its own, closed after the call) or a
 # `KeptChannels` (one channel an address, kept for the process's next calls).
-ChannelSource = Callable[[str], AsyncContextManager[grpc.aio.Channel]]
+ChannelSource = Callable[[str], contextlib.AbstractAsyncContextManager[grpc.aio.Channel]]
 
 
 class KeptChannels:
@@ -50,13 +50,17 @@ class KeptChannels:
     given up before its connection was made would otherwise leave a handshake no call follows, which
     the server counts as refused (rpc/tls.py). The channels belong to the event loop that opened them."""
 
+    # A server that was down while the views were polled answers them again within 2 s of coming
+    # back: gRPC's reconnect backoff would otherwise grow to 2 minutes between attempts.
+    OPTIONS = (("grpc.max_reconnect_backoff_ms", 2000),)
+
     def __init__(self):
         self._open: dict[str, grpc.aio.Channel] = {}
 
     @contextlib.asynccontextmanager
     async def __call__(self, address: str) -> AsyncIterator[grpc.aio.Channel]:
         if address not in self._open:
-            self._open[address] = open_channel(address)
+            self._open[address] = open_channel(address, self.OPTIONS)
         yield self._open[address]  # gRPC reconnects it on its own when its server restarts
 
     async def close(self) -> None:

@@ -4,6 +4,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -11,7 +12,7 @@ from rolefleet.common.config import Endpoint, RewardSection
 from rolefleet.common.role_types import INSTANCE_ID
 from rolefleet.reward import server as reward_server
 from rolefleet.reward.core import RewardCore
-from rolefleet.rpc.roles import fetch_status
+from rolefleet.rpc.roles import KeptChannels, check_health, fetch_status
 from rolefleet.rpc.server import StartupError, check_ports_free, start_server
 
 
@@ -137,3 +138,30 @@ def test_clients_retry_a_call_answered_unavailable():
 
     asyncio.run(scenario())
     assert len(calls) == 3
+
+
+def test_a_kept_channel_answers_within_seconds_of_its_server_coming_back():
+    """Polled while its server was down for a while, a kept channel (the coordinator's status views)
+    reaches it again within ~2 s of its start: gRPC's reconnect backoff would by then wait ~6 s more."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+
+    async def scenario():
+        kept = KeptChannels()
+        try:
+            down_until = time.monotonic() + 12  # attempts at ~0, 1, 2.6, 5.2, 9.4, then ~16 s uncapped
+            while time.monotonic() < down_until:
+                assert await check_health(address, 0.5, kept) == "UNREACHABLE"
+                await asyncio.sleep(0.5)
+            handle = await start_server("back", Endpoint(port=port, metrics_port=0), add_reward)
+            try:
+                started = time.monotonic()
+                while await check_health(address, 0.5, kept) != "SERVING":
+                    assert time.monotonic() - started < 3.0, "the kept channel did not reconnect within 3 s"
+                    await asyncio.sleep(0.2)
+            finally:
+                await handle.stop()
+        finally:
+            await kept.close()
+
+    asyncio.run(scenario())
