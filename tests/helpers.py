@@ -91,7 +91,14 @@ def served_on_loopback(app):
     try:
         yield f"http://127.0.0.1:{server.port}"
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        async def stop():  # the server, then what the app left running (the endpoint's batcher)
+            await server.stop()
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
 
 

@@ -435,16 +435,19 @@ def test_a_call_waits_past_quiet_windows_for_sessions_yet_to_ask_but_no_longer_t
     call for the stragglers too; without such sessions, a quiet window ends the wait as before; and
     a session that never asks holds a call up no longer than the last engine call took."""
     calls = []
+    # Times far apart against a loaded machine's delays: an engine call of 0.2 s, windows of 20 ms
+    # (100 of them: 2 s), a straggler 6 windows late.
+    engine_s, window_s, straggler_s = 0.2, 0.02, 0.12
 
     def generate(continuations, sampling):
         calls.append(len(continuations))
-        time.sleep(0.05)  # an engine call's time: the most a call waits for stragglers after the first
+        time.sleep(engine_s)  # an engine call's time: the most a call waits for stragglers after the first
         return [Sample(i, 0, c.context_ids, torch.arange(10, 12), torch.zeros(2), FinishReason.STOP, 0, "x")
                 for i, c in enumerate(continuations)]
 
     async def agents(delays, expected, first_call=False):
         asked = []
-        batcher = CompletionBatcher(generate, 64, window_s=0.005, pending=lambda: max(0, expected - len(asked)))
+        batcher = CompletionBatcher(generate, 64, window_s=window_s, pending=lambda: max(0, expected - len(asked)))
         if first_call:  # a call before: its duration bounds the wait
             await batcher.complete(torch.tensor([1, 2]), SamplingParams(max_new_tokens=2))
             calls.clear()
@@ -459,17 +462,17 @@ def test_a_call_waits_past_quiet_windows_for_sessions_yet_to_ask_but_no_longer_t
         await batcher.close()
         return time.perf_counter() - start
 
-    # Three agents, the last back 30 ms after the others (six quiet windows): one call.
-    asyncio.run(agents([0, 0, 0.03], expected=3))
+    # Three agents, the last back six quiet windows after the others: one call.
+    asyncio.run(agents([0, 0, straggler_s], expected=3))
     assert calls == [3]
     calls.clear()
     # No session expected to ask: the quiet window ends the wait, the straggler gets its own call.
-    asyncio.run(agents([0, 0, 0.03], expected=0))
+    asyncio.run(agents([0, 0, straggler_s], expected=0))
     assert calls == [2, 1]
     calls.clear()
-    # A fourth session that never asks: after a 50 ms call, the wait ends 50 ms on, not 100 windows (0.5 s).
+    # A fourth session that never asks: after a 0.2 s call, the wait ends 0.2 s on, not 100 windows (2 s).
     took = asyncio.run(agents([0, 0], expected=3, first_call=True))
-    assert calls == [2] and took < 0.3, took
+    assert calls == [2] and took < 1.2, took
 
 
 def test_the_sessions_yet_to_ask_are_those_whose_last_reply_called_tools(actor):

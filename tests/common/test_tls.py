@@ -6,6 +6,7 @@ at start naming the key; the per-client call limit and the decode guard answer c
 import asyncio
 import logging
 import shutil
+import time
 
 import grpc
 import pytest
@@ -41,8 +42,15 @@ async def echo(request: bytes, context) -> bytes:
     return request
 
 
+SLOW_IN_FLIGHT = [0]  # `slow` calls the server is running now
+
+
 async def slow(request: bytes, context) -> bytes:
-    await asyncio.sleep(1.0)
+    SLOW_IN_FLIGHT[0] += 1
+    try:
+        await asyncio.sleep(1.0)
+    finally:
+        SLOW_IN_FLIGHT[0] -= 1
     return request
 
 
@@ -50,6 +58,11 @@ def add_echo(server: grpc.aio.Server) -> list[str]:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
         "Echo": grpc.unary_unary_rpc_method_handler(echo), "Slow": grpc.unary_unary_rpc_method_handler(slow)}),))
     return ["test.Echo"]
+
+
+# A refused caller's channel connects once: its connection can otherwise be retried with backoff
+# after the channel closed, and each retry is rightly counted as one more refusal.
+ONCE = [(f"grpc.{bound}_reconnect_backoff_ms", 600_000) for bound in ("initial", "min", "max")]
 
 
 def refused(role: str) -> float:
@@ -84,7 +97,7 @@ def test_tls_serves_the_runs_clients_and_refuses_the_others(certs, monkeypatch, 
                 assert await channel.unary_unary("/test.Echo/Echo")(b"hi", timeout=5) == b"hi"
                 assert await health(channel) == "SERVING"
             before = refused(role)
-            async with grpc.aio.insecure_channel(address) as plain:
+            async with grpc.aio.insecure_channel(address, options=ONCE) as plain:
                 assert await refused_code(plain) == grpc.StatusCode.UNAVAILABLE
             attempts = 1
             ca = (certs / "run" / "ca.pem").read_bytes()
@@ -93,7 +106,7 @@ def test_tls_serves_the_runs_clients_and_refuses_the_others(certs, monkeypatch, 
                                                    (other / "client.pem").read_bytes())
             bare = grpc.ssl_channel_credentials(ca)
             for credentials in (foreign, bare):
-                async with grpc.aio.secure_channel(address, credentials) as channel:
+                async with grpc.aio.secure_channel(address, credentials, options=ONCE) as channel:
                     if mutual:  # refused in the handshake
                         assert await refused_code(channel) == grpc.StatusCode.UNAVAILABLE
                         attempts += 1
@@ -101,7 +114,7 @@ def test_tls_serves_the_runs_clients_and_refuses_the_others(certs, monkeypatch, 
                         assert await refused_code(channel) == grpc.StatusCode.UNAUTHENTICATED
             # A server certificate of another CA is refused by the run's clients too.
             async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(
-                    (other / "ca.pem").read_bytes())) as channel:
+                    (other / "ca.pem").read_bytes()), options=ONCE) as channel:
                 assert await refused_code(channel) == grpc.StatusCode.UNAVAILABLE
             attempts += 1
             await asyncio.sleep(0.5)
@@ -182,7 +195,10 @@ def test_a_client_over_its_call_limit_is_refused_and_health_still_answers():
         try:
             slow_calls = [asyncio.ensure_future(c.unary_unary("/test.Echo/Slow")(b"s", timeout=5))
                           for c in channels[:2]]
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 5
+            while SLOW_IN_FLIGHT[0] < 2:  # both in the server (the same process, the same loop)
+                assert time.monotonic() < deadline, "the two slow calls did not reach the server"
+                await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await channels[2].unary_unary("/test.Echo/Echo")(b"x", timeout=5)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

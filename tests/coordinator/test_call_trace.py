@@ -112,9 +112,12 @@ def test_a_blocked_event_loop_is_a_slice_over_the_time_it_was_blocked(tmp_path):
 
     start, end = asyncio.run(main())
     trace.close()
-    (blocked,) = [e for e in slices(read_trace(tmp_path / FILE)) if e["name"] == BLOCKED]
-    assert 0.25e6 <= blocked["dur"] <= 0.35e6
-    assert start - 0.05e6 <= blocked["ts"] and blocked["ts"] + blocked["dur"] <= end + 0.05e6
+    # The slice over the block (a loaded machine may add others: its loop was late then too) starts
+    # within a tick of it, ends after it, and is not much longer.
+    (blocked,) = [e for e in slices(read_trace(tmp_path / FILE))
+                  if e["name"] == BLOCKED and e["ts"] < end and e["ts"] + e["dur"] > start]
+    assert blocked["ts"] <= start + 0.02e6 and blocked["ts"] + blocked["dur"] >= end
+    assert blocked["dur"] <= (end - start) + 0.25e6
 
 
 def test_no_trace_unless_asked(make_config):

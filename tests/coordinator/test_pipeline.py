@@ -178,35 +178,41 @@ def test_async_mode_through_the_run_entry_point_finishes(make_config):
 
 def test_the_reward_scores_chunks_of_samples_while_the_actor_still_generates(make_config):
     """Four engine calls per rollout batch (`actor.rollout.batch_size=4`): four Score calls, the
-    first made before the batch's last sample arrived."""
-    import time
-
+    first asked for before the batch's last chunk arrived."""
     cfg = make_config("algorithm=grpo", "pipeline.mode=async", "pipeline.max_staleness=0", "train.total_steps=1",
                       "train.samples_per_prompt=2", "actor.rollout.batch_size=4")
 
-    class Timed(SlowReward):
-        sizes, started = [], []
+    class Sized(SlowReward):
+        sizes = []
 
         async def score(self, items):
             self.sizes.append(len(items))
-            self.started.append(time.perf_counter())
             return await super().score(items)
 
-    class StreamEnd(CountingActor):
-        ended = 0.0
+    class Counted(CountingActor):
+        yielded = 0  # chunks the stream has handed the coordinator so far
 
         async def generate_stream(self, prompts, sampling, first_group_id=0):
             async for chunk in super().generate_stream(prompts, sampling, first_group_id):
+                Counted.yielded += 1
                 yield chunk
-            StreamEnd.ended = time.perf_counter()
 
-    reward = Timed(RewardCore(cfg.reward))
-    actor = StreamEnd(ActorCore(cfg.actor, cfg.run.seed, 0))
+    reward = Sized(RewardCore(cfg.reward))
+    actor = Counted(ActorCore(cfg.actor, cfg.run.seed, 0))
     logger = RunLogger(cfg.run.out, 1, progress=False)
     pipeline = Pipeline(cfg, Roles(actor, reward, None), logger, RunStatus(cfg.run.name, 1))
+    # When each chunk's scoring was asked for, in chunks received: when its task then runs is the
+    # event loop's (on a loaded machine the stream can be read to its end first).
+    asked_at, score_soon = [], pipeline._score_soon
+
+    def recorded(records, samples):
+        asked_at.append(Counted.yielded)
+        return score_soon(records, samples)
+
+    pipeline._score_soon = recorded
     asyncio.run(pipeline.run())
     logger.close()
-    assert reward.sizes == [4, 4, 4, 4] and reward.started[0] < StreamEnd.ended
+    assert reward.sizes == [4, 4, 4, 4] and asked_at[0] < Counted.yielded
     every_sample_once(cfg, pipeline)
 
 

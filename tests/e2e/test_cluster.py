@@ -64,7 +64,9 @@ def test_role_servers_two_ppo_steps_with_two_reward_replicas(make_config, tmp_pa
         # Rewards came from the two reward servers: each scored a share, together every sample.
         scored = [counter(ports[name]["metrics_port"], "rolefleet_samples_scored", role="reward")
                   for name in ("reward", "reward2")]
-        assert all(n > 0 for n in scored) and sum(scored) == 2 * 8, scored
+        # (A shard re-sent to the other replica when its own lagged, on a loaded machine, is scored twice.)
+        hedged = "hedging" in output
+        assert all(n > 0 for n in scored) and (sum(scored) >= 2 * 8 if hedged else sum(scored) == 2 * 8), scored
         records = read_metrics(cfg.run.out / "metrics.jsonl")
         assert [r["policy_version"] for r in records] == [1, 2]
     finally:

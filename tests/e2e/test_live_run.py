@@ -160,12 +160,26 @@ def check_the_http_control_plane(out: Path, url: str, metrics: Path) -> None:
     assert sum(1 for line in text.splitlines() if "no GPU, 1 worker" in line) == 3, text
 
     assert call(f"{url}/v1/pause", "POST", auth)["state"] == "PAUSED"
-    time.sleep(1.0)
-    held = len(read_metrics(metrics))
-    time.sleep(2.0)  # a CPU step of this run takes well under a second
+    held = settled(metrics)  # the step in flight ended
+    time.sleep(2.0)
     assert len(read_metrics(metrics)) == held and call(f"{url}/v1/status", headers=auth)["step"] == held
     assert call(f"{url}/v1/resume", "POST", auth)["state"] == "RUNNING"
     wait_for(lambda: len(read_metrics(metrics)) > held + 2)
+
+
+def settled(metrics: Path, within_s: float = 60) -> int:
+    """The number of step records once none was added for three of the run's longest steps (at
+    least 2 s: the machine may be loaded); AssertionError if that does not happen `within_s`."""
+    deadline = time.monotonic() + within_s
+    records = read_metrics(metrics)
+    quiet_s = max(2.0, 3 * max(r.get("timing/step_s", 0.0) for r in records))
+    count, since = len(records), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"steps still logged {within_s:.0f} s after the pause"
+        time.sleep(0.2)
+        if (now := len(read_metrics(metrics))) != count:
+            count, since = now, time.monotonic()
+    return count
 
 
 def check_scaling(cfg, url: str, metrics: Path, tmp_path: Path) -> subprocess.Popen:

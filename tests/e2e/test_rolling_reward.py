@@ -56,10 +56,12 @@ def test_a_new_reward_version_replaces_the_old_one_while_the_run_goes_on(make_co
     versions = [r["reward/versions"] for r in records]
     new_version = versions[-1]
     assert new_version != old_version and "," not in old_version + new_version
-    # Old alone, then (for the steps scored by both) the two, then the new one alone.
-    changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
-    assert changes in ([old_version, new_version], [old_version, ",".join(sorted((old_version, new_version))),
-                                                    new_version]), changes
+    # Old alone at first; while both served, either or both scored a step (a shard re-sent to the
+    # other replica when one lagged, on a loaded machine); the last steps, after the removal, the new
+    # one alone.
+    both = ",".join(sorted((old_version, new_version)))
+    assert versions[0] == old_version and set(versions) <= {old_version, both, new_version}, versions
+    assert versions[-2:] == [new_version] * 2, versions
     assert all(r["reward/mean"] == 1.0 for r in records if r["reward/versions"] == new_version)
     assert f"reward replicas and versions: {address} {new_version}" in output
     with Journal(out / "journal.sqlite") as journal:

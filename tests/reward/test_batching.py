@@ -53,7 +53,7 @@ def clients(store, url: str, n: int) -> tuple[list[openai.AsyncOpenAI], object]:
             for sid, key in zip(ids, keys)], http
 
 
-async def two_turns(client: openai.AsyncOpenAI, start: asyncio.Event) -> list[str]:
+async def two_turns(client: openai.AsyncOpenAI, start: asyncio.Barrier) -> list[str]:
     # A client's first request waits on a thread (its platform headers), then the turns begin together.
     assert [m.id async for m in client.models.list()] == ["policy"]
     await start.wait()
@@ -81,8 +81,7 @@ def test_each_client_gets_its_own_answers_and_a_turn_s_requests_travel_together(
         agents, http = clients(store, url + prefix, 12)
 
         async def run():
-            start = asyncio.Event()
-            asyncio.get_running_loop().call_later(0.5, start.set)
+            start = asyncio.Barrier(len(agents))  # the turns begin once every client is ready
             try:
                 return await asyncio.gather(*(two_turns(c, start) for c in agents))
             finally:

@@ -162,7 +162,8 @@ def test_a_real_reward_server_answers_misbehaving_user_functions_with_per_sample
             assert result.total[1:].tolist() == [0.5 * -1.0] * len(bad)  # math scored 0, mine the fallback
             start = time.monotonic()
             again = await client.score([ScoreItem("q", "The answer is 0.5", "1/2")])
-            assert again.total.tolist() == [1.0 + 0.5 * 17] and time.monotonic() - start < 3.0
+            # Answered by a free worker: sooner than the 8 s a hung one would cost.
+            assert again.total.tolist() == [1.0 + 0.5 * 17] and time.monotonic() - start < 8.0
             await client.close()
 
         asyncio.run(scenario())
@@ -176,24 +177,30 @@ def test_a_real_reward_server_answers_misbehaving_user_functions_with_per_sample
         assert len(alive) == 2 and set(alive) != set(workers)  # the dead and the hung were replaced
     finally:
         assert terminate(proc) == 0
-    time.sleep(0.2)
-    assert not [pid for pid in alive if Path(f"/proc/{pid}").exists()]  # its workers ended with it
+    deadline = time.monotonic() + 10  # its workers end with it
+    while left := [pid for pid in alive if Path(f"/proc/{pid}").exists()]:
+        assert time.monotonic() < deadline, left
+        time.sleep(0.1)
 
 
 def test_a_name_with_several_addresses_spreads_score_calls_over_them():
     """What a headless Kubernetes Service of reward replicas resolves to: the client's channels
-    balance round robin, so both servers get calls."""
+    balance round robin, so both servers get calls (once both connections are up: calls go to the
+    ready ones, so on a loaded machine the first few may all go to one)."""
     cores = [RewardCore(RewardSection()), RewardCore(RewardSection())]
 
-    async def scenario():
+    async def scenario() -> int:
         async with serving("reward", lambda s: reward_server.add_to_server(cores[0], s)) as a, \
                 serving("reward", lambda s: reward_server.add_to_server(cores[1], s)) as b:
             client = GrpcRewardClient(f"ipv4:{a},{b}", 10)
             try:
-                for _ in range(8):
+                for calls in range(1, 201):
                     await client.score([ScoreItem("1+1=", "2", "2")])
+                    if calls >= 8 and cores[0].scored and cores[1].scored:
+                        return calls
             finally:
                 await client.close()
+        return calls
 
-    asyncio.run(scenario())
-    assert cores[0].scored > 0 and cores[1].scored > 0 and cores[0].scored + cores[1].scored == 8
+    calls = asyncio.run(scenario())
+    assert cores[0].scored > 0 and cores[1].scored > 0 and cores[0].scored + cores[1].scored == calls
