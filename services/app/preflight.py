@@ -12,7 +12,6 @@ reaches the network.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -27,7 +26,7 @@ from rolefleet.actor.placement import ActorPlacement, engine_size, rollout_ranks
 from rolefleet.app import memory
 from rolefleet.app.placement import gpu_roles
 from rolefleet.common.config import ConfigError, RoleFleetConfig, split_device
-from rolefleet.common.model_paths import cached_config, is_repo_id, model_problem
+from rolefleet.common.model_paths import max_positions, model_problem
 from rolefleet.coordinator.data import PromptDataset
 from rolefleet.coordinator.trackers import missing_backends
 from rolefleet.reward.sources import check_sources
@@ -186,7 +185,7 @@ def check_models(cfg: RoleFleetConfig, roles: list[str]) -> list[str]:
             continue
         positions = max_positions(path)
         if cfg.preset.supervised and not cfg.eval.enabled:
-            continue  # nothing is generated: the examples' own lengths are checked as they are trained
+            continue  # nothing is generated: the examples are fitted to the positions as they load (data.max_example_tokens)
         # A multi-turn response is the whole conversation after the prompt.
         rollout = cfg.actor.rollout
         key, response = (("actor.rollout.max_total_tokens", rollout.max_total_tokens) if rollout.max_turns > 1
@@ -217,58 +216,6 @@ def positions_problem(max_new_tokens: int, path: str, limit: Optional[int]) -> O
         return None
     return (f"{max_new_tokens} plus at least one prompt token exceeds the {limit} positions "
             f"(max_position_embeddings) of model {path}; set it <= {limit - 1}")
-
-
-# Where config.json files keep the context length (transformers maps each to max_position_embeddings).
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length",
-                 "n_ctx")
-
-
-def max_positions(path: str) -> Optional[int]:
-    """The model's context length from its config, or None when it cannot be read offline or the
-    architecture has no such limit (the loader then reports or tolerates it). Read from the JSON
-    file when it names the limit: importing transformers for AutoConfig would add seconds to every
-    `rolefleet up`; AutoConfig (and its class defaults) answers for a file that does not."""
-    raw = _config_json(path)
-    if raw is not None:
-        # Composite configs (vision-language) keep the language model's limit in their text config.
-        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-        for key in POSITION_KEYS:
-            if key in text:
-                return _positive_int(text[key])
-    return _max_positions_from_transformers(path)
-
-
-def _config_json(path: str) -> Optional[dict]:
-    """config.json of a local model directory or of a hub id in the local cache, or None."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        file = local / "config.json"
-    else:
-        file = cached_config(path) if is_repo_id(path) else None
-    if file is None:
-        return None
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
-def _max_positions_from_transformers(path: str) -> Optional[int]:
-    from transformers import AutoConfig  # only where config.json does not say: seconds to import (max_positions)
-
-    local = Path(path).expanduser()
-    try:
-        config = AutoConfig.from_pretrained(str(local) if local.is_dir() else path, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any unreadable config only skips this check
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return _positive_int(getattr(text, "max_position_embeddings", None))
-
-
-def _positive_int(value) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 # --- request limits -----------------------------------------------------------------------------

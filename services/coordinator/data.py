@@ -117,6 +117,17 @@ class PromptDataset:
         dataset._log_load(cfg, chat)
         return dataset
 
+    def narrow(self, kept: list[int], filtered: int = 0, truncated: int = 0) -> None:
+        """Keep the records at `kept` alone (before any batch is drawn or position loaded): the
+        records a later check dropped (`filtered`) or cut (`truncated`), counted with the load's."""
+        if not kept:
+            raise ValueError("the dataset is empty")
+        self.records = [self.records[i] for i in kept]
+        self._orders, self._fingerprint = {}, None
+        self.stats["data/records"] = len(self.records)
+        self.stats["data/filtered"] += filtered
+        self.stats["data/truncated"] += truncated
+
     def _log_load(self, cfg: DataSection, chat: bool) -> None:
         s = self.stats
         cut = s["data/filtered"] + s["data/truncated"]

@@ -17,6 +17,7 @@ actor moves trained weights into its rollout engine only when an evaluation samp
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -25,6 +26,7 @@ from rolefleet.actor.types import PolicyTargets
 from rolefleet.common import metrics
 from rolefleet.common.batch import SequenceBatch
 from rolefleet.common.config import RoleFleetConfig
+from rolefleet.common.model_paths import max_positions
 from rolefleet.coordinator.busy import BusyClock
 from rolefleet.coordinator.calls import Retries, Roles
 from rolefleet.coordinator.checkpoints import Checkpointer
@@ -36,17 +38,30 @@ from rolefleet.coordinator.saved_state import CoordinatorState
 from rolefleet.coordinator.state import RunStatus
 from rolefleet.tasks import DataError
 from rolefleet.tasks.render import load_tokenizer
-from rolefleet.tasks.supervised import Example, examples
+from rolefleet.tasks.supervised import Example, Fitted, examples, fit
+
+log = logging.getLogger(__name__)
 
 
-def supervised_examples(cfg: RoleFleetConfig, dataset: PromptDataset, key: str = "data") -> list[Example]:
-    """`dataset`'s records as examples, in its record order (all tokenized at the start: a record
-    without a completion is refused before the first step, naming it)."""
+def supervised_examples(cfg: RoleFleetConfig, dataset: PromptDataset, key: str = "data") -> Fitted:
+    """`dataset`'s records as examples, in its record order, within the length limit
+    (`data.max_example_tokens`, at most the model's positions; longer ones as `data.overlong` says).
+    All are tokenized at the start: a record without a completion, or (overlong=error) one too long
+    for the model, is refused before the first step, naming it."""
     tokenizer = dataset.tokenizer or load_tokenizer(cfg.actor.model_name_or_path, f"{key}.completion_key",
                                                     bool(cfg.actor.trust_remote_code))
     section = cfg.data if key == "data" else cfg.eval_data()
-    return examples(tokenizer, dataset.records, dataset.chat, section.completion_key, not section.path,
+    made = examples(tokenizer, dataset.records, dataset.chat, section.completion_key, not section.path,
                     dataset.source, key, dataset.renderer if dataset.chat else None)
+    positions = max_positions(cfg.actor.model_name_or_path)
+    limits = [(n, f"data.max_example_tokens={n}") for n in (section.max_example_tokens,) if n is not None]
+    limits += [(positions, f"the {positions} positions of model {cfg.actor.model_name_or_path}")] if positions else []
+    limit, named = min(limits) if limits else (None, "")
+    fitted = fit(made, limit, section.overlong, named, dataset.source)
+    if fitted.filtered or fitted.truncated:  # what the run trains on changed: a warning, never silence
+        log.warning("data: %s: %d examples longer than %s dropped, %d cut at its end (data.overlong=%s)",
+                    dataset.source, fitted.filtered, named, fitted.truncated, section.overlong)
+    return fitted
 
 
 def as_batch(chosen: list[Example]) -> SequenceBatch:
@@ -74,15 +89,21 @@ class SupervisedSteps:
         self.state = resumed or CoordinatorState(step=0, kl_coef=0.0)
         self.saved = self.state.step
         self.dataset = PromptDataset.for_run(cfg)
-        if self.state.data is not None:
+        fitted = supervised_examples(cfg, self.dataset)
+        if not fitted.examples:
+            raise DataError(f"data.max_example_tokens: every one of the {len(self.dataset.records)} examples of "
+                            f"{self.dataset.source} is too long (data.overlong={cfg.data.overlong})")
+        self.dataset.narrow(fitted.kept, fitted.filtered, fitted.truncated)
+        if self.state.data is not None:  # a position among the records kept
             self.dataset.load_state_dict(self.state.data)
-        self.examples = supervised_examples(cfg, self.dataset)
+        self.examples = fitted.examples
         self.index = {id(r): i for i, r in enumerate(self.dataset.records)}
         self.evaluator = Evaluator.for_run(cfg, self.dataset)
         self.held_out: SequenceBatch | None = None
         if self.evaluator is not None:
             try:
-                self.held_out = as_batch(supervised_examples(cfg, PromptDataset.for_eval(cfg), "eval"))
+                held_out = supervised_examples(cfg, PromptDataset.for_eval(cfg), "eval").examples
+                self.held_out = as_batch(held_out) if held_out else None
             except DataError:
                 self.held_out = None  # held-out prompts without completions: the generation evaluation alone
         self.retries = Retries(cfg.pipeline.retries, self.state, 0,
@@ -124,6 +145,8 @@ class SupervisedSteps:
                   "sft/examples": float(len(batch)), "data/epoch": float(self.dataset.epoch),
                   **{f"actor/{k}": v for k, v in result.stats.items()},
                   "timing/update_s": update_s, "timing/step_s": step_s, "throughput/tokens_per_s": tokens / step_s}
+        if step == 1:
+            record.update(self.dataset.stats)  # what the load kept, filtered and truncated
         record.update(await self._evaluate(step))
         record.update(self.clock.fractions(), **self.checkpointer.take_recovery())
 

@@ -118,6 +118,40 @@ def _ids(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """The examples within a length limit (`kept`: their indices among those given)."""
+    examples: list[Example]
+    kept: list[int]
+    filtered: int   # dropped: over the limit (filter), or no trained token left within it (truncate)
+    truncated: int  # their completion's end cut
+
+
+def fit(examples: list[Example], limit: Optional[int], overlong: str, limit_named: str, source: str) -> Fitted:
+    """`examples` whose prompt + completion tokens are at most `limit` (None: no limit), the longer
+    ones as `overlong` says: filter (drop), truncate (cut the completion's end; dropped when no trained
+    token is left), error (a DataError naming the first, `limit_named` naming where the limit comes from)."""
+    kept, out, filtered, truncated = [], [], 0, 0
+    for i, e in enumerate(examples):
+        total = len(e.prompt_ids) + len(e.response_ids)
+        if limit is None or total <= limit:
+            kept.append(i)
+            out.append(e)
+            continue
+        if overlong == "error":
+            raise DataError(f"data.max_example_tokens: {source} #{i}: its {total} prompt + completion tokens exceed "
+                            f"{limit_named}; data.overlong=truncate cuts the completion's end, filter drops it")
+        room = limit - len(e.prompt_ids)
+        mask = e.loss_mask[:room] if e.loss_mask is not None and room > 0 else None
+        if overlong == "filter" or room < 1 or (mask is not None and not bool(mask.any())):
+            filtered += 1
+            continue
+        kept.append(i)
+        out.append(Example(e.prompt_ids, e.response_ids[:room], mask))
+        truncated += 1
+    return Fitted(out, kept, filtered, truncated)
+
+
 def examples(tokenizer: Optional[Any], records: list[PromptRecord], chat: bool, completion_key: str,
              from_task: bool, source: str, key: str = "data",
              renderer: Optional[PromptRenderer] = None) -> list[Example]:

@@ -107,3 +107,44 @@ def test_an_sft_run_without_evaluation_is_not_held_to_the_generation_length(tiny
     assert check_models(parse_config(raw, ["algorithm=sft", *long]), ["actor"]) == []
     [problem] = check_models(parse_config(raw, ["algorithm=reinforce_pp", *long]), ["actor"])
     assert problem.startswith("sampling.max_new_tokens")
+
+
+@pytest.mark.parametrize("overlong", ["filter", "truncate", "error"])
+def test_examples_longer_than_the_model_takes_are_fitted_before_the_first_step(make_config, tmp_path, monkeypatch,
+                                                                             overlong):
+    """One completion of 300 tokens among short ones, for a model of 128 positions: dropped or cut
+    as the run starts (the run trains), or refused then naming it; never a step that fails on it."""
+    from rolefleet.actor.core import ActorCore
+
+    lengths, real = [], ActorCore.update
+
+    def spy(self, step, version, batch, targets, temperature):
+        lengths.extend((batch.prompt_lengths + batch.response_lengths).tolist())
+        return real(self, step, version, batch, targets, temperature)
+
+    monkeypatch.setattr(ActorCore, "update", spy)
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(16)]
+    rows.insert(5, {"prompt": "1+1=", "completion": "2" * 300})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_config("algorithm=sft", f"data.path={data}", "data.task=null", "eval.every=0", "train.total_steps=2",
+                      "train.prompts_per_step=16", f"data.overlong={overlong}")
+    if overlong == "error":
+        with pytest.raises(DataError, match=r"^data.max_example_tokens: .*d.jsonl #5: its \d+ prompt \+ completion "
+                                            r"tokens exceed the 128 positions of model "):
+            run(cfg)
+        assert lengths == [] and (not (cfg.run.out / "metrics.jsonl").exists() or metrics(cfg) == [])
+        return
+    status, _, _ = run(cfg)
+    assert status.step == 2 and len(lengths) == 32 and max(lengths) <= 128
+    first = metrics(cfg)[0]
+    assert (first["data/records"], first["data/filtered"], first["data/truncated"]) == (
+        (16, 1, 0) if overlong == "filter" else (17, 0, 1))
+    # Every epoch of the fitted data holds the cut example (truncate) or only the 16 short ones (filter).
+    assert (max(lengths) == 128) == (overlong == "truncate")
+    # An explicit limit below the model's: every trained sequence within it.
+    lengths.clear()
+    status, _, _ = run(make_config("algorithm=sft", f"data.path={data}", "data.task=null", "eval.every=0",
+                                   "train.total_steps=1", "train.prompts_per_step=8", f"data.overlong={overlong}",
+                                   "data.max_example_tokens=7", f"run.output_dir={tmp_path / 'seven'}"))
+    assert status.step == 1 and lengths and max(lengths) <= 7

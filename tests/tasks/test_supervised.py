@@ -102,3 +102,28 @@ def test_the_tool_warm_start_task_s_conversations_show_the_tools_and_train_the_c
     assert "<tool_call>" in trained and record.extra["expression"] in trained
     assert trained.count(record.ground_truth) == 1  # the final answer; the tool's result is context
     assert record.ground_truth in tok.decode(ex.response_ids[~ex.loss_mask].tolist())
+
+
+def test_examples_over_the_length_limit_are_dropped_cut_or_refused_as_data_overlong_says():
+    from rolefleet.tasks.supervised import Example, fit
+
+    def example(prompt: int, response: int, mask: list[bool] | None = None) -> Example:
+        return Example(torch.arange(prompt), torch.arange(100, 100 + response),
+                       None if mask is None else torch.tensor(mask))
+
+    # Within 6: kept as they are. Over: 4+4; a prompt that fills the limit alone; a conversation whose
+    # trained (assistant) tokens all lie past the limit, and one with one trained token within it.
+    given = [example(2, 3), example(4, 4), example(6, 1), example(2, 6, [False] * 4 + [True] * 2),
+             example(2, 6, [False] * 3 + [True] * 3)]
+    kept = fit(given, 6, "filter", "the 6 positions", "d.jsonl")
+    assert (kept.kept, kept.filtered, kept.truncated) == ([0], 4, 0) and kept.examples == [given[0]]
+    cut = fit(given, 6, "truncate", "the 6 positions", "d.jsonl")
+    assert (cut.kept, cut.filtered, cut.truncated) == ([0, 1, 4], 2, 2)
+    assert cut.examples[1].response_ids.tolist() == [100, 101] and cut.examples[1].loss_mask is None
+    assert cut.examples[2].response_ids.tolist() == [100, 101, 102, 103]
+    assert cut.examples[2].loss_mask.tolist() == [False, False, False, True]
+    assert all(len(e.prompt_ids) + len(e.response_ids) <= 6 for e in cut.examples)
+    assert fit(given, None, "error", "", "d.jsonl").kept == [0, 1, 2, 3, 4]  # no limit known: all kept
+    with pytest.raises(DataError, match=r"^data.max_example_tokens: d.jsonl #1: its 8 prompt \+ completion tokens "
+                                        r"exceed the 6 positions; data.overlong=truncate"):
+        fit(given, 6, "error", "the 6 positions", "d.jsonl")

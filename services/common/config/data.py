@@ -52,9 +52,13 @@ class DataSection(_Section):
                                       "docs/environments.md")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="prompt length limit in tokens, after "
                                              "the chat template; default: none")
+    max_example_tokens: Optional[int] = Field(None, ge=2, description="algorithm sft: an example's prompt + "
+                                              "completion tokens at most; default (and at most): the model's "
+                                              "positions")
     overlong: Literal["filter", "truncate", "error"] = Field(
         "filter", description="prompts over max_prompt_tokens: filter (drop), truncate (cut the start of the "
-        "last message), error (refuse the dataset); dropped and cut prompts are counted")
+        "last message), error (refuse the dataset); sft examples over max_example_tokens: filter (drop), "
+        "truncate (cut the completion's end), error; dropped and cut ones are counted")
     shuffle: bool = Field(True, description="a new order (by run.seed) every epoch; false: the file's order")
     size: int = Field(4096, ge=1, description="prompts drawn from a built-in task")
 

@@ -233,7 +233,7 @@ class RoleFleetConfig(_Section):
                            extra_keys=e.extra_keys if e.extra_keys is not None else d.extra_keys,
                            completion_key=d.completion_key,
                            chat_template=d.chat_template, tools=d.tools, max_prompt_tokens=d.max_prompt_tokens,
-                           overlong=d.overlong,
+                           max_example_tokens=d.max_example_tokens, overlong=d.overlong,
                            shuffle=False, size=e.max_prompts)
 
     def roles(self) -> list[str]:
