@@ -154,10 +154,12 @@ def check_data(cfg: RoleFleetConfig) -> list[str]:
         if local.is_dir() and model_problem(str(local)) is None:
             dataset = PromptDataset.for_run(cfg)
             if cfg.preset.supervised:  # the first records have what sft trains (the coordinator checks them all)
-                from rolefleet.coordinator.supervised import supervised_examples
+                from rolefleet.coordinator.supervised import fitted, supervised_examples
 
                 dataset.records = dataset.records[:SFT_RECORDS_CHECKED]
-                supervised_examples(cfg, dataset)
+                made = supervised_examples(cfg, dataset)
+                if d.overlong == "error":  # (dropped and cut ones are the coordinator's to count and say)
+                    fitted(cfg, dataset, made)
             if cfg.eval.enabled:
                 PromptDataset.for_eval(cfg)
         elif d.path:

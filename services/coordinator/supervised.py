@@ -43,25 +43,30 @@ from rolefleet.tasks.supervised import Example, Fitted, examples, fit
 log = logging.getLogger(__name__)
 
 
-def supervised_examples(cfg: RoleFleetConfig, dataset: PromptDataset, key: str = "data") -> Fitted:
-    """`dataset`'s records as examples, in its record order, within the length limit
-    (`data.max_example_tokens`, at most the model's positions; longer ones as `data.overlong` says).
-    All are tokenized at the start: a record without a completion, or (overlong=error) one too long
-    for the model, is refused before the first step, naming it."""
+def supervised_examples(cfg: RoleFleetConfig, dataset: PromptDataset, key: str = "data") -> list[Example]:
+    """`dataset`'s records as examples, in its record order (all tokenized at the start: a record
+    without a completion is refused before the first step, naming it)."""
     tokenizer = dataset.tokenizer or load_tokenizer(cfg.actor.model_name_or_path, f"{key}.completion_key",
                                                     bool(cfg.actor.trust_remote_code))
     section = cfg.data if key == "data" else cfg.eval_data()
-    made = examples(tokenizer, dataset.records, dataset.chat, section.completion_key, not section.path,
+    return examples(tokenizer, dataset.records, dataset.chat, section.completion_key, not section.path,
                     dataset.source, key, dataset.renderer if dataset.chat else None)
+
+
+def fitted(cfg: RoleFleetConfig, dataset: PromptDataset, made: list[Example]) -> Fitted:
+    """`made` (`dataset`'s examples) within the length limit: `data.max_example_tokens`, at most the
+    model's positions; longer ones as `data.overlong` says (error: refused before the first step,
+    naming the example)."""
+    d = cfg.data
     positions = max_positions(cfg.actor.model_name_or_path)
-    limits = [(n, f"data.max_example_tokens={n}") for n in (section.max_example_tokens,) if n is not None]
+    limits = [(n, f"data.max_example_tokens={n}") for n in (d.max_example_tokens,) if n is not None]
     limits += [(positions, f"the {positions} positions of model {cfg.actor.model_name_or_path}")] if positions else []
     limit, named = min(limits) if limits else (None, "")
-    fitted = fit(made, limit, section.overlong, named, dataset.source)
-    if fitted.filtered or fitted.truncated:  # what the run trains on changed: a warning, never silence
+    result = fit(made, limit, d.overlong, named, dataset.source)
+    if result.filtered or result.truncated:  # what the run trains on changed: a warning, never silence
         log.warning("data: %s: %d examples longer than %s dropped, %d cut at its end (data.overlong=%s)",
-                    dataset.source, fitted.filtered, named, fitted.truncated, section.overlong)
-    return fitted
+                    dataset.source, result.filtered, named, result.truncated, d.overlong)
+    return result
 
 
 def as_batch(chosen: list[Example]) -> SequenceBatch:
@@ -89,23 +94,26 @@ class SupervisedSteps:
         self.state = resumed or CoordinatorState(step=0, kl_coef=0.0)
         self.saved = self.state.step
         self.dataset = PromptDataset.for_run(cfg)
-        fitted = supervised_examples(cfg, self.dataset)
-        if not fitted.examples:
+        kept = fitted(cfg, self.dataset, supervised_examples(cfg, self.dataset))
+        if not kept.examples:
             raise DataError(f"data.max_example_tokens: every one of the {len(self.dataset.records)} examples of "
                             f"{self.dataset.source} is too long (data.overlong={cfg.data.overlong})")
-        self.dataset.narrow(fitted.kept, fitted.filtered, fitted.truncated)
+        self.dataset.narrow(kept.kept, kept.filtered, kept.truncated)
         if self.state.data is not None:  # a position among the records kept
             self.dataset.load_state_dict(self.state.data)
-        self.examples = fitted.examples
+        self.examples = kept.examples
         self.index = {id(r): i for i, r in enumerate(self.dataset.records)}
         self.evaluator = Evaluator.for_run(cfg, self.dataset)
         self.held_out: SequenceBatch | None = None
         if self.evaluator is not None:
+            held_out_data = PromptDataset.for_eval(cfg)
             try:
-                held_out = supervised_examples(cfg, PromptDataset.for_eval(cfg), "eval").examples
-                self.held_out = as_batch(held_out) if held_out else None
+                made = supervised_examples(cfg, held_out_data, "eval")
             except DataError:
-                self.held_out = None  # held-out prompts without completions: the generation evaluation alone
+                made = []  # held-out prompts without completions: the generation evaluation alone
+            # Fitted as the training examples are (data.overlong=error refuses a long one here too).
+            held_out = fitted(cfg, held_out_data, made).examples if made else []
+            self.held_out = as_batch(held_out) if held_out else None
         self.retries = Retries(cfg.pipeline.retries, self.state, 0,
                                lambda name, step, since: checkpointer.restore_role(getattr(roles, name), name, step,
                                                                                    since),

@@ -148,3 +148,29 @@ def test_examples_longer_than_the_model_takes_are_fitted_before_the_first_step(m
                                    "train.total_steps=1", "train.prompts_per_step=8", f"data.overlong={overlong}",
                                    "data.max_example_tokens=7", f"run.output_dir={tmp_path / 'seven'}"))
     assert status.step == 1 and lengths and max(lengths) <= 7
+
+
+def test_with_overlong_error_a_long_example_is_refused_by_the_config_check_and_a_long_held_out_one_at_start(
+        tiny_model_dir, make_config, tmp_path):
+    from rolefleet.app.preflight import check_data
+    from rolefleet.common.config import parse_config
+
+    long = json.dumps({"prompt": "1+1=", "completion": "2" * 300}) + "\n"
+    short = "".join(json.dumps({"prompt": f"{a}+{a}=", "completion": str(2 * a)}) + "\n" for a in range(8))
+    data, held = tmp_path / "d.jsonl", tmp_path / "h.jsonl"
+    data.write_text(short + long)
+    raw = {"model": {"model_name_or_path": tiny_model_dir}, "algorithm": "sft", "data": {"task": None, "path": str(data)}}
+    [problem] = check_data(parse_config(raw, ["data.overlong=error", "eval.every=0"]))
+    assert problem.startswith("data.max_example_tokens: ") and "d.jsonl #8: its " in problem, problem
+    assert check_data(parse_config(raw, ["eval.every=0"])) == []  # filter: the coordinator drops it, saying so
+    # Held-out examples are fitted as the training ones: refused at the start, not skipped.
+    data.write_text(short)
+    held.write_text(short + long)
+    cfg = make_config("algorithm=sft", f"data.path={data}", "data.task=null", f"eval.path={held}", "eval.every=1",
+                      "train.total_steps=1", "train.prompts_per_step=4", "data.overlong=error")
+    with pytest.raises(DataError, match=r"^data.max_example_tokens: eval.path .*h.jsonl #8: its "):
+        run(cfg)
+    dropped = make_config("algorithm=sft", f"data.path={data}", "data.task=null", f"eval.path={held}", "eval.every=1",
+                          "train.total_steps=1", "train.prompts_per_step=4", f"run.output_dir={tmp_path / 'dropped'}")
+    status, _, _ = run(dropped)
+    assert status.step == 1 and all(r["eval/sft_loss"] > 0 for r in metrics(dropped))  # over the 8 short ones
