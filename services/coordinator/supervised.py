@@ -64,7 +64,7 @@ def fitted(cfg: RoleFleetConfig, dataset: PromptDataset, made: list[Example]) ->
     limit, named = min(limits) if limits else (None, "")
     result = fit(made, limit, d.overlong, named, dataset.source)
     if result.filtered or result.truncated:  # what the run trains on changed: a warning, never silence
-        log.warning("data: %s: %d examples longer than %s dropped, %d cut at its end (data.overlong=%s)",
+        log.warning("data: %s: %d examples longer than %s dropped, %d cut at their completion's end (data.overlong=%s)",
                     dataset.source, result.filtered, named, result.truncated, d.overlong)
     return result
 
