@@ -10,6 +10,10 @@ import grpc
 from rolefleet.common.config import Endpoint
 from rolefleet.rpc.server import start_server
 
+# Channel options of a caller that the server refuses: it connects once. gRPC retries a closed
+# channel's connection with backoff, and the server rightly counts each retry as one more refusal.
+CONNECT_ONCE = [(f"grpc.{bound}_reconnect_backoff_ms", 600_000) for bound in ("initial", "min", "max")]
+
 
 @contextlib.asynccontextmanager
 async def serving(role: str, add_servicers: Callable[[grpc.aio.Server], list[str]]) -> AsyncIterator[str]:

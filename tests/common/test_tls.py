@@ -20,6 +20,7 @@ from rolefleet.rpc.roles import open_channel, use_security
 from rolefleet.rpc.security import Security
 from rolefleet.rpc.server import start_server
 from rolefleet.rpc.tls import TlsError
+from tests.helpers import CONNECT_ONCE
 
 TOKEN = "tls-test-token-0123456789"
 
@@ -60,11 +61,6 @@ def add_echo(server: grpc.aio.Server) -> list[str]:
     return ["test.Echo"]
 
 
-# A refused caller's channel connects once: its connection can otherwise be retried with backoff
-# after the channel closed, and each retry is rightly counted as one more refusal.
-ONCE = [(f"grpc.{bound}_reconnect_backoff_ms", 600_000) for bound in ("initial", "min", "max")]
-
-
 def refused(role: str) -> float:
     """rolefleet_tls_refused_total{role} as a scrape reads it."""
     samples = [s for metric in tls_module._RefusedCollector().collect() for s in metric.samples]
@@ -97,7 +93,7 @@ def test_tls_serves_the_runs_clients_and_refuses_the_others(certs, monkeypatch, 
                 assert await channel.unary_unary("/test.Echo/Echo")(b"hi", timeout=5) == b"hi"
                 assert await health(channel) == "SERVING"
             before = refused(role)
-            async with grpc.aio.insecure_channel(address, options=ONCE) as plain:
+            async with grpc.aio.insecure_channel(address, options=CONNECT_ONCE) as plain:
                 assert await refused_code(plain) == grpc.StatusCode.UNAVAILABLE
             attempts = 1
             ca = (certs / "run" / "ca.pem").read_bytes()
@@ -106,7 +102,7 @@ def test_tls_serves_the_runs_clients_and_refuses_the_others(certs, monkeypatch, 
                                                    (other / "client.pem").read_bytes())
             bare = grpc.ssl_channel_credentials(ca)
             for credentials in (foreign, bare):
-                async with grpc.aio.secure_channel(address, credentials, options=ONCE) as channel:
+                async with grpc.aio.secure_channel(address, credentials, options=CONNECT_ONCE) as channel:
                     if mutual:  # refused in the handshake
                         assert await refused_code(channel) == grpc.StatusCode.UNAVAILABLE
                         attempts += 1
@@ -114,7 +110,7 @@ def test_tls_serves_the_runs_clients_and_refuses_the_others(certs, monkeypatch, 
                         assert await refused_code(channel) == grpc.StatusCode.UNAUTHENTICATED
             # A server certificate of another CA is refused by the run's clients too.
             async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(
-                    (other / "ca.pem").read_bytes()), options=ONCE) as channel:
+                    (other / "ca.pem").read_bytes()), options=CONNECT_ONCE) as channel:
                 assert await refused_code(channel) == grpc.StatusCode.UNAVAILABLE
             attempts += 1
             await asyncio.sleep(0.5)
